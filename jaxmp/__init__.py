@@ -1,0 +1,37 @@
+"""jaxmp: mixed-precision training for JAX, Flax and Optax.
+
+Precision policies with per-module overrides for Flax models, dynamic loss scaling as
+an Optax transform, and fp8 matmuls with delayed scaling. Everything is a pure
+function or an immutable pytree, so it composes with ``jit``, ``grad``, sharding,
+``remat`` and checkpointing.
+
+Example:
+  >>> import jaxmp
+  >>> policy = jaxmp.get_policy("params=float32,compute=bfloat16,output=float32")
+"""
+
+from jaxmp.dtypes import FloatFormat
+from jaxmp.dtypes import float_format
+from jaxmp.dtypes import half_dtype
+from jaxmp.dtypes import parse_dtype
+from jaxmp.policy import Policy
+from jaxmp.policy import get_policy
+from jaxmp.policy import to_jmp
+from jaxmp.tree import all_finite
+from jaxmp.tree import cast_tree
+from jaxmp.tree import select_tree
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "FloatFormat",
+    "Policy",
+    "all_finite",
+    "cast_tree",
+    "float_format",
+    "get_policy",
+    "half_dtype",
+    "parse_dtype",
+    "select_tree",
+    "to_jmp",
+)

@@ -1,0 +1,212 @@
+"""Floating-point dtype names, parsing and formats.
+
+jaxmp speaks about dtypes in three places: precision policies (float16, bfloat16,
+float32, float64), fp8 matmuls (float8_e4m3fn, float8_e5m2) and diagnostics that ask
+how many values a format can represent. This module is the single place that turns
+names into dtypes and dtypes into the numbers that describe them.
+
+Names follow jmp's grammar: ``bf16|bfloat16``, ``f16|float16``, ``full|f32|float32``,
+``f64|float64`` and ``half``. ``half`` is :func:`half_dtype`: bfloat16 on TPUs and on
+GPUs that compute natively in it (compute capability >= 8.0), float16 elsewhere,
+which is what jmp picks on CPUs and older GPUs.
+
+Example:
+  >>> import jaxmp
+  >>> jaxmp.parse_dtype("bf16")
+  dtype(bfloat16)
+  >>> jaxmp.float_format("float8_e4m3fn").max
+  448.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DTypeLike = Union[str, np.dtype, type, Any]
+
+# Names exactly as jmp spells them; the first name of each dtype is jmp's canonical one.
+POLICY_DTYPE_ALIASES: dict[str, np.dtype] = {
+    "bf16": np.dtype(jnp.bfloat16),
+    "bfloat16": np.dtype(jnp.bfloat16),
+    "f16": np.dtype(jnp.float16),
+    "float16": np.dtype(jnp.float16),
+    "full": np.dtype(jnp.float32),
+    "f32": np.dtype(jnp.float32),
+    "float32": np.dtype(jnp.float32),
+    "f64": np.dtype(jnp.float64),
+    "float64": np.dtype(jnp.float64),
+}
+
+FP8_DTYPE_ALIASES: dict[str, np.dtype] = {
+    "e4m3": np.dtype(jnp.float8_e4m3fn),
+    "float8_e4m3fn": np.dtype(jnp.float8_e4m3fn),
+    "e5m2": np.dtype(jnp.float8_e5m2),
+    "float8_e5m2": np.dtype(jnp.float8_e5m2),
+}
+
+HALF = "half"
+
+POLICY_DTYPES: frozenset[np.dtype] = frozenset(POLICY_DTYPE_ALIASES.values())
+FP8_DTYPES: frozenset[np.dtype] = frozenset(FP8_DTYPE_ALIASES.values())
+
+_BF16_MIN_GPU_COMPUTE_CAPABILITY = 8.0
+
+
+def half_dtype(device: Optional[jax.Device] = None) -> np.dtype:
+  """Returns the 16-bit float dtype that ``device`` computes in best.
+
+  bfloat16 on TPUs and on GPUs with compute capability >= 8.0 (Ampere and later);
+  float16 on CPUs and older GPUs, as jmp does.
+
+  Args:
+    device: the device to ask about; the first local device when omitted.
+
+  Returns:
+    ``np.dtype(bfloat16)`` or ``np.dtype(float16)``.
+
+  Example:
+    >>> jaxmp.half_dtype()  # on a CPU
+    dtype('float16')
+  """
+  device = jax.local_devices()[0] if device is None else device
+  if device.platform == "tpu":
+    return np.dtype(jnp.bfloat16)
+  if device.platform == "gpu" and _gpu_compute_capability(device) >= _BF16_MIN_GPU_COMPUTE_CAPABILITY:
+    return np.dtype(jnp.bfloat16)
+  return np.dtype(jnp.float16)
+
+
+def _gpu_compute_capability(device: jax.Device) -> float:
+  # CUDA devices report e.g. "9.0"; ROCm devices report no such attribute and all
+  # current ones compute natively in bfloat16.
+  capability = getattr(device, "compute_capability", None)
+  if capability is None:
+    return _BF16_MIN_GPU_COMPUTE_CAPABILITY
+  return float(capability)
+
+
+def _accepted_names(allow_fp8: bool) -> str:
+  names = [*POLICY_DTYPE_ALIASES, HALF]
+  if allow_fp8:
+    names += list(FP8_DTYPE_ALIASES)
+  return ", ".join(names)
+
+
+def parse_dtype(value: DTypeLike, *, allow_fp8: bool = False) -> np.dtype:
+  """Turns a dtype name or dtype-like object into a floating-point ``np.dtype``.
+
+  Args:
+    value: a name from jmp's grammar (``"bf16"``, ``"float32"``, ``"half"``, ...),
+      with ``allow_fp8`` also ``"e4m3"``/``"float8_e4m3fn"``/``"e5m2"``/``"float8_e5m2"``;
+      or a dtype object such as ``jnp.bfloat16`` or ``np.dtype("float32")``.
+    allow_fp8: whether fp8 dtypes are accepted. Policies do not accept them: fp8 is a
+      matmul recipe (``jaxmp.fp8``), not a dtype a module computes in.
+
+  Returns:
+    The ``np.dtype``.
+
+  Raises:
+    ValueError: for an unknown name or a dtype that is not an accepted float type.
+    TypeError: for a value that is neither a string nor a dtype.
+  """
+  if isinstance(value, str):
+    if value == HALF:
+      return half_dtype()
+    if value in POLICY_DTYPE_ALIASES:
+      return POLICY_DTYPE_ALIASES[value]
+    if allow_fp8 and value in FP8_DTYPE_ALIASES:
+      return FP8_DTYPE_ALIASES[value]
+    raise ValueError(
+        f"Unknown dtype {value!r}: accepted names are {_accepted_names(allow_fp8)}.")
+  dtype = _to_numpy_dtype(value)
+  accepted = POLICY_DTYPES | FP8_DTYPES if allow_fp8 else POLICY_DTYPES
+  if dtype not in accepted:
+    hint = (" fp8 is not a compute dtype: turn fp8 matmuls on with a jaxmp.fp8 recipe."
+            if dtype in FP8_DTYPES else "")
+    raise ValueError(
+        f"Unsupported dtype {dtype.name!r}: accepted dtypes are "
+        f"{', '.join(sorted(d.name for d in accepted))} (or the names "
+        f"{_accepted_names(allow_fp8)}).{hint}")
+  return dtype
+
+
+def _to_numpy_dtype(value: Any) -> np.dtype:
+  if value is None or isinstance(value, (bool, int, float)):
+    raise TypeError(f"Expected a dtype or dtype name, got {value!r} of type {type(value).__name__}.")
+  try:
+    return np.dtype(value)
+  except TypeError as e:
+    raise TypeError(f"Expected a dtype or dtype name, got {value!r} of type {type(value).__name__}.") from e
+
+
+def dtype_name(dtype: DTypeLike) -> str:
+  """The canonical (numpy) name of a float dtype, e.g. ``"bfloat16"``."""
+  return parse_dtype(dtype, allow_fp8=True).name
+
+
+def is_float_dtype(dtype: Any) -> bool:
+  """Whether ``dtype`` is a floating-point dtype (fp8 included, PRNG keys excluded)."""
+  try:
+    return jnp.issubdtype(dtype, jnp.floating)
+  except TypeError:
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class FloatFormat:
+  """The numbers that describe a floating-point format.
+
+  Attributes:
+    dtype: the dtype.
+    max: the largest finite value.
+    min_normal: the smallest positive normal value.
+    min_subnormal: the smallest positive subnormal value; values below half of it
+      round to zero.
+    eps: the distance from 1.0 to the next larger value.
+    mantissa_bits: explicitly stored mantissa bits.
+    exponent_bits: exponent bits.
+    has_inf: whether the format has infinities (float8_e4m3fn has none: it saturates
+      to NaN instead).
+  """
+
+  dtype: np.dtype
+  max: float
+  min_normal: float
+  min_subnormal: float
+  eps: float
+  mantissa_bits: int
+  exponent_bits: int
+  has_inf: bool
+
+
+def float_format(dtype: DTypeLike) -> FloatFormat:
+  """Describes a float format: range, precision and whether it has infinities.
+
+  Args:
+    dtype: any float dtype or name :func:`parse_dtype` accepts, fp8 included.
+
+  Returns:
+    A :class:`FloatFormat`.
+
+  Example:
+    >>> fmt = jaxmp.float_format("f16")
+    >>> fmt.max, fmt.min_normal
+    (65504.0, 6.103515625e-05)
+  """
+  dtype = parse_dtype(dtype, allow_fp8=True)
+  info = jnp.finfo(dtype)
+  return FloatFormat(
+      dtype=dtype,
+      max=float(info.max),
+      min_normal=float(info.smallest_normal),
+      min_subnormal=float(info.smallest_subnormal),
+      eps=float(info.eps),
+      mantissa_bits=int(info.nmant),
+      exponent_bits=int(info.nexp),
+      has_inf=dtype != np.dtype(jnp.float8_e4m3fn),
+  )

@@ -1,0 +1,216 @@
+"""cast_tree, all_finite and select_tree over every kind of leaf, inside and outside jit."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmp
+
+FLOATS = (jnp.float32, jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def _mixed_tree():
+  return {
+      "f32": jnp.ones((2, 3), jnp.float32),
+      "f16": jnp.ones((4,), jnp.float16),
+      "bf16": jnp.ones((), jnp.bfloat16),
+      "np_f64": np.ones(2, np.float64),
+      "int": jnp.arange(3, dtype=jnp.int32),
+      "uint": jnp.arange(3, dtype=jnp.uint8),
+      "bool": jnp.array([True, False]),
+      "key": jax.random.key(0),
+      "raw_key": jax.random.PRNGKey(0),
+      "none": None,
+      "py_float": 1.5,
+      "py_int": 3,
+      "string": "label",
+      "nested": [jnp.zeros(2, jnp.float32), (jnp.arange(2),)],
+  }
+
+
+PASSTHROUGH = ("int", "uint", "bool", "key", "raw_key", "none", "py_float", "py_int", "string")
+
+
+def _check_cast(out, tree, dtype):
+  for name in ("f32", "f16", "bf16", "np_f64"):
+    assert out[name].dtype == dtype, name
+  assert out["nested"][0].dtype == dtype
+  assert out["nested"][1][0].dtype == tree["nested"][1][0].dtype
+  for name in PASSTHROUGH:
+    if isinstance(tree[name], (jax.Array, np.ndarray)):
+      assert out[name].dtype == tree[name].dtype, name
+      if name == "key":
+        np.testing.assert_array_equal(jax.random.key_data(out[name]),
+                                      jax.random.key_data(tree[name]))
+      else:
+        np.testing.assert_array_equal(out[name], tree[name])
+    else:
+      assert out[name] is tree[name] or out[name] == tree[name], name
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_cast_tree_eager(dtype):
+  tree = _mixed_tree()
+  _check_cast(jaxmp.cast_tree(tree, dtype), tree, np.dtype(dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_cast_tree_under_jit(dtype):
+  tree = _mixed_tree()
+  arrays = {k: v for k, v in tree.items() if k not in ("py_float", "py_int", "string", "none")}
+  out = jax.jit(lambda t: jaxmp.cast_tree(t, dtype))(arrays)
+  for name in ("f32", "f16", "bf16", "np_f64"):
+    assert out[name].dtype == dtype
+  assert out["int"].dtype == jnp.int32
+  assert out["uint"].dtype == jnp.uint8
+  assert out["bool"].dtype == jnp.bool_
+  assert out["raw_key"].dtype == jnp.uint32
+  np.testing.assert_array_equal(out["raw_key"], tree["raw_key"])
+  assert jax.dtypes.issubdtype(out["key"].dtype, jax.dtypes.prng_key)
+
+
+def test_cast_tree_accepts_names_and_fp8():
+  out = jaxmp.cast_tree({"x": jnp.array([1.0, 2.0])}, "bf16")
+  assert out["x"].dtype == jnp.bfloat16
+  out = jaxmp.cast_tree({"x": jnp.array([1.0, 2.0])}, "float8_e4m3fn")
+  assert out["x"].dtype == jnp.float8_e4m3fn
+
+
+def test_cast_tree_same_dtype_is_identity_and_adds_no_ops():
+  x = jnp.ones(3)
+  assert jaxmp.cast_tree({"x": x}, jnp.float32)["x"] is x
+  hlo = jax.jit(lambda t: jaxmp.cast_tree(t, jnp.float32)).lower({"x": x}).as_text()
+  assert "convert" not in hlo
+
+
+def test_cast_tree_keeps_numpy_leaves_on_host():
+  out = jaxmp.cast_tree({"x": np.ones(2, np.float64)}, jnp.float32)
+  assert isinstance(out["x"], np.ndarray)
+
+
+@pytest.mark.parametrize("bad", [jnp.int32, "int8", jnp.bool_])
+def test_cast_tree_rejects_non_float_target(bad):
+  with pytest.raises(ValueError, match="accepted"):
+    jaxmp.cast_tree({"x": jnp.ones(2)}, bad)
+
+
+# ---- all_finite ------------------------------------------------------------------------------
+
+
+def test_all_finite_returns_scalar_bool_array():
+  out = jaxmp.all_finite({"a": jnp.ones(3)})
+  assert isinstance(out, jax.Array)
+  assert out.shape == () and out.dtype == jnp.bool_
+  assert bool(out)
+
+
+def test_all_finite_empty_trees():
+  for tree in ({}, [], None, (), {"a": None}):
+    assert bool(jaxmp.all_finite(tree))
+  assert bool(jax.jit(jaxmp.all_finite)({}))
+
+
+# float8_e4m3fn has no infinity (inf casts to NaN), so it is checked with NaN only.
+@pytest.mark.parametrize("dtype,bad", [
+    (d, b) for d in FLOATS for b in (np.inf, -np.inf, np.nan)
+    if not (d == jnp.float8_e4m3fn and np.isinf(b))])
+def test_all_finite_detects_each_dtype(dtype, bad):
+  clean = {"x": jnp.ones((3, 4), dtype), "ids": jnp.arange(4)}
+  poisoned = {"x": clean["x"].at[1, 2].set(bad), "ids": clean["ids"]}
+  for fn in (jaxmp.all_finite, jax.jit(jaxmp.all_finite)):
+    assert bool(fn(clean))
+    assert not bool(fn(poisoned))
+
+
+def test_all_finite_large_finite_values_are_finite():
+  # x * 0 for the largest finite value must stay 0, not overflow.
+  tree = [jnp.full((5,), jnp.finfo(d).max, d) for d in FLOATS]
+  assert bool(jax.jit(jaxmp.all_finite)(tree))
+
+
+def test_all_finite_mixed_dtypes_one_bad_leaf():
+  tree = {d.__name__ if hasattr(d, "__name__") else str(d): jnp.ones(8, d) for d in FLOATS}
+  tree["ints"] = jnp.arange(3)
+  tree["bools"] = jnp.array([True])
+  tree["key"] = jax.random.key(1)
+  assert bool(jax.jit(jaxmp.all_finite)(tree))
+  for name in list(tree)[:len(FLOATS)]:
+    poisoned = dict(tree)
+    poisoned[name] = tree[name].at[3].set(np.nan)
+    assert not bool(jax.jit(jaxmp.all_finite)(poisoned)), name
+
+
+def test_all_finite_ignores_integer_only_trees():
+  assert bool(jaxmp.all_finite({"a": jnp.arange(3), "b": np.arange(2)}))
+
+
+def test_all_finite_accepts_numpy_and_python_leaves():
+  assert not bool(jaxmp.all_finite({"a": np.array([np.nan]), "b": 1.0}))
+
+
+def test_all_finite_is_one_scalar_reduction_per_leaf_without_temporaries():
+  tree = {"a": jnp.ones((64, 64)), "b": jnp.ones((64,), jnp.bfloat16),
+          "c": jnp.ones((32, 32), jnp.float16)}
+  hlo = jax.jit(jaxmp.all_finite).lower(tree).compile().as_text()
+  # No concatenation of the leaves and no boolean array the size of a leaf.
+  assert "concatenate" not in hlo
+  assert not re.search(r"pred\[\d", hlo)
+
+
+# ---- select_tree -----------------------------------------------------------------------------
+
+
+def test_select_tree_picks_branch_eager_and_jit():
+  a = {"x": jnp.ones(3), "n": jnp.array(1), "k": jax.random.key(0)}
+  b = {"x": jnp.zeros(3), "n": jnp.array(2), "k": jax.random.key(1)}
+  for fn in (jaxmp.select_tree, jax.jit(jaxmp.select_tree)):
+    out = fn(jnp.array(True), a, b)
+    np.testing.assert_array_equal(out["x"], a["x"])
+    assert int(out["n"]) == 1
+    np.testing.assert_array_equal(jax.random.key_data(out["k"]), jax.random.key_data(a["k"]))
+    out = fn(jnp.array(False), a, b)
+    np.testing.assert_array_equal(out["x"], b["x"])
+    assert int(out["n"]) == 2
+
+
+def test_select_tree_python_bool_and_empty():
+  assert jaxmp.select_tree(True, {}, {}) == {}
+  out = jaxmp.select_tree(False, (jnp.ones(1),), (jnp.zeros(1),))
+  assert float(out[0][0]) == 0.0
+
+
+def test_select_tree_traced_predicate():
+  @jax.jit
+  def f(x):
+    return jaxmp.select_tree(jnp.all(x > 0), {"v": x}, {"v": -x})
+  np.testing.assert_array_equal(f(jnp.array([1.0, 2.0]))["v"], [1.0, 2.0])
+  np.testing.assert_array_equal(f(jnp.array([1.0, -2.0]))["v"], [-1.0, 2.0])
+
+
+@pytest.mark.parametrize("pred", [jnp.array([True, False]), jnp.ones((1,), bool)])
+def test_select_tree_rejects_non_scalar_pred(pred):
+  with pytest.raises(ValueError, match="scalar predicate.*shape"):
+    jaxmp.select_tree(pred, {"a": jnp.ones(2)}, {"a": jnp.zeros(2)})
+
+
+@pytest.mark.parametrize("pred", [jnp.array(1), 1, jnp.array(1.0)])
+def test_select_tree_rejects_non_bool_pred(pred):
+  with pytest.raises(TypeError, match="boolean predicate"):
+    jaxmp.select_tree(pred, {"a": jnp.ones(2)}, {"a": jnp.zeros(2)})
+
+
+def test_select_tree_rejects_mismatched_structure():
+  with pytest.raises(ValueError, match="same structure"):
+    jaxmp.select_tree(True, {"a": jnp.ones(2)}, {"b": jnp.ones(2)})
+  with pytest.raises(ValueError, match="same structure"):
+    jaxmp.select_tree(True, [jnp.ones(2)], [jnp.ones(2), jnp.ones(2)])
+
+
+def test_select_tree_rejects_mismatched_leaves():
+  with pytest.raises(ValueError, match=r"\['a'\].*shape \(2,\).*\(3,\)"):
+    jaxmp.select_tree(True, {"a": jnp.ones(2)}, {"a": jnp.ones(3)})
+  with pytest.raises(TypeError, match=r"\['a'\].*float32.*bfloat16"):
+    jaxmp.select_tree(True, {"a": jnp.ones(2)}, {"a": jnp.ones(2, jnp.bfloat16)})
