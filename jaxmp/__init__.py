@@ -10,6 +10,7 @@ Example:
   >>> policy = jaxmp.get_policy("params=float32,compute=bfloat16,output=float32")
 """
 
+from jaxmp import linen
 from jaxmp.dtypes import FloatFormat
 from jaxmp.dtypes import float_format
 from jaxmp.dtypes import half_dtype
@@ -17,6 +18,9 @@ from jaxmp.dtypes import parse_dtype
 from jaxmp.policy import Policy
 from jaxmp.policy import get_policy
 from jaxmp.policy import to_jmp
+from jaxmp.rules import PolicyRules
+from jaxmp.rules import Rule
+from jaxmp.summary import summary
 from jaxmp.tree import all_finite
 from jaxmp.tree import cast_tree
 from jaxmp.tree import select_tree
@@ -26,12 +30,16 @@ __version__ = "0.1.0"
 __all__ = (
     "FloatFormat",
     "Policy",
+    "PolicyRules",
+    "Rule",
     "all_finite",
     "cast_tree",
     "float_format",
     "get_policy",
     "half_dtype",
+    "linen",
     "parse_dtype",
     "select_tree",
+    "summary",
     "to_jmp",
 )

@@ -1,0 +1,240 @@
+"""Per-module precision: which module computes in which dtype, and which uses fp8.
+
+A :class:`PolicyRules` is a default :class:`~jaxmp.Policy` plus an ordered list of
+:class:`Rule` overrides. Each module of a model is resolved by its class and its
+'/'-joined path (``"Block_0/Attention_0/query"``; the root module's path is ``""``):
+the first rule that matches wins, and a module no rule matches uses the default.
+
+Normalization layers (BatchNorm, LayerNorm, RMSNorm, GroupNorm, InstanceNorm; linen
+and NNX) compute in float32 unless a rule says otherwise, because their mean and
+variance lose too much in half precision. They store params in the default param
+dtype and hand their output back in the caller's compute dtype.
+
+An override is local: a module a rule matches hands its output back in the dtype of
+the module that called it, unless the rule names an output dtype. A rule matches the
+modules it matches, not their children: match a subtree with a regex such as
+``r"encoder(/.*)?"``.
+
+Example:
+  >>> import flax.linen as nn
+  >>> rules = jaxmp.PolicyRules("params=float32,compute=bfloat16,output=float32", [
+  ...     jaxmp.Rule(r".*/head", "float32"),
+  ... ])
+  >>> print(rules.resolve("Block_0/head", nn.Dense).policy)
+  params=float32,compute=float32,output=float32
+  >>> print(rules.resolve("Block_0/LayerNorm_0", nn.LayerNorm).policy)
+  params=float32,compute=float32,output=float32
+  >>> print(rules.resolve("Block_0/Dense_0", nn.Dense).policy)
+  params=float32,compute=bfloat16,output=float32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Optional, Sequence, Union
+
+import flax.linen as nn
+import numpy as np
+from flax import nnx
+
+from jaxmp import dtypes as dtypes_lib
+from jaxmp import policy as policy_lib
+
+NORMALIZATION_CLASSES: tuple[type, ...] = (
+    nn.BatchNorm, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.InstanceNorm,
+    nnx.BatchNorm, nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, nnx.InstanceNorm,
+)
+
+Match = Union[type, tuple, str]
+
+_OUTPUT_KEY = re.compile(r"(^|,)\s*(o|output)\s*=")
+
+
+def _check_match(match: Any) -> Optional[re.Pattern]:
+  """Validates a rule's match; returns the compiled regex for a string match."""
+  if isinstance(match, str):
+    try:
+      return re.compile(match)
+    except re.error as e:
+      raise ValueError(f"Rule match {match!r} is not a valid regular expression: {e}.") from None
+  classes = match if isinstance(match, tuple) else (match,)
+  if classes and all(isinstance(c, type) for c in classes):
+    return None
+  raise TypeError(
+      f"Rule match must be a module class, a tuple of classes, or a regex string over the "
+      f"'/'-joined module path; got {match!r} of type {type(match).__name__}.")
+
+
+def _check_fp8(recipe: Any) -> None:
+  if recipe is None:
+    return
+  from jaxmp.fp8 import recipes  # pylint: disable=g-import-not-at-top
+  if not isinstance(recipe, recipes.RECIPE_TYPES):
+    names = ", ".join(f"jaxmp.fp8.{t.__name__}" for t in recipes.RECIPE_TYPES)
+    raise TypeError(f"Rule fp8 must be None or an fp8 recipe ({names}); got {recipe!r}.")
+
+
+def _named_output(policy: Any, parsed: policy_lib.Policy) -> Optional[np.dtype]:
+  """The output dtype a rule's policy names, or None where it only follows compute."""
+  if isinstance(policy, str):
+    return parsed.output_dtype if _OUTPUT_KEY.search(policy) else None
+  return parsed.output_dtype if parsed.output_dtype != parsed.compute_dtype else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """Gives the modules that ``match`` a policy, an fp8 recipe, or both.
+
+  Args:
+    match: a module class or tuple of classes (matched with ``isinstance``), or a regex
+      ``re.fullmatch``-ed against the module's '/'-joined path.
+    policy: the policy for matched modules (anything :func:`jaxmp.get_policy`
+      accepts); ``None`` keeps the default policy.
+    fp8: an fp8 recipe (``jaxmp.fp8.DelayedScaling()``, ``jaxmp.fp8.CurrentScaling()``)
+      that turns the matched matmul layers' dot products into fp8; ``None`` for none.
+    output_dtype: the dtype matched modules hand their output back in. By default an
+      override is local: the output goes back in the caller's compute dtype. A policy
+      string with an explicit ``o=``/``output=`` key, or a Policy object whose output
+      dtype differs from its compute dtype, names the output dtype too.
+
+  Raises:
+    TypeError: for a match that is neither a class nor a string, or a bad fp8 recipe.
+    ValueError: for an invalid regex or a policy that does not parse.
+
+  Example:
+    >>> import flax.linen as nn
+    >>> rule = jaxmp.Rule(nn.LayerNorm, "float32")
+    >>> rule.matches("Block_0/LayerNorm_0", nn.LayerNorm)
+    True
+    >>> jaxmp.Rule(r"decoder/.*", "c=f32,o=bf16").output_dtype
+    dtype(bfloat16)
+  """
+
+  match: Match
+  policy: Optional[policy_lib.Policy] = None
+  fp8: Any = None
+  output_dtype: Optional[np.dtype] = None
+  _regex: Optional[re.Pattern] = dataclasses.field(
+      default=None, init=False, repr=False, compare=False)
+
+  def __post_init__(self):
+    object.__setattr__(self, "_regex", _check_match(self.match))
+    _check_fp8(self.fp8)
+    explicit_output = (None if self.output_dtype is None
+                       else dtypes_lib.parse_dtype(self.output_dtype))
+    if self.policy is None:
+      object.__setattr__(self, "output_dtype", explicit_output)
+      return
+    parsed = policy_lib.get_policy(self.policy)
+    named = _named_output(self.policy, parsed)
+    if explicit_output is not None and named is not None and named != explicit_output:
+      raise ValueError(
+          f"Rule for {self.match!r} names two output dtypes: {named.name} in its policy "
+          f"and output_dtype={explicit_output.name}.")
+    object.__setattr__(self, "policy", parsed)
+    object.__setattr__(self, "output_dtype", explicit_output or named)
+
+  def matches(self, path: str, module_type: type) -> bool:
+    """Whether this rule applies to a module of ``module_type`` at ``path``."""
+    if self._regex is not None:
+      return self._regex.fullmatch(path) is not None
+    return issubclass(module_type, self.match)
+
+  def describe(self) -> str:
+    """A short human-readable form of the match, for tables and warnings."""
+    if isinstance(self.match, str):
+      return repr(self.match)
+    classes = self.match if isinstance(self.match, tuple) else (self.match,)
+    return "|".join(c.__name__ for c in classes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModulePrecision:
+  """How one module computes, as resolved by :meth:`PolicyRules.resolve`.
+
+  Attributes:
+    policy: the module's policy: params stored in ``policy.param_dtype``, inputs and
+      params cast to ``policy.compute_dtype``.
+    output_dtype: the dtype the module's output is handed back in, or ``None`` for
+      "the caller's compute dtype" (the default for every module).
+    fp8: the fp8 recipe of the module's matmuls, or ``None``.
+    rule: the rule that matched, or ``None`` where the default applies.
+  """
+
+  policy: policy_lib.Policy
+  output_dtype: Optional[np.dtype]
+  fp8: Any
+  rule: Optional[Rule]
+
+
+def _normalization_policy(default: policy_lib.Policy) -> policy_lib.Policy:
+  if default.compute_dtype.itemsize >= 4:
+    return default
+  return default.with_compute_dtype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyRules:
+  """A default policy plus ordered per-module overrides; the first matching rule wins.
+
+  Args:
+    default: the policy of every module no rule matches; its output dtype is the dtype
+      of the model's output.
+    rules: :class:`Rule` objects, tried in order.
+    float32_normalization: whether normalization layers compute in float32 when no
+      rule matches them (default ``True``).
+
+  Frozen and hashable, so it can be a static argument of ``jax.jit``.
+
+  Example:
+    >>> import flax.linen as nn
+    >>> rules = jaxmp.PolicyRules("mixed_bfloat16", [jaxmp.Rule(nn.Dense, fp8=None)])
+    >>> print(rules.default)
+    params=float32,compute=bfloat16,output=bfloat16
+  """
+
+  default: policy_lib.Policy
+  rules: tuple[Rule, ...] = ()
+  float32_normalization: bool = True
+
+  def __post_init__(self):
+    object.__setattr__(self, "default", policy_lib.get_policy(self.default))
+    if isinstance(self.rules, (Rule, str)) or not isinstance(self.rules, Sequence):
+      raise TypeError(
+          f"PolicyRules rules must be a sequence of jaxmp.Rule, got {self.rules!r}.")
+    for rule in self.rules:
+      if not isinstance(rule, Rule):
+        raise TypeError(
+            f"PolicyRules rules must be jaxmp.Rule objects, got {rule!r} of type "
+            f"{type(rule).__name__}.")
+    object.__setattr__(self, "rules", tuple(self.rules))
+
+  def resolve(self, path: str, module_type: type) -> ModulePrecision:
+    """The precision of a module of ``module_type`` at ``path`` ('/'-joined)."""
+    for rule in self.rules:
+      if rule.matches(path, module_type):
+        policy = self.default if rule.policy is None else rule.policy
+        return ModulePrecision(policy, rule.output_dtype, rule.fp8, rule)
+    if self.float32_normalization and issubclass(module_type, NORMALIZATION_CLASSES):
+      return ModulePrecision(_normalization_policy(self.default), None, None, None)
+    return ModulePrecision(self.default, None, None, None)
+
+
+PolicyOrRules = Union[PolicyRules, policy_lib.PolicyLike]
+
+
+def as_rules(policy_or_rules: PolicyOrRules) -> PolicyRules:
+  """Turns a policy (any form :func:`jaxmp.get_policy` takes) or rules into PolicyRules.
+
+  Raises:
+    TypeError: for anything else.
+  """
+  if isinstance(policy_or_rules, PolicyRules):
+    return policy_or_rules
+  if isinstance(policy_or_rules, Rule) or (
+      isinstance(policy_or_rules, (list, tuple)) and policy_or_rules):
+    raise TypeError(
+        f"Expected a policy or jaxmp.PolicyRules, got {policy_or_rules!r}; wrap rules as "
+        f"jaxmp.PolicyRules(default_policy, rules).")
+  return PolicyRules(policy_lib.get_policy(policy_or_rules))

@@ -1,0 +1,137 @@
+"""A per-module precision table, resolved for a real call of the model.
+
+:func:`summary` traces one call of the model abstractly (``jax.eval_shape``: nothing is
+computed) under the precision rules and lists every module that was called: its path,
+class, and the param, compute and output dtypes and fp8 recipe it actually got, with
+the rule that decided it. Use it to check that a regex matches what you meant.
+
+Example:
+  >>> import flax.linen as nn
+  >>> model = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(2)])
+  >>> print(jaxmp.summary(model, "p=f32,c=bf16,o=f32", jnp.ones((1, 3))))
+  path      module      params   compute   output    fp8  rule
+  --------  ----------  -------  --------  --------  ---  -------
+  <root>    Sequential  float32  bfloat16  float32   -    default
+  layers_0  Dense       float32  bfloat16  bfloat16  -    default
+  layers_1  LayerNorm   float32  float32   bfloat16  -    norm
+  layers_2  Dense       float32  bfloat16  bfloat16  -    default
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Optional
+
+import flax.linen as nn
+import jax
+
+from jaxmp import linen as linen_lib
+from jaxmp import rules as rules_lib
+
+_COLUMNS = ("path", "module", "params", "compute", "output", "fp8", "rule")
+
+
+class SummaryRow(NamedTuple):
+  """One module call in a :class:`PrecisionSummary`."""
+
+  path: str
+  module: str
+  method: str
+  param_dtype: str
+  compute_dtype: str
+  output_dtype: str
+  fp8: str
+  rule: str
+
+
+def _rule_label(rules: rules_lib.PolicyRules, precision: rules_lib.ModulePrecision,
+                module_type: type) -> str:
+  if precision.rule is not None:
+    return f"{rules.rules.index(precision.rule)}: {precision.rule.describe()}"
+  if rules.float32_normalization and issubclass(module_type, rules_lib.NORMALIZATION_CLASSES):
+    return "norm"
+  return "default"
+
+
+def _recipe_label(recipe: Any) -> str:
+  return "-" if recipe is None else type(recipe).__name__
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionSummary:
+  """The rows of a precision table; ``str()`` renders it."""
+
+  rows: tuple[SummaryRow, ...]
+
+  def __str__(self) -> str:
+    cells = [_COLUMNS] + [
+        (r.path if r.method == "__call__" else f"{r.path}.{r.method}", r.module, r.param_dtype,
+         r.compute_dtype, r.output_dtype, r.fp8, r.rule) for r in self.rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def rows_from_records(rules: rules_lib.PolicyRules,
+                      records: list[linen_lib.CallRecord]) -> tuple[SummaryRow, ...]:
+  """Summary rows for intercepted calls, one per (path, method), in call order."""
+  rows = {}
+  for r in records:
+    key = (r.path, r.method)
+    if key in rows:
+      continue
+    policy = r.precision.policy
+    rows[key] = SummaryRow(
+        path=r.path or "<root>", module=r.module_type.__name__, method=r.method,
+        param_dtype=policy.param_dtype.name, compute_dtype=policy.compute_dtype.name,
+        output_dtype=r.output_dtype.name, fp8=_recipe_label(r.precision.fp8),
+        rule=_rule_label(rules, r.precision, r.module_type))
+  return tuple(rows.values())
+
+
+def _linen_wrapper(model: Any, rules: Optional[rules_lib.PolicyOrRules]):
+  if isinstance(model, linen_lib.MixedPrecision):
+    return model if rules is None else linen_lib.mixed_precision(model.model, rules)
+  if rules is None:
+    raise ValueError("jaxmp.summary needs rules (a policy or jaxmp.PolicyRules) when given "
+                     f"an unwrapped model {type(model).__name__}.")
+  return linen_lib.mixed_precision(model, rules)
+
+
+def summary(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRules] = None,
+            *args, variables: Any = None, rngs: Any = None, **kwargs) -> PrecisionSummary:
+  """Resolves the precision of every module for one call of the model.
+
+  Args:
+    model_or_wrapper: a linen Module, or what :func:`jaxmp.linen.mixed_precision`
+      returned.
+    rules: a policy or :class:`jaxmp.PolicyRules`; may be ``None`` for a wrapper.
+    *args: the call's positional arguments (arrays or ``jax.ShapeDtypeStruct``).
+    variables: the model's variables; without them the call is traced as ``init``.
+    rngs: PRNG keys for the call (``jax.random.key(0)`` for ``init`` by default).
+    **kwargs: the call's keyword arguments (``method=``, ``mutable=``, flags).
+
+  Returns:
+    A :class:`PrecisionSummary`; print it for the table.
+
+  Raises:
+    TypeError: if the model is not a linen Module or a wrapper.
+  """
+  if not isinstance(model_or_wrapper, (nn.Module, linen_lib.MixedPrecision)):
+    raise TypeError(f"jaxmp.summary expects a flax linen Module or a jaxmp wrapper, got "
+                    f"{model_or_wrapper!r} of type {type(model_or_wrapper).__name__}.")
+  wrapper = _linen_wrapper(model_or_wrapper, rules)
+  records = []
+
+  def call():
+    if variables is None:
+      fun = lambda: wrapper.model.init(  # pylint: disable=g-long-lambda
+          jax.random.key(0) if rngs is None else rngs, *args, **kwargs)
+    else:
+      fun = lambda: wrapper.model.apply(variables, *args, rngs=rngs, **kwargs)
+    _, calls = wrapper.trace(fun)
+    records.extend(calls)
+
+  jax.eval_shape(call)
+  return PrecisionSummary(rows_from_records(wrapper.rules, records))

@@ -1,0 +1,96 @@
+"""jaxmp.summary: the per-module precision table for a real call."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxmp
+
+
+class Block(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.LayerNorm()(x)
+    return nn.Dense(4, name="proj")(x)
+
+
+class Net(nn.Module):
+
+  @nn.compact
+  def __call__(self, ids):
+    x = nn.Embed(10, 4)(ids)
+    x = Block(name="block")(x)
+    return nn.Dense(2, name="head")(x)
+
+
+RULES = jaxmp.PolicyRules("p=f32,c=bf16,o=f32", [jaxmp.Rule("head", "p=f32,c=f32,o=f32")])
+
+
+def _rows(summary):
+  return {row.path: row for row in summary.rows}
+
+
+def test_rows_for_init_trace():
+  rows = _rows(jaxmp.summary(Net(), RULES, jnp.ones((2, 3), jnp.int32)))
+  assert list(rows) == ["<root>", "Embed_0", "block", "block/LayerNorm_0", "block/proj",
+                        "head"]
+  assert rows["<root>"].output_dtype == "float32"
+  assert rows["block"].compute_dtype == "bfloat16"
+  assert rows["block/LayerNorm_0"].compute_dtype == "float32"
+  assert rows["block/LayerNorm_0"].output_dtype == "bfloat16"
+  assert rows["block/LayerNorm_0"].rule == "norm"
+  assert rows["head"].compute_dtype == "float32"
+  assert rows["head"].output_dtype == "float32"
+  assert rows["head"].rule == "0: 'head'"
+  assert rows["block/proj"].rule == "default"
+  assert rows["block/proj"].fp8 == "-"
+
+
+def test_apply_trace_with_variables_and_wrapper():
+  wrapped = jaxmp.linen.mixed_precision(Net(), RULES)
+  ids = jnp.ones((2, 3), jnp.int32)
+  variables = wrapped.init(jax.random.key(0), ids)
+  summary = jaxmp.summary(wrapped, None, ids, variables=variables)
+  assert _rows(summary)["head"].compute_dtype == "float32"
+  # Other rules for the same model.
+  summary = jaxmp.summary(wrapped, "bf16", ids, variables=variables)
+  assert _rows(summary)["head"].compute_dtype == "bfloat16"
+
+
+def test_table_text():
+  text = str(jaxmp.summary(Net(), RULES, jnp.ones((2, 3), jnp.int32)))
+  lines = text.splitlines()
+  assert lines[0].split() == ["path", "module", "params", "compute", "output", "fp8", "rule"]
+  assert set(lines[1]) <= {"-", " "}
+  head = next(line for line in lines if line.startswith("head"))
+  assert head.split() == ["head", "Dense", "float32", "float32", "float32", "-", "0:", "'head'"]
+
+
+def test_other_methods_are_listed():
+
+  class Tied(nn.Module):
+
+    @nn.compact
+    def __call__(self, ids):
+      embed = nn.Embed(10, 4, name="embed")
+      return embed.attend(embed(ids))
+
+  rows = jaxmp.summary(Tied(), "bf16", jnp.ones((1, 2), jnp.int32)).rows
+  assert [(r.path, r.method) for r in rows] == [
+      ("<root>", "__call__"), ("embed", "__call__"), ("embed", "attend")]
+  assert "embed.attend" in str(jaxmp.summary(Tied(), "bf16", jnp.ones((1, 2), jnp.int32)))
+
+
+def test_summary_computes_nothing():
+  # Abstract shapes are enough: nothing is allocated or run.
+  ids = jax.ShapeDtypeStruct((4096, 4096), jnp.int32)
+  assert len(jaxmp.summary(Net(), RULES, ids).rows) == 6
+
+
+def test_bad_input():
+  with pytest.raises(TypeError, match="linen Module"):
+    jaxmp.summary(lambda x: x, RULES, jnp.ones(2))
+  with pytest.raises(ValueError, match="needs rules"):
+    jaxmp.summary(Net(), None, jnp.ones((1, 2), jnp.int32))
