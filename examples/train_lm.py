@@ -1,32 +1,63 @@
-"""Trains a small character-level language model in float32 and with a bfloat16 policy.
+"""jaxmp's main demo: one transformer language model trained five ways, side by side.
 
-The text is Python's own standard library source, so nothing is downloaded. This
-first version applies a `jaxmp.Policy` by hand (cast the float32 master params and the
-inputs to the compute dtype, cast the output back); later versions wrap a Flax model.
+The model (``examples/transformer.py``) is a small decoder-only transformer written
+with no precision code at all. It is trained on Python's own standard-library source
+(bytes as tokens, nothing downloaded) with the same initial weights, data order and
+seed in each configuration:
 
-Run:  make demo     (or: python examples/train_lm.py --steps 200)
+  float32                 the baseline
+  bfloat16                jaxmp policy params=float32,compute=bfloat16,output=float32
+  float16 + loss scaling  compute float16, jaxmp.loss_scaling with DynamicLossScale
+  bfloat16 + fp8          bfloat16 policy, fp8 matmuls (delayed scaling) by rule
+  float16, no scaling     compute float16 without loss scaling: what scaling prevents
+
+then prints one table (train and validation loss, tokens/s, memory, skipped steps,
+final loss scale) and saves a plot of the loss curves and the fp16 loss scale.
+
+Run: ``make demo``, or ``python examples/train_lm.py --steps 300``;
+``--preset gpu`` trains a larger model on an accelerator.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
+import sys
 import sysconfig
 import time
+from typing import Any, Callable, Optional
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from tqdm import tqdm
 
-import jaxmp
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import jaxmp  # pylint: disable=g-import-not-at-top
+import transformer  # pylint: disable=g-import-not-at-top
+
+PRESETS = {
+    "cpu": dict(config=transformer.Config(context=64, width=128, depth=2, heads=4),
+                batch=16, steps=600, lr=2e-3, eval_batches=8),
+    "gpu": dict(config=transformer.Config(context=512, width=768, depth=8, heads=12),
+                batch=64, steps=2000, lr=6e-4, eval_batches=16),
+}
 
 
-def load_corpus(max_bytes: int) -> np.ndarray:
-  """Bytes of the standard library's source files, as a uint8 array."""
+# ---- data ------------------------------------------------------------------------------
+
+
+def load_corpus(max_bytes: int = 8_000_000) -> np.ndarray:
+  """The standard library's Python source as bytes (a uint8 array), sorted by path."""
   stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
   chunks, total = [], 0
-  for path in sorted(stdlib.glob("*.py")):
+  for path in sorted(stdlib.rglob("*.py")):
+    if "site-packages" in path.parts or "test" in path.parts:
+      continue
     data = path.read_bytes()
     chunks.append(data)
     total += len(data)
@@ -35,79 +66,190 @@ def load_corpus(max_bytes: int) -> np.ndarray:
   return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
 
 
-def init_params(key, vocab: int, context: int, embed: int, hidden: int):
-  k1, k2, k3 = jax.random.split(key, 3)
-  return {
-      "embed": jax.random.normal(k1, (vocab, embed)) * 0.02,
-      "w1": jax.random.normal(k2, (context * embed, hidden)) / np.sqrt(context * embed),
-      "b1": jnp.zeros(hidden),
-      "w2": jax.random.normal(k3, (hidden, vocab)) / np.sqrt(hidden),
-      "b2": jnp.zeros(vocab),
-  }
-
-
-def forward(params, tokens, policy: jaxmp.Policy):
-  params = policy.cast_to_compute(params)
-  x = params["embed"][tokens].reshape(tokens.shape[0], -1)
-  x = jax.nn.gelu(x @ params["w1"] + params["b1"])
-  logits = x @ params["w2"] + params["b2"]
-  return policy.cast_to_output(logits)
-
-
-def make_batches(data: np.ndarray, context: int, batch: int, seed: int):
+def batches(data: np.ndarray, batch: int, length: int, seed: int):
+  """Random windows of ``length + 1`` tokens, the same sequence for every run."""
   rng = np.random.default_rng(seed)
   while True:
-    starts = rng.integers(0, len(data) - context - 1, size=batch)
-    idx = starts[:, None] + np.arange(context + 1)
-    window = data[idx].astype(np.int32)
-    yield window[:, :-1], window[:, -1]
+    starts = rng.integers(0, len(data) - length - 1, size=batch)
+    yield jnp.asarray(data[starts[:, None] + np.arange(length + 1)].astype(np.int32))
 
 
-def train(policy: jaxmp.Policy, data, val, args):
-  params = init_params(jax.random.key(args.seed), 256, args.context, 32, 256)
-  tx = optax.adam(args.lr)
-  opt_state = tx.init(params)
-
-  def loss_fn(params, tokens, targets):
-    logits = forward(params, tokens, policy).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-
-  @jax.jit
-  def step(params, opt_state, tokens, targets):
-    loss, grads = jax.value_and_grad(loss_fn)(params, tokens, targets)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  batches = make_batches(data, args.context, args.batch, args.seed)
-  start = time.perf_counter()
-  for _ in range(args.steps):
-    params, opt_state, loss = step(params, opt_state, *next(batches))
-  loss.block_until_ready()
-  seconds = time.perf_counter() - start
-  val_tokens, val_targets = next(make_batches(val, args.context, 2048, args.seed + 1))
-  val_loss = float(jax.jit(loss_fn)(params, val_tokens, val_targets))
-  return float(loss), val_loss, args.steps * args.batch / seconds
+# ---- the five configurations -------------------------------------------------------------
 
 
-def main():
+@dataclasses.dataclass(frozen=True)
+class Run:
+  name: str
+  policy: Any                      # what jaxmp.linen.mixed_precision gets
+  loss_scale: Optional[Callable[[], jaxmp.LossScale]]  # None: no loss_scaling wrapper
+  note: str = ""
+
+
+def fp8_rules() -> jaxmp.PolicyRules:
+  return jaxmp.PolicyRules("params=float32,compute=bfloat16,output=float32", [
+      jaxmp.Rule("head"),  # first match wins: keep the output projection out of fp8
+      jaxmp.Rule((nn.Dense, nn.DenseGeneral), fp8=jaxmp.fp8.DelayedScaling()),
+  ])
+
+
+RUNS = (
+    Run("float32", "float32", None),
+    Run("bfloat16", "params=float32,compute=bfloat16,output=float32", jaxmp.NoOpLossScale),
+    Run("float16 + loss scaling", "params=float32,compute=float16,output=float32",
+        jaxmp.DynamicLossScale),
+    Run("bfloat16 + fp8", None, jaxmp.NoOpLossScale),
+    Run("float16, no loss scaling", "params=float32,compute=float16,output=float32",
+        jaxmp.NoOpLossScale, note="demonstrates what loss scaling prevents"),
+)
+
+
+# ---- training ------------------------------------------------------------------------------
+
+
+def tree_bytes(tree) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+def make_model(run: Run, config: transformer.Config):
+  policy = fp8_rules() if run.policy is None else run.policy
+  return jaxmp.linen.mixed_precision(transformer.TransformerLM(config), policy)
+
+
+def loss_fn(apply_fn, variables, tokens):
+  logits = apply_fn(variables, tokens[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), tokens[:, 1:]).mean()
+
+
+def train(run: Run, args, config, corpus, val_batches):
+  model = make_model(run, config)
+  first = next(batches(corpus, args.batch, config.context, args.seed))
+  variables = model.init(jax.random.key(args.seed), first[:, :-1])
+  schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.steps // 10, args.steps,
+                                                args.lr / 10)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+  if run.loss_scale is not None:
+    tx = jaxmp.loss_scaling(tx, run.loss_scale())
+  state = jaxmp.train.TrainState.create(apply_fn=model.apply, variables=variables, tx=tx)
+
+  def step(state, tokens):
+    loss, grads = state.value_and_grad(lambda v: loss_fn(state.apply_fn, v, tokens))()
+    return state.apply_gradients(grads), loss
+
+  step = jax.jit(step, donate_argnums=0)
+  compiled = step.lower(state, first).compile()
+  memory = compiled.memory_analysis()
+  evaluate = jax.jit(lambda variables, tokens: loss_fn(model.apply, variables, tokens))
+
+  losses, scales = [], []
+  data = batches(corpus, args.batch, config.context, args.seed)
+  seconds = 0.0
+  bar = tqdm(range(args.steps), desc=f"{run.name:<24}", ncols=100, mininterval=1.0)
+  for i in bar:
+    tokens = next(data)
+    start = time.perf_counter()
+    state, loss = compiled(state, tokens)
+    loss = float(loss)  # waits for the step; the data pipeline stays out of the timing
+    if i > 0:  # the first call warms caches up
+      seconds += time.perf_counter() - start
+    losses.append(loss)
+    scales.append(float(state.loss_scale.loss_scale))
+    if i % 20 == 0:
+      bar.set_postfix(loss=f"{loss:.3f}", scale=f"{scales[-1]:g}")
+
+  val = float(np.mean([evaluate(state.variables, t) for t in val_batches]))
+  metrics = (jaxmp.loss_scaling_metrics(state.opt_state) if run.loss_scale is not None
+             else None)
+  return dict(
+      name=run.name, note=run.note, losses=losses, scales=scales,
+      train=float(np.mean(losses[-20:])), val=val,
+      tokens_per_s=(args.steps - 1) * args.batch * config.context / seconds,
+      param_bytes=tree_bytes(state.params), opt_bytes=tree_bytes(state.opt_state),
+      fp8_bytes=tree_bytes(state.fp8),
+      peak_bytes=(memory.temp_size_in_bytes + memory.argument_size_in_bytes
+                  + memory.output_size_in_bytes - memory.alias_size_in_bytes)
+      if memory is not None else float("nan"),
+      skipped=int(metrics["skipped_steps"]) if metrics else 0,
+      final_scale=float(metrics["loss_scale"]) if metrics else 1.0,
+  )
+
+
+# ---- report --------------------------------------------------------------------------------
+
+
+def mib(n: float) -> str:
+  return f"{n / 2**20:.2f}"
+
+
+def print_table(results, baseline):
+  header = (f"{'run':<26} {'train':>7} {'val':>7} {'val vs f32':>10} {'tokens/s':>9} "
+            f"{'speed':>6} {'params MiB':>10} {'opt MiB':>8} {'peak MiB':>9} {'skipped':>7} "
+            f"{'scale':>8}")
+  print("\n" + header + "\n" + "-" * len(header))
+  for r in results:
+    delta = (r["val"] - baseline["val"]) / baseline["val"] * 100
+    print(f"{r['name']:<26} {r['train']:>7.4f} {r['val']:>7.4f} {delta:>+9.2f}% "
+          f"{r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / baseline['tokens_per_s']:>5.2f}x "
+          f"{mib(r['param_bytes']):>10} {mib(r['opt_bytes']):>8} {mib(r['peak_bytes']):>9} "
+          f"{r['skipped']:>7} {r['final_scale']:>8g}")
+  for r in results:
+    if r["note"]:
+      print(f"  {r['name']}: {r['note']}")
+
+
+def plot(results, path: pathlib.Path):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  fig, (ax_loss, ax_scale) = plt.subplots(1, 2, figsize=(13, 4.5))
+  for r in results:
+    smooth = np.convolve(r["losses"], np.ones(10) / 10, mode="valid")
+    ax_loss.plot(smooth, label=r["name"], linestyle="--" if r["note"] else "-")
+  ax_loss.set(xlabel="step", ylabel="train loss (10-step mean)", title="Loss curves")
+  ax_loss.legend()
+  fp16 = next(r for r in results if r["name"] == "float16 + loss scaling")
+  ax_scale.semilogy(fp16["scales"])
+  ax_scale.set(xlabel="step", ylabel="loss scale", title="float16 dynamic loss scale")
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=300)
-  parser.add_argument("--batch", type=int, default=128)
-  parser.add_argument("--context", type=int, default=16)
-  parser.add_argument("--lr", type=float, default=3e-3)
+  parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+  parser.add_argument("--steps", type=int)
+  parser.add_argument("--batch", type=int)
+  parser.add_argument("--lr", type=float)
   parser.add_argument("--seed", type=int, default=0)
-  args = parser.parse_args()
+  parser.add_argument("--runs", nargs="*", help="names of the runs to do (default: all)")
+  parser.add_argument("--plot", default="outputs/train_lm.png")
+  args = parser.parse_args(argv)
+  preset = PRESETS[args.preset]
+  args.steps = args.steps or preset["steps"]
+  args.batch = args.batch or preset["batch"]
+  args.lr = args.lr or preset["lr"]
+  config = preset["config"]
 
-  corpus = load_corpus(2_000_000)
-  split = int(0.9 * len(corpus))
-  data, val = corpus[:split], corpus[split:]
-  print(f"corpus: {len(corpus):,} bytes of stdlib source; device: {jax.devices()[0].device_kind}")
+  corpus = load_corpus()
+  split = int(len(corpus) * 0.95)
+  train_data, val_data = corpus[:split], corpus[split:]
+  val_stream = batches(val_data, args.batch, config.context, seed=12345)
+  val_batches = [next(val_stream) for _ in range(preset["eval_batches"])]
+  device = jax.devices()[0]
+  print(f"jaxmp demo: {len(corpus):,} bytes of Python stdlib source; device {device.platform}"
+        f" ({device.device_kind}); transformer width {config.width}, depth {config.depth}, "
+        f"context {config.context}; batch {args.batch}; {args.steps} steps")
 
-  print(f"{'policy':<50} {'train loss':>10} {'val loss':>9} {'samples/s':>10}")
-  for spec in ("float32", "p=f32,c=bf16,o=f32"):
-    policy = jaxmp.get_policy(spec)
-    train_loss, val_loss, speed = train(policy, data, val, args)
-    print(f"{str(policy):<50} {train_loss:>10.4f} {val_loss:>9.4f} {speed:>10.0f}")
+  runs = [r for r in RUNS if not args.runs or r.name in args.runs]
+  results = [train(run, args, config, train_data, val_batches) for run in runs]
+  baseline = results[0]
+  print_table(results, baseline)
+  if any(r["name"] == "float16 + loss scaling" for r in results):
+    path = pathlib.Path(args.plot).resolve()
+    plot(results, path)
+    print(f"\nplot of the loss curves and the fp16 loss scale: {path}")
 
 
 if __name__ == "__main__":

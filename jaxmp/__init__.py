@@ -10,17 +10,27 @@ Example:
   >>> policy = jaxmp.get_policy("params=float32,compute=bfloat16,output=float32")
 """
 
+from jaxmp import fp8
 from jaxmp import linen
+from jaxmp import train
 from jaxmp.dtypes import FloatFormat
 from jaxmp.dtypes import float_format
 from jaxmp.dtypes import half_dtype
 from jaxmp.dtypes import parse_dtype
+from jaxmp.loss_scale import DynamicLossScale
+from jaxmp.loss_scale import LossScale
+from jaxmp.loss_scale import NoOpLossScale
+from jaxmp.loss_scale import StaticLossScale
 from jaxmp.policy import Policy
 from jaxmp.policy import get_policy
 from jaxmp.policy import to_jmp
 from jaxmp.rules import PolicyRules
 from jaxmp.rules import Rule
 from jaxmp.summary import summary
+from jaxmp.transforms import LossScalingState
+from jaxmp.transforms import get_loss_scale
+from jaxmp.transforms import loss_scaling
+from jaxmp.transforms import loss_scaling_metrics
 from jaxmp.tree import all_finite
 from jaxmp.tree import cast_tree
 from jaxmp.tree import select_tree
@@ -28,18 +38,28 @@ from jaxmp.tree import select_tree
 __version__ = "0.1.0"
 
 __all__ = (
+    "DynamicLossScale",
     "FloatFormat",
+    "LossScale",
+    "LossScalingState",
+    "NoOpLossScale",
     "Policy",
     "PolicyRules",
     "Rule",
+    "StaticLossScale",
     "all_finite",
     "cast_tree",
     "float_format",
+    "fp8",
+    "get_loss_scale",
     "get_policy",
     "half_dtype",
     "linen",
+    "loss_scaling",
+    "loss_scaling_metrics",
     "parse_dtype",
     "select_tree",
     "summary",
     "to_jmp",
+    "train",
 )

@@ -30,19 +30,17 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import warnings
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import flax.linen as nn
 import numpy as np
 
 from jaxmp import rules as rules_lib
 from jaxmp import tree as tree_lib
-
-_MISSING = object()
+from jaxmp.fp8 import injection
 _MAX_PATHS_IN_WARNING = 60
 
 
@@ -65,28 +63,6 @@ class CallRecord:
   output_dtype: np.dtype
 
 
-def _fp8_layer_types() -> tuple[type, ...]:
-  try:
-    from jaxmp.fp8 import linen as fp8_linen  # pylint: disable=g-import-not-at-top
-  except ImportError:  # TODO(integration): fp8 layers land with issue 5.
-    return ()
-  return fp8_linen.FP8_MODULE_TYPES
-
-
-@contextlib.contextmanager
-def _instance_attribute(module: nn.Module, name: str, value: Any) -> Iterator[None]:
-  """Shadows ``module.name`` on this instance only, restoring what was there after."""
-  previous = module.__dict__.get(name, _MISSING)
-  object.__setattr__(module, name, value)
-  try:
-    yield
-  finally:
-    if previous is _MISSING:
-      object.__delattr__(module, name)
-    else:
-      object.__setattr__(module, name, previous)
-
-
 def _params_in(module: nn.Module, dtype: np.dtype):
   """Makes ``module.param(...)`` return its value cast to ``dtype`` (storage unchanged)."""
   unbound_param = type(module).param
@@ -94,14 +70,7 @@ def _params_in(module: nn.Module, dtype: np.dtype):
   def param(*args, **kwargs):
     return tree_lib.cast_tree(unbound_param(module, *args, **kwargs), dtype)
 
-  return _instance_attribute(module, "param", param)
-
-
-def _fp8_injected(module: nn.Module, precision: rules_lib.ModulePrecision):
-  if precision.fp8 is None:
-    return contextlib.nullcontext()
-  from jaxmp.fp8 import linen as fp8_linen  # pylint: disable=g-import-not-at-top
-  return fp8_linen.inject(module, precision.fp8)
+  return injection.instance_attribute(module, "param", param)
 
 
 class _Interceptor:
@@ -111,16 +80,19 @@ class _Interceptor:
     self.rules = rules
     self.records: list[CallRecord] = []
     self._caller_dtypes: list[np.dtype] = []
-    self._skip_types = _fp8_layer_types()
 
   def __call__(self, next_fun: Callable, args, kwargs, context):
     module, method = context.module, context.method_name
     # Lifted transforms (nn.scan, nn.remat, ...) call their wrapped module through
     # anonymous functions on a detached scope; the real call is intercepted inside.
-    if method.startswith("<") or isinstance(module, self._skip_types):
+    # Private helpers run inside a public method that already set the precision up.
+    if (method.startswith("<") or (method.startswith("_") and method != "__call__")
+        or isinstance(module, injection.FP8_MODULE_TYPES)):
       return next_fun(*args, **kwargs)
     path = "/".join(module.path)
     precision = self.rules.resolve(path, type(module))
+    if precision.fp8 is not None and not injection.supports_fp8(type(module)):
+      precision = dataclasses.replace(precision, fp8=None)  # reported by unused_rules
     compute = precision.policy.compute_dtype
     if method == "setup":
       with _params_in(module, compute):
@@ -131,8 +103,10 @@ class _Interceptor:
     self.records.append(CallRecord(path, type(module), method, precision, output_dtype))
     args, kwargs = tree_lib.cast_tree((args, kwargs), compute)
     self._caller_dtypes.append(compute)
+    if precision.fp8 is not None and method == "__call__":
+      next_fun = injection.fp8_call(module, precision.fp8, next_fun)
     try:
-      with _params_in(module, compute), _fp8_injected(module, precision):
+      with _params_in(module, compute):
         out = next_fun(*args, **kwargs)
     finally:
       self._caller_dtypes.pop()
@@ -173,7 +147,12 @@ def unused_rules(rules: rules_lib.PolicyRules, records: list[CallRecord]) -> lis
   """Describes each rule that decided no module's precision in ``records``."""
   problems = []
   for index, rule in enumerate(rules.rules):
-    if any(r.precision.rule is rule for r in records):
+    decided = [r for r in records if r.precision.rule is rule]
+    if decided and rule.fp8 is not None and not any(r.precision.fp8 for r in decided):
+      names = ", ".join(t.__name__ for t in injection.FP8_LAYER_TYPES)
+      problems.append(f"rule {index} ({rule.describe()}) has an fp8 recipe but matches no "
+                      f"layer fp8 applies to ({names})")
+    if decided:
       continue
     if any(rule.matches(r.path, r.module_type) for r in records):
       problems.append(f"rule {index} ({rule.describe()}) is shadowed by earlier rules for "

@@ -67,12 +67,9 @@ def _check_match(match: Any) -> Optional[re.Pattern]:
 
 
 def _check_fp8(recipe: Any) -> None:
-  if recipe is None:
-    return
-  from jaxmp.fp8 import recipes  # pylint: disable=g-import-not-at-top
-  if not isinstance(recipe, recipes.RECIPE_TYPES):
-    names = ", ".join(f"jaxmp.fp8.{t.__name__}" for t in recipes.RECIPE_TYPES)
-    raise TypeError(f"Rule fp8 must be None or an fp8 recipe ({names}); got {recipe!r}.")
+  if recipe is not None:
+    from jaxmp.fp8 import recipes  # pylint: disable=g-import-not-at-top
+    recipes.check_recipe(recipe, where="Rule fp8")
 
 
 def _named_output(policy: Any, parsed: policy_lib.Policy) -> Optional[np.dtype]:

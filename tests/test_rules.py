@@ -146,7 +146,7 @@ def test_conflicting_output_dtypes():
 
 
 def test_bad_fp8_recipe():
-  with pytest.raises(TypeError, match="fp8 recipe"):
+  with pytest.raises(TypeError, match="Rule fp8: recipe must be.*'delayed'"):
     jaxmp.Rule(nn.Dense, fp8="delayed")
 
 

@@ -1,0 +1,424 @@
+"""``fp8_dot_general`` and ``fp8_einsum``: fp8 matmuls as pure functions.
+
+Forward: the input (lhs) and the kernel (rhs) are quantized to E4M3 with their
+scales, multiplied in fp8 with float32 accumulation (``preferred_element_type``),
+and the float32 product is multiplied by ``input_scale * kernel_scale`` and cast to
+the caller's output dtype. Backward: the output gradient is quantized to E5M2 with
+its scale, and the two transposed products (against the fp8 kernel for the input
+gradient, against the fp8 input for the kernel gradient) are computed the same way.
+Only the fp8 operands and the scales are kept for the backward pass (one byte per
+element instead of the operands' two or four).
+
+With :class:`~jaxmp.fp8.DelayedScaling`, scales come from the amax histories in
+``state`` and the updated state comes back as the cotangent of ``state`` (see
+:mod:`jaxmp.fp8.state`); with :class:`~jaxmp.fp8.CurrentScaling` every scale comes
+from its tensor's own amax and there is no state.
+
+Example:
+  >>> from jaxmp import fp8
+  >>> recipe = fp8.DelayedScaling(amax_history_length=4)
+  >>> state = fp8.init_state(recipe)
+  >>> x, w = jnp.ones((2, 3)), jnp.full((3, 4), 0.5)
+  >>> dims = (((1,), (0,)), ((), ()))
+  >>> fp8.fp8_dot_general(x, w, dims, state=state, recipe=recipe)
+  Array([[1.5, 1.5, 1.5, 1.5],
+         [1.5, 1.5, 1.5, 1.5]], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import functools
+import string
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp.fp8 import maxgrad
+from jaxmp.fp8 import quantize as q
+from jaxmp.fp8 import recipes as recipes_lib
+from jaxmp.fp8 import state as state_lib
+
+F32 = np.dtype(np.float32)
+
+
+class _Config(NamedTuple):
+  """Everything static about one fp8 matmul (hashable)."""
+  dimension_numbers: tuple
+  recipe: recipes_lib.Recipe
+  lhs_dtype: np.dtype
+  rhs_dtype: np.dtype
+  out_dtype: np.dtype
+  out_sharding: Any
+  # (shape, dtype) of each state leaf, to hand the new state back in the same form.
+  state_avals: Optional[tuple]
+
+
+def _check_operand(name: str, x: jax.Array) -> None:
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(
+        f"fp8_dot_general: {name} must be a floating-point array, got dtype {x.dtype}: "
+        "fp8 quantizes float operands only (integer and complex matmuls have no fp8 form).")
+
+
+def _canonical_dimension_numbers(dimension_numbers: Any) -> tuple:
+  try:
+    (lc, rc), (lb, rb) = dimension_numbers
+    return ((tuple(int(i) for i in lc), tuple(int(i) for i in rc)),
+            (tuple(int(i) for i in lb), tuple(int(i) for i in rb)))
+  except (TypeError, ValueError) as e:
+    raise ValueError(
+        "fp8_dot_general: dimension_numbers must be ((lhs_contract, rhs_contract), "
+        f"(lhs_batch, rhs_batch)), got {dimension_numbers!r}.") from e
+
+
+def _output_dtype(lhs, rhs, preferred_element_type) -> np.dtype:
+  if preferred_element_type is None:
+    return np.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
+  dtype = np.dtype(preferred_element_type)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        "fp8_dot_general: preferred_element_type must be a floating-point dtype, got "
+        f"{dtype.name}.")
+  return dtype
+
+
+def _as_state(state: Any, recipe: recipes_lib.DelayedScaling) -> state_lib.DelayedScalingState:
+  if state is None:
+    raise ValueError(
+        "fp8_dot_general: DelayedScaling needs state=; create it with "
+        "jaxmp.fp8.init_state(recipe) (or use the Fp8DotGeneral module, which keeps it "
+        "in the '_overwrite_with_gradient' collection).")
+  if isinstance(state, Mapping):
+    state = state_lib.DelayedScalingState.from_variables(state)
+  if not isinstance(state, state_lib.DelayedScalingState):
+    raise TypeError(
+        "fp8_dot_general: state must be a jaxmp.fp8.DelayedScalingState or a mapping with "
+        f"its six variable names, got {type(state).__name__}.")
+  state = state_lib.DelayedScalingState(*(jnp.asarray(x) for x in state))
+  for tensor in state_lib.TENSORS:
+    scale = getattr(state, f"{tensor}_scale")
+    history = getattr(state, f"{tensor}_amax_history")
+    if scale.size != 1:
+      raise ValueError(
+          f"fp8_dot_general: {tensor}_scale must hold one value, got shape {scale.shape}.")
+    if history.shape != (recipe.amax_history_length,):
+      raise ValueError(
+          f"fp8_dot_general: {tensor}_amax_history has shape {history.shape}, but the recipe "
+          f"has amax_history_length={recipe.amax_history_length}.")
+  for x in state:
+    if not (maxgrad.is_max_float32(x) or jnp.issubdtype(x.dtype, jnp.floating)):
+      raise TypeError(f"fp8_dot_general: fp8 state must be float32, got dtype {x.dtype}.")
+  return state
+
+
+def _read(x: jax.Array) -> jax.Array:
+  """A state leaf as float32 (its stored form may be max_float32)."""
+  if maxgrad.is_max_float32(x):
+    return jax.lax.convert_element_type(x, F32)
+  return x.astype(F32)
+
+
+def _write(x: jax.Array, aval: tuple) -> jax.Array:
+  """A float32 value in the shape and dtype of the state leaf it replaces."""
+  shape, dtype = aval
+  x = jnp.reshape(x, shape)
+  if dtype == maxgrad.max_float32:
+    return jax.lax.convert_element_type(x, maxgrad.max_float32)
+  return x.astype(dtype)
+
+
+def _remaining(ndim: int, *removed: Sequence[int]) -> list:
+  gone = set(i for dims in removed for i in dims)
+  return [i for i in range(ndim) if i not in gone]
+
+
+def _transposed_out_sharding(primal: jax.Array, axes: Sequence[int]) -> Any:
+  # Under an explicit-sharding mesh the gradient of an operand should be laid out
+  # like the operand; the transposed product produces it with its axes permuted.
+  sharding = getattr(jax.typeof(primal), "sharding", None)
+  if sharding is None or getattr(sharding.mesh, "empty", True):
+    return None
+  spec = tuple(sharding.spec) + (None,) * (primal.ndim - len(sharding.spec))
+  return sharding.update(spec=jax.sharding.PartitionSpec(*(spec[a] for a in axes)))
+
+
+def _operand_grad(g: jax.Array, other: jax.Array, primal: jax.Array, dimension_numbers: tuple,
+                  primal_is_lhs: bool, scale: jax.Array, dtype: np.dtype) -> jax.Array:
+  """The gradient of one dot_general operand, for fp8 ``g`` and ``other``.
+
+  ``dimension_numbers`` are the forward ones, from ``primal``'s point of view
+  (``primal`` first). The forward output is laid out as [batch, lhs-free, rhs-free];
+  contracting ``g`` with ``other`` over ``other``'s free dimensions and its batch
+  dimensions gives [batch, primal-free, other's contracting dims], which is then
+  permuted back into ``primal``'s layout. The float32 product is multiplied by
+  ``scale`` and cast to ``dtype`` *before* the permutation: ``dot -> multiply ->
+  convert`` is the chain XLA folds into one scaled fp8 GEMM on GPUs, and the
+  permutation then moves the narrow result.
+  """
+  (p_contract, o_contract), (p_batch, o_batch) = dimension_numbers
+  p_free = _remaining(primal.ndim, p_contract, p_batch)
+  o_free = _remaining(other.ndim, o_contract, o_batch)
+  n_batch = len(p_batch)
+  if primal_is_lhs:
+    g_other_free = range(n_batch + len(p_free), n_batch + len(p_free) + len(o_free))
+  else:
+    g_other_free = range(n_batch, n_batch + len(o_free))
+  dims = ((tuple(g_other_free), tuple(o_free)), (tuple(range(n_batch)), tuple(o_batch)))
+  # The result's last axes are other's contracting dims in increasing order; map
+  # each to the primal dimension it was contracted with.
+  p_contract_in_result = [p_contract[i] for i in np.argsort(o_contract)]
+  result_axes = list(p_batch) + p_free + p_contract_in_result
+  out_axes = tuple(int(i) for i in np.argsort(result_axes))
+  out = jax.lax.dot_general(
+      g, other, dims, preferred_element_type=F32,
+      out_sharding=_transposed_out_sharding(primal, result_axes))
+  out = (out * scale).astype(dtype)
+  return jax.lax.transpose(out, out_axes)
+
+
+def _forward(lhs, rhs, state, cfg: _Config):
+  recipe = cfg.recipe
+  if isinstance(recipe, recipes_lib.DelayedScaling):
+    st = state_lib.DelayedScalingState(*(_read(x) for x in state))
+    algo, margin = recipe.amax_compute, recipe.margin
+    x_scale = q.scale_from_amax(q.amax_from_history(st.input_amax_history, algo),
+                                st.input_scale.reshape(()), q.E4M3, margin)
+    k_scale = q.scale_from_amax(q.amax_from_history(st.kernel_amax_history, algo),
+                                st.kernel_scale.reshape(()), q.E4M3, margin)
+    g_scale = q.scale_from_amax(q.amax_from_history(st.output_grad_amax_history, algo),
+                                st.output_grad_scale.reshape(()), q.E5M2, margin)
+    x_history = q.record_amax(
+        st.input_amax_history, q.shared_amax(lhs, st.input_amax_history))
+    k_history = q.record_amax(
+        st.kernel_amax_history, q.shared_amax(rhs, st.kernel_amax_history))
+    g_history = q.valid_history(st.output_grad_amax_history)
+    histories = (x_history, k_history, g_history)
+  else:
+    one = jnp.ones((), F32)
+    x_scale = q.scale_from_amax(q.amax(lhs), one, q.E4M3, recipe.margin)
+    k_scale = q.scale_from_amax(q.amax(rhs), one, q.E4M3, recipe.margin)
+    g_scale, histories = None, None
+  q_lhs = q.quantize(lhs, q.E4M3, x_scale)
+  q_rhs = q.quantize(rhs, q.E4M3, k_scale)
+  out = jax.lax.dot_general(q_lhs, q_rhs, cfg.dimension_numbers, preferred_element_type=F32,
+                            out_sharding=cfg.out_sharding)
+  out = (out * (x_scale * k_scale)).astype(cfg.out_dtype)
+  return out, (q_lhs, q_rhs, x_scale, k_scale, g_scale, histories)
+
+
+def _backward(cfg: _Config, residuals, g):
+  q_lhs, q_rhs, x_scale, k_scale, g_scale, histories = residuals
+  recipe = cfg.recipe
+  if isinstance(recipe, recipes_lib.DelayedScaling):
+    x_history, k_history, old_g_history = histories
+    g_history = q.record_amax(old_g_history, q.shared_amax(g, old_g_history))
+  else:
+    g_scale = q.scale_from_amax(q.amax(g), jnp.ones((), F32), q.E5M2, recipe.margin)
+  q_g = q.quantize(g, q.E5M2, g_scale)
+  (lc, rc), (lb, rb) = cfg.dimension_numbers
+  d_lhs = _operand_grad(q_g, q_rhs, q_lhs, cfg.dimension_numbers, primal_is_lhs=True,
+                        scale=k_scale * g_scale, dtype=cfg.lhs_dtype)
+  d_rhs = _operand_grad(q_g, q_lhs, q_rhs, ((rc, lc), (rb, lb)), primal_is_lhs=False,
+                        scale=x_scale * g_scale, dtype=cfg.rhs_dtype)
+  if cfg.state_avals is None:
+    return d_lhs, d_rhs, None
+  values = (x_scale, x_history, k_scale, k_history, g_scale, g_history)
+  new_state = state_lib.DelayedScalingState(
+      *(_write(v, aval) for v, aval in zip(values, cfg.state_avals)))
+  return d_lhs, d_rhs, new_state
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fp8_dot(lhs, rhs, state, cfg):
+  return _forward(lhs, rhs, state, cfg)[0]
+
+
+_fp8_dot.defvjp(_forward, _backward)
+
+# Outside jit, running the quantize/dot/rescale ops one by one costs a dispatch (and
+# on first use a compilation) each; one jitted call costs one. Inside jit it inlines.
+_fp8_dot_jit = jax.jit(_fp8_dot, static_argnums=(3,))
+
+
+def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
+                    preferred_element_type: Any = None, out_sharding: Any = None, *,
+                    state: Any = None, recipe: Optional[recipes_lib.Recipe] = None) -> jax.Array:
+  """``jax.lax.dot_general`` computed in fp8, with delayed or current scaling.
+
+  A drop-in ``dot_general``: ``functools.partial(fp8_dot_general, state=...,
+  recipe=...)`` can be passed wherever ``lax.dot_general`` is called, e.g.
+  ``nn.Dense(dot_general=...)``. ``lhs`` is treated as the input (activation) and
+  ``rhs`` as the kernel, as Flax's dense layers pass them.
+
+  With delayed scaling the cotangent of ``state`` under ``jax.grad`` is the state to
+  use on the next step (see :mod:`jaxmp.fp8.state` for how to apply it soundly).
+
+  Args:
+    lhs: the input, any floating-point dtype.
+    rhs: the kernel, any floating-point dtype.
+    dimension_numbers: ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))``.
+    precision: accepted for signature compatibility and ignored: fp8 products have a
+      single precision (fp8 operands, float32 accumulation).
+    preferred_element_type: the output dtype; defaults to the result type of the
+      operands, as for ``lax.dot_general`` (a bfloat16 model gets bfloat16 out).
+      Accumulation is float32 either way.
+    out_sharding: forwarded to the forward product's ``lax.dot_general`` (Flax NNX
+      passes it); the backward products lay gradients out like their operands.
+    state: a :class:`~jaxmp.fp8.DelayedScalingState` (or a mapping with its six
+      variable names) for delayed scaling, float32 or converted with
+      :func:`jaxmp.fp8.state.for_grad`; ``None`` for current scaling.
+    recipe: :class:`~jaxmp.fp8.DelayedScaling` (the default) or
+      :class:`~jaxmp.fp8.CurrentScaling`.
+
+  Returns:
+    The product, of ``lhs``/``rhs``'s result dtype or ``preferred_element_type``.
+
+  Raises:
+    TypeError: for integer or complex operands, a non-float
+      ``preferred_element_type``, a recipe that is not a jaxmp recipe, or state of
+      the wrong type.
+    ValueError: for missing state under delayed scaling, state given with current
+      scaling, or state whose history length does not match the recipe.
+
+  Example:
+    >>> from jaxmp import fp8
+    >>> x = jnp.array([[1.0, 2.0]], jnp.bfloat16)
+    >>> w = jnp.array([[1.0], [2.0]], jnp.bfloat16)
+    >>> fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), recipe=fp8.CurrentScaling())
+    Array([[5]], dtype=bfloat16)
+  """
+  del precision  # fp8 products have one precision.
+  recipe = recipes_lib.DelayedScaling() if recipe is None else recipes_lib.check_recipe(
+      recipe, "fp8_dot_general")
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  _check_operand("lhs", lhs)
+  _check_operand("rhs", rhs)
+  dimension_numbers = _canonical_dimension_numbers(dimension_numbers)
+  out_dtype = _output_dtype(lhs, rhs, preferred_element_type)
+  if isinstance(recipe, recipes_lib.DelayedScaling):
+    state = _as_state(state, recipe)
+    state_avals = tuple((x.shape, x.dtype) for x in state)
+  else:
+    if state is not None:
+      raise ValueError(
+          f"fp8_dot_general: {recipe!r} keeps no state, but state= was given; pass "
+          "state=None, or use DelayedScaling for stateful scaling.")
+    state_avals = None
+  cfg = _Config(dimension_numbers, recipe, np.dtype(lhs.dtype), np.dtype(rhs.dtype),
+                out_dtype, out_sharding, state_avals)
+  return _fp8_dot_jit(lhs, rhs, state, cfg)
+
+
+def _expand_ellipsis(spec: str, ndim: int, ell_labels: str, operand: str) -> str:
+  if "..." not in spec:
+    if len(spec) != ndim:
+      raise ValueError(
+          f"fp8_einsum: {operand} has {ndim} dimensions but its subscripts {spec!r} name "
+          f"{len(spec)}.")
+    return spec
+  n_ell = ndim - (len(spec) - 3)
+  if n_ell < 0:
+    raise ValueError(
+        f"fp8_einsum: {operand} has {ndim} dimensions, fewer than its subscripts {spec!r} name.")
+  return spec.replace("...", ell_labels[len(ell_labels) - n_ell:] if n_ell else "")
+
+
+def _parse_einsum(eqn: str, lhs_ndim: int, rhs_ndim: int) -> tuple:
+  spec = eqn.replace(" ", "")
+  inputs, arrow, out = spec.partition("->")
+  operands = inputs.split(",")
+  if len(operands) != 2:
+    raise ValueError(f"fp8_einsum takes exactly two operands, got equation {eqn!r}.")
+  for part in (*operands, out):
+    letters = part.replace("...", "")
+    if not all(c in string.ascii_letters for c in letters):
+      raise ValueError(f"fp8_einsum: subscripts must be letters (and '...'), got {eqn!r}.")
+  n_ell = max(nd - (len(s) - 3) if "..." in s else 0
+              for s, nd in zip(operands, (lhs_ndim, rhs_ndim)))
+  unused = [c for c in string.ascii_letters if c not in spec]
+  ell_labels = "".join(unused[:n_ell])
+  lhs_spec = _expand_ellipsis(operands[0], lhs_ndim, ell_labels, "lhs")
+  rhs_spec = _expand_ellipsis(operands[1], rhs_ndim, ell_labels, "rhs")
+  if not arrow:  # implicit output: ellipsis dims, then labels used once, sorted.
+    counts = {c: (lhs_spec + rhs_spec).count(c) for c in set(lhs_spec + rhs_spec)}
+    out = ell_labels + "".join(sorted(c for c, n in counts.items()
+                                      if n == 1 and c not in ell_labels))
+  else:
+    if "..." in out:
+      out = out.replace("...", ell_labels)
+  for name, labels in (("lhs", lhs_spec), ("rhs", rhs_spec), ("output", out)):
+    if len(set(labels)) != len(labels):
+      raise ValueError(
+          f"fp8_einsum: repeated subscripts within the {name} of {eqn!r} (diagonals and "
+          "traces) have no fp8 form.")
+  missing = set(out) - set(lhs_spec) - set(rhs_spec)
+  if missing:
+    raise ValueError(f"fp8_einsum: output subscripts {sorted(missing)} of {eqn!r} appear in "
+                     "no operand.")
+  return lhs_spec, rhs_spec, out
+
+
+def fp8_einsum(eqn: str, lhs: jax.Array, rhs: jax.Array, *, state: Any = None,
+               recipe: Optional[recipes_lib.Recipe] = None, preferred_element_type: Any = None,
+               precision: Any = None) -> jax.Array:
+  """A two-operand ``jnp.einsum`` computed as one :func:`fp8_dot_general`.
+
+  ``lhs`` is the input and ``rhs`` the kernel, as in ``nn.Einsum`` (whose kernel is
+  the second operand). Unlike passing an fp8 dot_general to ``jnp.einsum(...,
+  _dot_general=...)``, which may call it with the operands swapped and so apply the
+  input's scale to the kernel, the roles here are fixed. Labels found in one
+  operand only and not in the output are summed out before quantization.
+
+  Args:
+    eqn: e.g. ``"btd,dnh->btnh"``; ``...`` and implicit outputs are accepted.
+    lhs: the input.
+    rhs: the kernel.
+    state: as for :func:`fp8_dot_general`.
+    recipe: as for :func:`fp8_dot_general`.
+    preferred_element_type: as for :func:`fp8_dot_general`.
+    precision: accepted and ignored, as for :func:`fp8_dot_general`.
+
+  Returns:
+    The einsum, as ``jnp.einsum(eqn, lhs, rhs)`` lays it out.
+
+  Raises:
+    ValueError: for an equation without exactly two operands, repeated subscripts
+      within an operand, or operands whose sizes disagree on a shared subscript.
+    TypeError: as for :func:`fp8_dot_general`.
+
+  Example:
+    >>> from jaxmp import fp8
+    >>> x, w = jnp.ones((2, 3, 4)), jnp.ones((4, 5))
+    >>> fp8.fp8_einsum("btd,dh->bth", x, w, recipe=fp8.CurrentScaling()).shape
+    (2, 3, 5)
+  """
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  lhs_spec, rhs_spec, out = _parse_einsum(eqn, lhs.ndim, rhs.ndim)
+  for c in set(lhs_spec) & set(rhs_spec):
+    if lhs.shape[lhs_spec.index(c)] != rhs.shape[rhs_spec.index(c)]:
+      raise ValueError(
+          f"fp8_einsum: subscript {c!r} of {eqn!r} has size {lhs.shape[lhs_spec.index(c)]} "
+          f"in lhs and {rhs.shape[rhs_spec.index(c)]} in rhs.")
+
+  def sum_unique(x, spec, other):
+    axes = tuple(i for i, c in enumerate(spec) if c not in other and c not in out)
+    if not axes:
+      return x, spec
+    x = jnp.sum(x, axis=axes, dtype=F32).astype(x.dtype)
+    return x, "".join(c for c in spec if c in other or c in out)
+
+  lhs, lhs_spec = sum_unique(lhs, lhs_spec, rhs_spec)
+  rhs, rhs_spec = sum_unique(rhs, rhs_spec, lhs_spec)
+  batch = [c for c in out if c in lhs_spec and c in rhs_spec]
+  contract = [c for c in lhs_spec if c in rhs_spec and c not in out]
+  dims = ((tuple(lhs_spec.index(c) for c in contract), tuple(rhs_spec.index(c) for c in contract)),
+          (tuple(lhs_spec.index(c) for c in batch), tuple(rhs_spec.index(c) for c in batch)))
+  y = fp8_dot_general(lhs, rhs, dims, precision, preferred_element_type, state=state,
+                      recipe=recipe)
+  y_spec = ("".join(batch) + "".join(c for c in lhs_spec if c not in rhs_spec)
+            + "".join(c for c in rhs_spec if c not in lhs_spec))
+  perm = tuple(y_spec.index(c) for c in out)
+  return y if perm == tuple(range(len(perm))) else jnp.transpose(y, perm)

@@ -1,0 +1,137 @@
+"""Flax linen fp8 layers: ``Fp8DotGeneral`` for dense layers, ``Fp8Einsum`` for einsums.
+
+Both keep delayed-scaling state in the ``_overwrite_with_gradient`` collection under
+Flax's variable names (``input_scale``, ``input_amax_history``, ``kernel_scale``,
+``kernel_amax_history``, ``output_grad_scale``, ``output_grad_amax_history``; scales
+``(1,)``, histories ``(amax_history_length,)``, float32), so Flax's
+``TrainState.apply_gradients`` works unchanged and checkpoints of Flax's
+``nn.Fp8DotGeneral`` carry over (the module is named ``Fp8DotGeneral_0`` rather than
+``Fp8DirectDotGeneralOp_0``). With :class:`~jaxmp.fp8.CurrentScaling` they create no
+variables at all.
+
+For training that stays sound when a layer is reused, unused, or a step is skipped,
+update the collection with :mod:`jaxmp.fp8.state` (``for_grad`` inside the loss,
+``merge`` afterwards) rather than overwriting it.
+
+Example:
+  >>> import flax.linen as nn
+  >>> from jaxmp import fp8
+  >>> dense = nn.Dense(4, dot_general_cls=fp8.Fp8DotGeneral)
+  >>> variables = dense.init(jax.random.key(0), jnp.ones((2, 3)))
+  >>> sorted(variables["_overwrite_with_gradient"]["Fp8DotGeneral_0"])
+  ['input_amax_history', 'input_scale', 'kernel_amax_history', 'kernel_scale', 'output_grad_amax_history', 'output_grad_scale']
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp.fp8 import dot_general as dot_general_lib
+from jaxmp.fp8 import recipes as recipes_lib
+from jaxmp.fp8 import state as state_lib
+
+
+def _read_state(module: nn.Module, recipe: recipes_lib.Recipe
+                ) -> Optional[state_lib.DelayedScalingState]:
+  if isinstance(recipe, recipes_lib.CurrentScaling):
+    return None
+  length = recipe.amax_history_length
+  values = {}
+  for tensor in state_lib.TENSORS:
+    values[f"{tensor}_scale"] = module.variable(
+        state_lib.OVERWRITE_WITH_GRADIENT, f"{tensor}_scale",
+        lambda: jnp.ones((1,), jnp.float32)).value
+    values[f"{tensor}_amax_history"] = module.variable(
+        state_lib.OVERWRITE_WITH_GRADIENT, f"{tensor}_amax_history",
+        lambda: jnp.zeros((length,), jnp.float32)).value
+  return state_lib.DelayedScalingState.from_variables(values)
+
+
+class Fp8DotGeneral(nn.Module):
+  """An fp8 ``dot_general`` with its scaling state, for Flax's dense layers.
+
+  Use it as ``nn.Dense(features, dot_general_cls=Fp8DotGeneral)``, also in
+  ``nn.DenseGeneral`` and in ``nn.MultiHeadDotProductAttention`` (its
+  ``qkv_dot_general_cls`` and ``out_dot_general_cls``, which reach the projections'
+  ``DenseGeneral``); choose the recipe with ``functools.partial(Fp8DotGeneral,
+  recipe=...)``. The first operand is the input, the second the kernel.
+
+  Attributes:
+    recipe: :class:`~jaxmp.fp8.DelayedScaling` (default, history length 1024) or
+      :class:`~jaxmp.fp8.CurrentScaling`.
+
+  Raises:
+    TypeError: at construction, if ``recipe`` is not a jaxmp fp8 recipe.
+
+  Example:
+    >>> import functools
+    >>> import flax.linen as nn
+    >>> from jaxmp import fp8
+    >>> layer = nn.Dense(2, dot_general_cls=functools.partial(
+    ...     fp8.Fp8DotGeneral, recipe=fp8.DelayedScaling(amax_history_length=16)))
+    >>> v = layer.init(jax.random.key(0), jnp.ones((1, 3)))
+    >>> v["_overwrite_with_gradient"]["Fp8DotGeneral_0"]["input_amax_history"].shape
+    (16,)
+  """
+
+  recipe: Any = recipes_lib.DelayedScaling()
+
+  def __post_init__(self):
+    recipes_lib.check_recipe(self.recipe, type(self).__name__)
+    super().__post_init__()
+
+  @nn.compact
+  def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
+               precision: Any = None, preferred_element_type: Any = None,
+               out_sharding: Any = None) -> jax.Array:
+    """``fp8_dot_general(lhs, rhs, ...)`` with this module's state; same arguments."""
+    state = _read_state(self, self.recipe)
+    return dot_general_lib.fp8_dot_general(
+        lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding,
+        state=state, recipe=self.recipe)
+
+
+class Fp8Einsum(nn.Module):
+  """A two-operand einsum in fp8 with its scaling state (input first, kernel second).
+
+  Called like Flax's ``nn.Fp8Einsum``: ``Fp8Einsum()(eqn, lhs, rhs)``. It computes
+  :func:`~jaxmp.fp8.fp8_einsum`, which keeps the operands' roles fixed (passing an fp8
+  dot_general as ``jnp.einsum``'s ``_dot_general`` does not: einsum may swap them).
+  To put a learnable kernel behind it, use it inside a module that creates the kernel,
+  as ``nn.Einsum`` does; ``Rule(nn.Einsum, fp8=...)`` does that for existing models.
+
+  Attributes:
+    recipe: :class:`~jaxmp.fp8.DelayedScaling` (default) or
+      :class:`~jaxmp.fp8.CurrentScaling`.
+
+  Raises:
+    TypeError: at construction, if ``recipe`` is not a jaxmp fp8 recipe.
+
+  Example:
+    >>> from jaxmp import fp8
+    >>> layer = fp8.Fp8Einsum(recipe=fp8.CurrentScaling())
+    >>> x, w = jnp.ones((2, 3, 4)), jnp.ones((4, 5))
+    >>> y, variables = layer.init_with_output(jax.random.key(0), "btd,dh->bth", x, w)
+    >>> y.shape, variables
+    ((2, 3, 5), {})
+  """
+
+  recipe: Any = recipes_lib.DelayedScaling()
+
+  def __post_init__(self):
+    recipes_lib.check_recipe(self.recipe, type(self).__name__)
+    super().__post_init__()
+
+  @nn.compact
+  def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array, precision: Any = None,
+               preferred_element_type: Any = None) -> jax.Array:
+    """``fp8_einsum(eqn, lhs, rhs)`` with this module's state."""
+    state = _read_state(self, self.recipe)
+    return dot_general_lib.fp8_einsum(
+        eqn, lhs, rhs, state=state, recipe=self.recipe,
+        preferred_element_type=preferred_element_type, precision=precision)

@@ -1,0 +1,235 @@
+"""Quantize, dequantize, scales and amax histories: the arithmetic of fp8 scaling.
+
+Conventions (Flax's, so that state migrates between the two):
+
+- a *scale* is the dequantization multiplier: ``x ~= dequantize(quantize(x, s), s)``
+  with ``quantize(x, s) = clip(x / s, -fp8_max, fp8_max)`` cast to fp8, and
+  ``dequantize(q, s) = q * s``. A tensor whose amax is ``a`` gets
+  ``s = 1 / ((fp8_max / a) / 2**margin)``, which maps ``a`` to ``fp8_max / 2**margin``;
+- an *amax history* is a float32 vector whose entry 0 is the most recent amax:
+  a new amax is recorded with ``roll(history, -1)`` followed by ``history[0] = amax``.
+
+Everything here computes in float32, whatever the dtype of the tensor being quantized:
+a bfloat16 tensor is divided by its float32 scale in float32 (Flax rounds the scale
+and the quotient to bfloat16 first), and the result is rounded once, to fp8.
+
+Soundness rules that every function here keeps:
+
+- a scale is always finite and > 0: where the arithmetic would give 0, inf or NaN (an
+  empty history, an overflowed amax, an amax so small that ``fp8_max / amax``
+  overflows) the previous scale is kept, and a previous scale that is itself not
+  finite and > 0 (e.g. a state zeroed by a zero cotangent) is replaced by 1;
+- a history never holds inf, NaN or a negative value: a non-finite amax is recorded
+  as 0 (neutral for ``max``), and such entries in an incoming history read as 0.
+
+Example:
+  >>> from jaxmp.fp8 import quantize as q
+  >>> s = q.scale_from_amax(jnp.float32(10.0), jnp.float32(1.0), q.E4M3)
+  >>> bool(s == jnp.float32(10) / 448)
+  True
+  >>> x = jnp.array([10.0, -5.0, 0.1])
+  >>> q.dequantize(q.quantize(x, q.E4M3, s), s)
+  Array([10.        , -5.        ,  0.10044643], dtype=float32)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp import dtypes as dtypes_lib
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+"""float8_e4m3fn: forward operands (inputs and kernels). Max 448, no infinities."""
+
+E5M2 = np.dtype(jnp.float8_e5m2)
+"""float8_e5m2: output gradients. Max 57344."""
+
+F32 = np.dtype(np.float32)
+
+
+def fp8_max(fp8_dtype: Any) -> float:
+  """The largest finite value of an fp8 dtype (448 for E4M3, 57344 for E5M2)."""
+  fmt = dtypes_lib.float_format(fp8_dtype)
+  if fmt.dtype.itemsize != 1:
+    raise ValueError(f"Expected an fp8 dtype, got {fmt.dtype.name}.")
+  return fmt.max
+
+
+def quantize(x: jax.Array, fp8_dtype: Any, scale: jax.Array) -> jax.Array:
+  """Quantizes ``x`` to ``fp8_dtype`` with the dequantization multiplier ``scale``.
+
+  ``clip(float32(x) / scale, -fp8_max, fp8_max)`` cast to ``fp8_dtype``: the division
+  is float32 for every input dtype, and clipping saturates finite values beyond the
+  range (E4M3 has no infinity; an unclipped overflow would become NaN). Non-finite
+  inputs stay non-finite (inf becomes NaN in E4M3, inf in E5M2; Flax saturates inf to
+  the fp8 max), so that an overflow upstream reaches the gradients and loss scaling
+  skips the step instead of applying saturated gradients.
+
+  Args:
+    x: a floating-point array of any dtype.
+    fp8_dtype: ``E4M3`` or ``E5M2``.
+    scale: a scalar float32 scale, > 0.
+
+  Returns:
+    An array of ``x``'s shape in ``fp8_dtype``.
+  """
+  bound = fp8_max(fp8_dtype)
+  x = x.astype(F32)
+  scaled = jnp.clip(x / jnp.asarray(scale, F32), -bound, bound)
+  # Clipping saturates finite values beyond the range, but must not turn an inf
+  # into a finite number: an overflow upstream (e.g. a loss-scaled backward pass in
+  # float16) has to stay visible so that loss scaling skips the step. inf becomes
+  # NaN in E4M3 (which has no inf) and stays inf in E5M2.
+  scaled = jnp.where(jnp.isfinite(x), scaled, x)
+  return scaled.astype(fp8_dtype)
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype: Any = F32) -> jax.Array:
+  """``float32(q) * scale``, cast to ``dtype``."""
+  return (q.astype(F32) * jnp.asarray(scale, F32)).astype(dtype)
+
+
+def amax(x: jax.Array) -> jax.Array:
+  """``max|x|`` as a float32 scalar (0 for an empty array)."""
+  if x.dtype.itemsize == 1:
+    x = x.astype(F32)  # fp8 has no arithmetic of its own on some backends.
+  if x.size == 0:
+    return jnp.zeros((), F32)
+  # abs and max are exact in every float format, so reducing in x's own dtype and
+  # widening the scalar afterwards gives the float32 answer without a float32 copy.
+  return jnp.max(jnp.abs(x)).astype(F32)
+
+
+def valid_scale(scale: jax.Array) -> jax.Array:
+  """``scale`` where it is finite and > 0, else 1: the scale an fp8 op may trust."""
+  scale = jnp.asarray(scale, F32)
+  return jnp.where(jnp.isfinite(scale) & (scale > 0), scale, jnp.ones_like(scale))
+
+
+def valid_history(history: jax.Array) -> jax.Array:
+  """``history`` with every inf, NaN or negative entry read as 0."""
+  history = jnp.asarray(history, F32)
+  return jnp.where(jnp.isfinite(history) & (history > 0), history, jnp.zeros_like(history))
+
+
+def scale_from_amax(amax_value: jax.Array, previous_scale: jax.Array, fp8_dtype: Any,
+                    margin: int = 0) -> jax.Array:
+  """The scale that maps ``amax_value`` to ``fp8_max / 2**margin``.
+
+  Computed as TransformerEngine and Flax do, ``1 / ((fp8_max / amax) / 2**margin)``
+  in float32, so the stored scales are bit-identical to theirs. Where that is not a
+  finite positive number (amax 0, inf or NaN, or so small that ``fp8_max / amax``
+  overflows) the result is ``previous_scale``, itself replaced by 1 when it is not
+  finite and > 0.
+
+  Args:
+    amax_value: a float32 scalar.
+    previous_scale: the scale to fall back on, a float32 scalar.
+    fp8_dtype: the format the scale is for.
+    margin: headroom in powers of two.
+
+  Returns:
+    A finite, positive float32 scalar.
+
+  Example:
+    >>> from jaxmp.fp8 import quantize as q
+    >>> float(q.scale_from_amax(jnp.float32(0.0), jnp.float32(0.0), q.E4M3))
+    1.0
+  """
+  amax_value = jnp.asarray(amax_value, F32)
+  fallback = valid_scale(previous_scale)
+  one = jnp.asarray(1.0, F32)
+  inverse = (jnp.asarray(fp8_max(fp8_dtype), F32) / amax_value) / jnp.asarray(2.0**margin, F32)
+  ok = (amax_value > 0) & jnp.isfinite(amax_value) & (inverse > 0) & jnp.isfinite(inverse)
+  # Select on the inverse and take one reciprocal of the selection, as Flax and
+  # TransformerEngine do: besides giving their rounding (1 / (448 / a) is not always
+  # a / 448 in float32), the select keeps XLA from rewriting 1 / (m / a) into a / m
+  # in some programs and not in others.
+  scale = one / jnp.where(ok, inverse, one / fallback)
+  return jnp.where(jnp.isfinite(scale) & (scale > 0), scale, fallback)
+
+
+def amax_from_history(history: jax.Array, amax_compute: str = "max") -> jax.Array:
+  """The amax a delayed-scaling step scales by: ``max(history)`` or ``history[0]``.
+
+  Args:
+    history: a float32 amax history; inf, NaN and negative entries read as 0.
+    amax_compute: ``"max"`` or ``"most_recent"``.
+
+  Returns:
+    A float32 scalar.
+  """
+  history = valid_history(history)
+  if amax_compute == "max":
+    return jnp.max(history)
+  if amax_compute == "most_recent":
+    return history[0]
+  raise ValueError(
+      f"Unknown amax_compute {amax_compute!r}; accepted values are 'max', 'most_recent'.")
+
+
+def record_amax(history: jax.Array, amax_value: jax.Array) -> jax.Array:
+  """Records ``amax_value`` as the most recent entry of ``history``.
+
+  ``roll(history, -1)`` then ``history[0] = amax``; a non-finite amax (an overflowed
+  step) is recorded as 0, so inf and NaN never enter a history, and the history keeps
+  its shape and rotation, so histories recorded from the same old one can be combined
+  entry by entry with ``max``.
+
+  Args:
+    history: a float32 amax history.
+    amax_value: a float32 scalar.
+
+  Returns:
+    The new history.
+  """
+  history = valid_history(history)
+  amax_value = jnp.asarray(amax_value, F32)
+  amax_value = jnp.where(jnp.isfinite(amax_value) & (amax_value > 0), amax_value, 0.0)
+  return jnp.roll(history, -1, axis=0).at[0].set(amax_value)
+
+
+@jax.custom_batching.custom_vmap
+def shared_amax(x: jax.Array, history: jax.Array) -> jax.Array:
+  """``max|x|`` over everything that shares the amax ``history``.
+
+  Outside ``vmap`` this is :func:`amax` (``history`` only says who shares it). Under
+  ``vmap`` the answer follows the history: when the history is not batched (one set
+  of fp8 state shared by every example, as in ``nn.vmap`` with broadcast variables or
+  ``jax.vmap`` of a layer over a batch) the amax is taken over the whole batch and is
+  not batched, because that state gets a single next value; when the history is
+  batched (an ensemble, one state per member) each member gets its own amax. Plain
+  batching would instead give one amax per example, which reverse mode then *adds*
+  into the shared state.
+
+  Args:
+    x: the tensor, any float dtype.
+    history: the amax history this amax will be recorded in (only its batching is
+      used).
+
+  Returns:
+    A float32 scalar.
+  """
+  del history
+  return amax(x)
+
+
+@shared_amax.def_vmap
+def _shared_amax_vmap(axis_size, in_batched, x, history):
+  x_batched, history_batched = in_batched
+  if not history_batched:
+    # One state for the whole batch: reduce the batch axis away, then ask again at
+    # this level with nothing batched, so enclosing vmaps apply this rule too.
+    x = jnp.max(jnp.abs(x.astype(F32) if x.dtype.itemsize == 1 else x), axis=0)
+    return shared_amax(x, history), False
+  # One state per member: one amax per member, each computed by a call that enclosing
+  # vmaps see (lax.map over the members), again so that their batching is respected.
+  if x_batched:
+    per_member = jax.vmap(amax)(x)
+  else:
+    per_member = jnp.broadcast_to(amax(x), (axis_size,))
+  return jax.lax.map(lambda args: shared_amax(*args), (per_member, history)), True

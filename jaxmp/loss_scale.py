@@ -1,0 +1,567 @@
+"""Loss scales: immutable pytrees that scale a loss up and its gradients back down.
+
+In float16 small gradients underflow to zero. Multiplying the loss by a large factor
+(the *loss scale*) before differentiating shifts every gradient up by the same factor;
+dividing the gradients by it afterwards (*unscaling*) gives the true gradients back.
+Too large a scale overflows instead, so a :class:`DynamicLossScale` backs off when a
+step's gradients are not finite and grows again after a run of finite steps.
+
+Three loss scales share one interface (:class:`LossScale`):
+
+* :class:`NoOpLossScale`: scale 1, nothing is multiplied (bfloat16 and fp8 training).
+* :class:`StaticLossScale`: a fixed scale.
+* :class:`DynamicLossScale`: ``torch.amp.GradScaler``'s rule, clamped to
+  ``[min_scale, max_scale]``.
+
+Each is a registered pytree. The scale (a float32 array) and the dynamic counter (an
+int32 array) are leaves; the hyperparameters are static, hashable aux data, so
+every field survives ``jax.tree_util`` flatten/unflatten, ``jit`` and checkpointing.
+``adjust`` returns a new object and is safe inside ``jit``, ``vmap`` and ``scan``.
+
+Scaling arithmetic is done in float32 (float64 for float64 leaves) whatever dtype the
+scale or the tree is in, and each leaf is cast back to its own dtype: unscaling a
+float16 gradient multiplies it by ``1/scale`` in float32, where ``1/scale`` is exact
+for power-of-two scales and cannot overflow, and the result fits float16 again because
+``|g/scale| <= |g|`` for ``scale >= 1``. Keeping the leaf dtype keeps the gradient tree
+matching the parameters it is applied to; keep master parameters in float32 (so that
+their gradients are float32) when unscaled gradients would underflow float16.
+
+Example:
+  >>> ls = jaxmp.DynamicLossScale(scale=2.0**15, growth_interval=2)
+  >>> grads = ls.scale({"w": jnp.array([1.0, -2.0])})
+  >>> grads["w"]
+  Array([ 32768., -65536.], dtype=float32)
+  >>> ls.unscale(grads)["w"]
+  Array([ 1., -2.], dtype=float32)
+  >>> ls = ls.adjust(jnp.array(False))   # overflow: back off
+  >>> float(ls.loss_scale), int(ls.counter)
+  (16384.0, 0)
+  >>> ls = ls.adjust(True).adjust(True)  # 2nd consecutive finite step: grow
+  >>> float(ls.loss_scale), int(ls.counter)
+  (32768.0, 0)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence, TypeVar, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp import dtypes as dtypes_lib
+
+T = TypeVar("T")
+
+_F32_MAX = float(np.finfo(np.float32).max)
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+# --------------------------------------------------------------------------------------
+# Argument checking.
+
+
+def _is_traced(value: Any) -> bool:
+  return isinstance(value, jax.core.Tracer)
+
+
+def _real_number(value: Any, name: str, *, owner: str) -> float:
+  """``value`` as a Python float, for a concrete real scalar; TypeError otherwise."""
+  if isinstance(value, (bool, np.bool_)) or value is None or isinstance(value, str):
+    raise TypeError(f"{owner}: {name} must be a real number, got {value!r}.")
+  if _is_traced(value):
+    raise TypeError(
+        f"{owner}: {name} must be a concrete number (it is a static hyperparameter), "
+        f"got a traced value {value!r}.")
+  try:
+    array = np.asarray(value)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"{owner}: {name} must be a real number, got {value!r}.") from e
+  if array.shape != ():
+    raise ValueError(f"{owner}: {name} must be a scalar, got an array of shape {array.shape}.")
+  if not (dtypes_lib.is_float_dtype(array.dtype) or np.issubdtype(array.dtype, np.integer)):
+    raise TypeError(f"{owner}: {name} must be a real number, got {value!r} of dtype {array.dtype}.")
+  return float(array)
+
+
+def _check_scale(scale: Any, *, owner: str) -> jax.Array:
+  """The scale as a float32 scalar array; checked to be positive and finite when concrete."""
+  if _is_traced(scale):
+    # Building a loss scale inside jit from a traced value (e.g. in a scan) is fine:
+    # it cannot be checked, as jnp functions do not check traced values either.
+    if np.shape(scale) != ():
+      raise ValueError(f"{owner}: scale must be a scalar, got shape {np.shape(scale)}.")
+    if not (dtypes_lib.is_float_dtype(scale.dtype) or jnp.issubdtype(scale.dtype, jnp.integer)):
+      raise TypeError(f"{owner}: scale must be a real number, got dtype {scale.dtype}.")
+    return jnp.asarray(scale, jnp.float32)
+  value = _real_number(scale, "scale", owner=owner)
+  if not (0.0 < value <= _F32_MAX):
+    raise ValueError(
+        f"{owner}: scale must be positive and finite in float32 (0 < scale <= {_F32_MAX:g}), "
+        f"got {scale!r}.")
+  return jnp.asarray(value, jnp.float32)
+
+
+def _check_grads_finite(grads_finite: Any, *, owner: str = "adjust") -> jax.Array:
+  """Checks that ``grads_finite`` is a scalar boolean and returns it as an array.
+
+  Args:
+    grads_finite: a Python ``bool``, ``np.bool_`` or ``bool[]`` array (traced or not).
+    owner: who is asking, for the error message.
+
+  Returns:
+    A ``bool[]`` array.
+
+  Raises:
+    TypeError: if it is not boolean (an integer 0/1 or a float is refused: say
+      ``jnp.asarray(x, bool)`` if that is what you mean).
+    ValueError: if it is not a scalar.
+  """
+  if isinstance(grads_finite, (bool, np.bool_)):
+    return jnp.asarray(grads_finite)
+  dtype = getattr(grads_finite, "dtype", None)
+  if dtype is None or np.dtype(dtype) != np.dtype(bool):
+    described = f"dtype {dtype}" if dtype is not None else f"type {type(grads_finite).__name__}"
+    raise TypeError(
+        f"{owner}: grads_finite must be a scalar bool (e.g. jaxmp.all_finite(grads)), got "
+        f"{described}.")
+  if np.shape(grads_finite) != ():
+    raise ValueError(
+        f"{owner}: grads_finite must be a scalar bool, got an array of shape "
+        f"{np.shape(grads_finite)}; reduce it first, e.g. with jnp.all.")
+  return jnp.asarray(grads_finite)
+
+
+# --------------------------------------------------------------------------------------
+# Scaling arithmetic.
+
+
+def _is_float_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray)) and dtypes_lib.is_float_dtype(x.dtype)
+
+
+def _compute_dtype(dtype: Any) -> np.dtype:
+  # float32 for every float of 32 bits or fewer, float64 for float64 leaves.
+  return np.dtype(np.float64) if np.dtype(dtype).itemsize > 4 else np.dtype(np.float32)
+
+
+def _multiply_tree(tree: T, factor: jax.Array) -> T:
+  """Multiplies the float array leaves by the float32 ``factor``, each keeping its dtype."""
+
+  def multiply(x):
+    if not _is_float_array(x):
+      return x
+    wide = _compute_dtype(x.dtype)
+    return (jnp.asarray(x, wide) * factor.astype(wide)).astype(x.dtype)
+
+  return jax.tree_util.tree_map(multiply, tree)
+
+
+# --------------------------------------------------------------------------------------
+# The loss scales.
+
+
+class LossScale:
+  """The interface every loss scale implements (not instantiated itself).
+
+  Attributes:
+    loss_scale: the current scale, a float32 scalar array.
+  """
+
+  __slots__ = ()
+
+  @property
+  def loss_scale(self) -> jax.Array:
+    raise NotImplementedError
+
+  def __setattr__(self, name, value):
+    raise AttributeError(
+        f"{type(self).__name__} is immutable; adjust() and the constructor return new ones.")
+
+  def __delattr__(self, name):
+    raise AttributeError(f"{type(self).__name__} is immutable.")
+
+  def scale(self, tree: T) -> T:
+    """Multiplies the floating-point array leaves of ``tree`` by the loss scale.
+
+    The product is computed in float32 (float64 for float64 leaves) and cast back to
+    each leaf's dtype; integer, bool, key and non-array leaves pass through.
+    """
+    return _multiply_tree(tree, self.loss_scale)
+
+  def unscale(self, tree: T) -> T:
+    """Multiplies the floating-point array leaves of ``tree`` by ``1 / loss_scale``.
+
+    Like ``torch.amp.GradScaler.unscale_``, the reciprocal is taken once in float32
+    and every leaf is multiplied by it in float32 (float64 for float64 leaves), then
+    cast back to its own dtype. For power-of-two scales this is exact.
+    """
+    return _multiply_tree(tree, jnp.float32(1.0) / self.loss_scale)
+
+  def adjust(self, grads_finite: Any) -> "LossScale":
+    """The loss scale for the next step, given whether this step's grads were finite."""
+    raise NotImplementedError
+
+  def value_and_grad(self, fun: Callable[..., Any], *, has_aux: bool = False,
+                     argnums: Union[int, Sequence[int]] = 0) -> Callable[..., Any]:
+    """Like ``jax.value_and_grad``, but differentiates the scaled loss.
+
+    The returned function computes ``fun(*args, **kwargs)`` once and differentiates
+    ``loss * loss_scale`` (the loss cast to float32 first, or kept in float64), so it
+    returns the *unscaled* loss and the *scaled* gradients: exactly what the update
+    of :func:`jaxmp.loss_scaling` expects.
+
+    Args:
+      fun: a function returning a scalar loss, or ``(loss, aux)`` with ``has_aux``.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+      argnums: which positional argument(s) to differentiate, as in ``jax.grad``.
+
+    Returns:
+      A function returning ``(loss, scaled_grads)``, or ``((loss, aux),
+      scaled_grads)`` with ``has_aux``; ``loss`` is in the dtype ``fun`` returned it in.
+
+    Example:
+      >>> ls = jaxmp.StaticLossScale(8.0)
+      >>> loss, grads = ls.value_and_grad(lambda w: jnp.sum(w ** 2))(jnp.array([1.0, 2.0]))
+      >>> loss, grads
+      (Array(5., dtype=float32), Array([16., 32.], dtype=float32))
+    """
+    if not callable(fun):
+      raise TypeError(f"value_and_grad: fun must be callable, got {fun!r}.")
+    scale = self.loss_scale
+
+    def scaled_fun(*args, **kwargs):
+      out = fun(*args, **kwargs)
+      if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+          raise TypeError(
+              "value_and_grad(has_aux=True): fun must return a pair (loss, aux), got "
+              f"{type(out).__name__}.")
+        loss, aux = out
+      else:
+        loss, aux = out, None
+      loss_array = jnp.asarray(loss)
+      wide = _compute_dtype(loss_array.dtype)
+      return loss_array.astype(wide) * scale.astype(wide), (loss, aux)
+
+    grad_fn = jax.grad(scaled_fun, argnums=argnums, has_aux=True)
+
+    def value_and_scaled_grad(*args, **kwargs):
+      grads, (loss, aux) = grad_fn(*args, **kwargs)
+      return ((loss, aux) if has_aux else loss), grads
+
+    return value_and_scaled_grad
+
+
+class NoOpLossScale(LossScale):
+  """No loss scaling: a scale of 1 that multiplies nothing (bfloat16 / fp8 training).
+
+  A pytree without leaves. ``scale``/``unscale`` return the tree unchanged and
+  ``adjust`` returns ``self``.
+
+  Example:
+    >>> ls = jaxmp.NoOpLossScale()
+    >>> float(ls.loss_scale), ls.unscale({"g": 1.0})
+    (1.0, {'g': 1.0})
+  """
+
+  __slots__ = ()
+
+  @property
+  def loss_scale(self) -> jax.Array:
+    return jnp.ones((), jnp.float32)
+
+  def scale(self, tree: T) -> T:
+    """Returns ``tree`` itself: nothing is scaled."""
+    return tree
+
+  def unscale(self, tree: T) -> T:
+    """Returns ``tree`` itself: nothing is unscaled."""
+    return tree
+
+  def adjust(self, grads_finite: Any) -> "NoOpLossScale":
+    """Returns ``self`` (after checking that ``grads_finite`` is a scalar bool)."""
+    _check_grads_finite(grads_finite, owner="NoOpLossScale.adjust")
+    return self
+
+  def value_and_grad(self, fun, *, has_aux=False, argnums=0):
+    """``jax.value_and_grad(fun, argnums, has_aux)``: there is nothing to scale."""
+    if not callable(fun):
+      raise TypeError(f"value_and_grad: fun must be callable, got {fun!r}.")
+    return jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+
+  def __repr__(self) -> str:
+    return "NoOpLossScale()"
+
+
+class StaticLossScale(LossScale):
+  """A fixed loss scale.
+
+  Args:
+    scale: a positive, finite number: Python number, numpy or jax scalar of any float
+      or integer dtype (float16 included). Stored as a float32 scalar array, the only
+      leaf of this pytree.
+
+  Raises:
+    ValueError: if ``scale`` is not positive and finite in float32.
+    TypeError: if ``scale`` is not a real number.
+
+  Example:
+    >>> ls = jaxmp.StaticLossScale(jnp.float16(1024))
+    >>> ls.loss_scale, ls.adjust(False).loss_scale
+    (Array(1024., dtype=float32), Array(1024., dtype=float32))
+  """
+
+  __slots__ = ("_loss_scale",)
+
+  def __init__(self, scale: Any):
+    object.__setattr__(self, "_loss_scale", _check_scale(scale, owner="StaticLossScale"))
+
+  @property
+  def loss_scale(self) -> jax.Array:
+    return self._loss_scale
+
+  def adjust(self, grads_finite: Any) -> "StaticLossScale":
+    """Returns ``self`` (after checking that ``grads_finite`` is a scalar bool)."""
+    _check_grads_finite(grads_finite, owner="StaticLossScale.adjust")
+    return self
+
+  def __repr__(self) -> str:
+    return f"StaticLossScale(scale={self._loss_scale!r})"
+
+  def _tree_flatten_with_keys(self):
+    return ((jax.tree_util.GetAttrKey("loss_scale"), self._loss_scale),), None
+
+  def _tree_flatten(self):
+    return (self._loss_scale,), None
+
+  @classmethod
+  def _tree_unflatten(cls, aux, children):
+    del aux
+    # Unflatten takes leaves as they come (tracers, ShapeDtypeStructs, shardings,
+    # NNX variables, None, ...) without checking them: they are not user input.
+    out = object.__new__(cls)
+    object.__setattr__(out, "_loss_scale", children[0])
+    return out
+
+
+class DynamicLossScale(LossScale):
+  """A loss scale that backs off on overflow and grows after a run of finite steps.
+
+  The rule, applied by ``adjust(grads_finite)`` once per optimizer step, is
+  ``torch.amp.GradScaler``'s clamped to ``[min_scale, max_scale]``::
+
+    if not grads_finite:  scale = max(scale * backoff_factor, min_scale);  counter = 0
+    else:
+      counter += 1
+      if counter == growth_interval:          # the growth_interval-th consecutive finite step
+        s = scale * growth_factor
+        if isfinite(s): scale = min(s, max_scale)   # growth that overflows float32 is skipped
+        counter = 0                           # reset even when growth was skipped
+
+  With ``min_scale=0`` and ``max_scale=inf`` the trajectory is torch's for any
+  sequence of overflow flags (while the scale stays a normal float32 number: XLA
+  flushes subnormals to zero); Keras 3 has the same rule for factors 2 and 0.5. With
+  ``min_scale=1`` (the default) and ``max_scale=inf`` it is tf.keras's, and jmp's
+  until jmp's scale overflows float32 (jmp does not check). Flax's ``DynamicScale``
+  grows one step later (on the ``growth_interval + 1``-th finite step). All
+  arithmetic is in float32, with the factors rounded to float32: for factors exactly
+  representable in float32 (2.0, 0.5, ...) every value equals torch's bit for bit.
+
+  Args:
+    scale: the initial scale: a positive, finite number of any real dtype (Python,
+      numpy or jax; float16 included) in ``[min_scale, max_scale]``. May be traced.
+    growth_interval: the number of consecutive finite steps after which the scale
+      grows; an integer >= 1.
+    growth_factor: what the scale is multiplied by when it grows; > 1.
+    backoff_factor: what the scale is multiplied by on overflow; in (0, 1).
+    min_scale: the scale never backs off below this; >= 0 (0: no lower bound).
+    max_scale: the scale never grows above this; >= min_scale, may be ``inf``.
+    counter: the number of consecutive finite steps so far, for restoring a state by
+      hand; in ``[0, growth_interval)``. May be traced.
+
+  Attributes:
+    loss_scale: the current scale, a float32 scalar array (a pytree leaf).
+    counter: consecutive finite steps since the last growth or overflow, an int32
+      scalar array (a pytree leaf).
+    growth_interval, growth_factor, backoff_factor, min_scale, max_scale: the
+      hyperparameters, Python numbers kept as static pytree aux data.
+
+  Raises:
+    ValueError: for a hyperparameter outside the range given above.
+    TypeError: for a hyperparameter that is not a number (or not an integer where
+      one is needed).
+
+  Example:
+    >>> ls = jaxmp.DynamicLossScale(scale=4.0, growth_interval=1, max_scale=8.0)
+    >>> [float((ls := ls.adjust(True)).loss_scale) for _ in range(3)]
+    [8.0, 8.0, 8.0]
+  """
+
+  __slots__ = ("_loss_scale", "_counter", "_hparams")
+
+  def __init__(
+      self,
+      scale: Any = 2.0**15,
+      growth_interval: int = 2000,
+      growth_factor: float = 2.0,
+      backoff_factor: float = 0.5,
+      min_scale: float = 1.0,
+      max_scale: float = 2.0**24,
+      *,
+      counter: Any = 0,
+  ):
+    owner = "DynamicLossScale"
+    if isinstance(growth_interval, (bool, np.bool_)) or not isinstance(
+        growth_interval, (int, np.integer)):
+      raise TypeError(
+          f"{owner}: growth_interval must be an integer >= 1, got {growth_interval!r}.")
+    growth_interval = int(growth_interval)
+    if not 1 <= growth_interval <= _INT32_MAX:
+      raise ValueError(
+          f"{owner}: growth_interval must be an integer in [1, {_INT32_MAX}], got "
+          f"{growth_interval}.")
+    growth_factor = _real_number(growth_factor, "growth_factor", owner=owner)
+    if not (1.0 < growth_factor < math.inf):
+      raise ValueError(
+          f"{owner}: growth_factor must be finite and > 1 (the scale grows by it), got "
+          f"{growth_factor}.")
+    backoff_factor = _real_number(backoff_factor, "backoff_factor", owner=owner)
+    if not (0.0 < backoff_factor < 1.0):
+      raise ValueError(
+          f"{owner}: backoff_factor must be in the open interval (0, 1) (the scale "
+          f"shrinks by it), got {backoff_factor}.")
+    min_scale = _real_number(min_scale, "min_scale", owner=owner)
+    if not (0.0 <= min_scale <= _F32_MAX):
+      raise ValueError(
+          f"{owner}: min_scale must be >= 0 and finite in float32 (0: no lower bound), "
+          f"got {min_scale}.")
+    max_scale = _real_number(max_scale, "max_scale", owner=owner)
+    if not (max_scale > 0.0):
+      raise ValueError(f"{owner}: max_scale must be > 0 (inf: no upper bound), got {max_scale}.")
+    if min_scale > max_scale:
+      raise ValueError(
+          f"{owner}: min_scale must be <= max_scale, got min_scale={min_scale} > "
+          f"max_scale={max_scale}.")
+    loss_scale = _check_scale(scale, owner=owner)
+    if not _is_traced(scale):
+      value = float(loss_scale)
+      if not min_scale <= value <= max_scale:
+        raise ValueError(
+            f"{owner}: scale must be in [min_scale, max_scale] = [{min_scale}, {max_scale}], "
+            f"got {scale!r}; widen the bounds or change the scale.")
+    if _is_traced(counter):
+      if np.shape(counter) != () or not jnp.issubdtype(counter.dtype, jnp.integer):
+        raise TypeError(f"{owner}: counter must be an integer scalar, got {counter!r}.")
+    else:
+      if isinstance(counter, (bool, np.bool_)) or not (
+          isinstance(counter, (int, np.integer)) or (
+              isinstance(counter, (np.ndarray, jax.Array)) and counter.shape == ()
+              and jnp.issubdtype(counter.dtype, jnp.integer))):
+        raise TypeError(f"{owner}: counter must be an integer, got {counter!r}.")
+      if not 0 <= int(counter) < growth_interval:
+        raise ValueError(
+            f"{owner}: counter must be in [0, growth_interval) = [0, {growth_interval}), "
+            f"got {int(counter)}.")
+    hparams = (growth_interval, growth_factor, backoff_factor, min_scale, max_scale)
+    object.__setattr__(self, "_loss_scale", loss_scale)
+    object.__setattr__(self, "_counter", jnp.asarray(counter, jnp.int32))
+    object.__setattr__(self, "_hparams", hparams)
+
+  @property
+  def loss_scale(self) -> jax.Array:
+    return self._loss_scale
+
+  @property
+  def counter(self) -> jax.Array:
+    return self._counter
+
+  @property
+  def growth_interval(self) -> int:
+    return self._hparams[0]
+
+  @property
+  def growth_factor(self) -> float:
+    return self._hparams[1]
+
+  @property
+  def backoff_factor(self) -> float:
+    return self._hparams[2]
+
+  @property
+  def min_scale(self) -> float:
+    return self._hparams[3]
+
+  @property
+  def max_scale(self) -> float:
+    return self._hparams[4]
+
+  def adjust(self, grads_finite: Any) -> "DynamicLossScale":
+    """The loss scale after a step whose gradients were (not) finite; jit-safe.
+
+    Args:
+      grads_finite: a scalar bool (Python or array, traced or not), e.g.
+        ``jaxmp.all_finite(unscaled_grads)``.
+
+    Returns:
+      A new ``DynamicLossScale`` with the same hyperparameters.
+
+    Raises:
+      TypeError: if ``grads_finite`` is not boolean.
+      ValueError: if ``grads_finite`` is not a scalar.
+    """
+    finite = _check_grads_finite(grads_finite, owner="DynamicLossScale.adjust")
+    f32 = jnp.float32
+    scale = jnp.asarray(self._loss_scale, f32)
+    counter = jnp.asarray(self._counter, jnp.int32)
+    # A max_scale beyond float32 (e.g. inf) bounds nothing: growth past float32 is
+    # refused by the isfinite test anyway.
+    max_scale = f32(min(self.max_scale, _F32_MAX))
+
+    backed_off = jnp.maximum(scale * f32(self.backoff_factor), f32(self.min_scale))
+    next_counter = counter + 1
+    grow = next_counter >= self.growth_interval
+    grown = scale * f32(self.growth_factor)
+    grown = jnp.where(jnp.isfinite(grown), jnp.minimum(grown, max_scale), scale)
+
+    new_scale = jnp.where(finite, jnp.where(grow, grown, scale), backed_off)
+    new_counter = jnp.where(finite & ~grow, next_counter, jnp.zeros((), jnp.int32))
+    return self._replace_leaves(new_scale, new_counter)
+
+  def _replace_leaves(self, loss_scale, counter) -> "DynamicLossScale":
+    return type(self)._tree_unflatten(self._hparams, (loss_scale, counter))
+
+  def __repr__(self) -> str:
+    return (f"DynamicLossScale(loss_scale={self._loss_scale!r}, counter={self._counter!r}, "
+            f"growth_interval={self.growth_interval}, growth_factor={self.growth_factor}, "
+            f"backoff_factor={self.backoff_factor}, min_scale={self.min_scale}, "
+            f"max_scale={self.max_scale})")
+
+  def _tree_flatten_with_keys(self):
+    children = ((jax.tree_util.GetAttrKey("loss_scale"), self._loss_scale),
+                (jax.tree_util.GetAttrKey("counter"), self._counter))
+    return children, self._hparams
+
+  def _tree_flatten(self):
+    return (self._loss_scale, self._counter), self._hparams
+
+  @classmethod
+  def _tree_unflatten(cls, aux, children):
+    out = object.__new__(cls)
+    object.__setattr__(out, "_loss_scale", children[0])
+    object.__setattr__(out, "_counter", children[1])
+    object.__setattr__(out, "_hparams", aux)
+    return out
+
+
+jax.tree_util.register_pytree_with_keys(
+    NoOpLossScale,
+    lambda _: ((), None),
+    lambda aux, children: NoOpLossScale(),
+    lambda _: ((), None),
+)
+for _cls in (StaticLossScale, DynamicLossScale):
+  jax.tree_util.register_pytree_with_keys(
+      _cls, _cls._tree_flatten_with_keys, _cls._tree_unflatten, _cls._tree_flatten)
+del _cls

@@ -1,0 +1,239 @@
+"""Train steps that keep params, loss scaling and fp8 state consistent.
+
+A mixed-precision step has three kinds of state that must move together:
+
+* the parameters, updated by an Optax optimizer (usually wrapped in
+  :func:`jaxmp.loss_scaling`, which skips non-finite steps);
+* the fp8 delayed-scaling state (Flax's ``_overwrite_with_gradient`` collection),
+  whose new value arrives as its "gradient" and must be *merged*, not applied: kept
+  on a skipped step, kept where a layer got no cotangent, max-combined (never summed)
+  over repeated uses and micro-batches;
+* other collections (``batch_stats``), returned by the model's ``apply``.
+
+:func:`value_and_grad` differentiates a loss with respect to the params and the fp8
+state together, scaling the loss by the optimizer's current loss scale and making
+repeated uses of a layer take the max of their amaxes. :func:`apply_gradients` then
+updates the params through the optimizer and merges the fp8 state with the step's
+finiteness. :class:`TrainState` packages both for a Flax-style loop.
+
+Example:
+  >>> import flax.linen as nn, optax
+  >>> model = jaxmp.linen.mixed_precision(nn.Dense(2), jaxmp.PolicyRules(
+  ...     "p=f32,c=bf16,o=f32", [jaxmp.Rule(nn.Dense, fp8=jaxmp.fp8.DelayedScaling())]))
+  >>> x, y = jnp.ones((4, 3)), jnp.zeros((4, 2))
+  >>> state = jaxmp.train.TrainState.create(
+  ...     apply_fn=model.apply, variables=model.init(jax.random.key(0), x),
+  ...     tx=jaxmp.loss_scaling(optax.adam(1e-3)))
+  >>> loss_fn = lambda variables: jnp.mean((state.apply_fn(variables, x) - y) ** 2)
+  >>> loss, grads = state.value_and_grad(loss_fn)()
+  >>> state = state.apply_gradients(grads)
+  >>> int(state.step)
+  1
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import flax
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxmp import loss_scale as loss_scale_lib
+from jaxmp import transforms
+from jaxmp import tree as tree_lib
+from jaxmp.fp8 import state as fp8_state_lib
+
+FP8_COLLECTION = fp8_state_lib.OVERWRITE_WITH_GRADIENT
+PARAMS = "params"
+
+
+class Gradients(NamedTuple):
+  """What :func:`value_and_grad` returns besides the loss.
+
+  Attributes:
+    params: gradients of the params, multiplied by the loss scale the loss was scaled
+      with (what :func:`jaxmp.loss_scaling`'s ``update`` expects).
+    fp8: the fp8 state's cotangent: the proposed new fp8 state, float32, to be
+      merged by :func:`apply_gradients` (``{}`` for a model without fp8 layers).
+  """
+
+  params: Any
+  fp8: Any
+
+
+def split_variables(variables: Any) -> tuple[Any, Any, dict]:
+  """Splits a linen variables dict into (params, fp8 state, other collections)."""
+  variables = dict(variables)
+  params = variables.pop(PARAMS, {})
+  fp8 = variables.pop(FP8_COLLECTION, {})
+  return params, fp8, variables
+
+
+def join_variables(params: Any, fp8: Any, collections: Optional[dict] = None) -> dict:
+  """The inverse of :func:`split_variables`; an empty fp8 state is left out."""
+  variables = dict(collections or {})
+  variables[PARAMS] = params
+  if fp8:
+    variables[FP8_COLLECTION] = fp8
+  return variables
+
+
+def find_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
+  """The loss scale in ``opt_state``, or :class:`jaxmp.NoOpLossScale` if it has none."""
+  found: list = []
+  transforms._find_states(opt_state, found)  # pylint: disable=protected-access
+  if not found:
+    return loss_scale_lib.NoOpLossScale()
+  return transforms.get_loss_scale(opt_state)
+
+
+def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
+  """Differentiates ``fun(variables, *args)`` w.r.t. the params and the fp8 state.
+
+  The returned function takes ``(variables, *args, loss_scale=NoOpLossScale())``. It
+  calls ``fun`` with the fp8 state converted so that repeated uses of a layer
+  accumulate their state cotangents by max (:func:`jaxmp.fp8.state.for_grad`), and
+  differentiates ``loss * loss_scale``.
+
+  Args:
+    fun: ``fun(variables, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``),
+      where ``variables`` is the linen variables dict to pass to ``apply``.
+    has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+  Returns:
+    A function returning ``(loss, Gradients)`` or ``((loss, aux), Gradients)``; the
+    loss is unscaled, the params gradients scaled.
+  """
+
+  def differentiable(params, fp8, collections, *args):
+    variables = join_variables(params, fp8_state_lib.for_grad(fp8), collections)
+    return fun(variables, *args)
+
+  def value_and_grads(variables, *args, loss_scale: Optional[loss_scale_lib.LossScale] = None):
+    loss_scale = loss_scale_lib.NoOpLossScale() if loss_scale is None else loss_scale
+    params, fp8, collections = split_variables(variables)
+    out, (g_params, g_fp8) = loss_scale.value_and_grad(
+        differentiable, has_aux=has_aux, argnums=(0, 1))(params, fp8, collections, *args)
+    return out, Gradients(g_params, g_fp8)
+
+  return value_and_grads
+
+
+def accumulate_gradients(a: Gradients, b: Gradients) -> Gradients:
+  """Combines two micro-batches' gradients: params summed, fp8 state max-combined.
+
+  Divide the params part by the number of micro-batches for a mean; the loss scale is
+  the same for every micro-batch of a step, so sums of scaled gradients unscale
+  correctly.
+  """
+  params = jax.tree_util.tree_map(jnp.add, a.params, b.params)
+  return Gradients(params, fp8_state_lib.accumulate(a.fp8, b.fp8) if a.fp8 else a.fp8)
+
+
+def _step_was_finite(opt_state: Any, scaled_grads: Any) -> jax.Array:
+  found: list = []
+  transforms._find_states(opt_state, found)  # pylint: disable=protected-access
+  if found:
+    return jnp.asarray(transforms.loss_scaling_metrics(opt_state)["last_step_finite"])
+  return tree_lib.all_finite(scaled_grads)
+
+
+def apply_gradients(tx: optax.GradientTransformation, params: Any, fp8: Any, opt_state: Any,
+                    grads: Gradients, **extra_args) -> tuple[Any, Any, Any]:
+  """One optimizer step for params and fp8 state together.
+
+  The params go through ``tx`` (which, wrapped in :func:`jaxmp.loss_scaling`, unscales
+  and skips a non-finite step). The fp8 state is merged with
+  :func:`jaxmp.fp8.state.merge`: it keeps its old value on a skipped step (the loss
+  scaling state's ``last_step_finite``, or the finiteness of the gradients when
+  ``tx`` has no loss scaling), and wherever a layer got no cotangent.
+
+  Args:
+    tx: the optimizer.
+    params: the params.
+    fp8: the fp8 state (``{}`` for none).
+    opt_state: ``tx``'s state.
+    grads: from :func:`value_and_grad`.
+    **extra_args: passed on to ``tx.update`` (optax ExtraArgs).
+
+  Returns:
+    ``(new_params, new_fp8, new_opt_state)``.
+  """
+  if extra_args:
+    updates, opt_state = tx.update(grads.params, opt_state, params, **extra_args)
+  else:
+    updates, opt_state = tx.update(grads.params, opt_state, params)
+  params = optax.apply_updates(params, updates)
+  if fp8:
+    fp8 = fp8_state_lib.merge(fp8, grads.fp8, _step_was_finite(opt_state, grads.params))
+  return params, fp8, opt_state
+
+
+class TrainState(flax.struct.PyTreeNode):
+  """A Flax-style train state for mixed precision: params, fp8 state, collections.
+
+  Attributes:
+    step: how many times :meth:`apply_gradients` ran (skipped steps included; the
+      optimizer's own count does not advance on them).
+    params: the params, in their param dtypes.
+    fp8: the fp8 delayed-scaling state (the ``_overwrite_with_gradient`` collection);
+      ``{}`` for a model without fp8 layers.
+    collections: the other variable collections (``batch_stats``, ...).
+    opt_state: the optimizer's state.
+    apply_fn: the model's apply function (static).
+    tx: the optimizer (static).
+  """
+
+  step: jax.Array
+  params: Any
+  fp8: Any
+  collections: Any
+  opt_state: Any
+  apply_fn: Callable[..., Any] = flax.struct.field(pytree_node=False)
+  tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
+
+  @classmethod
+  def create(cls, *, apply_fn: Callable[..., Any], variables: Any,
+             tx: optax.GradientTransformation) -> "TrainState":
+    """Builds the state from a model's ``apply``, its ``init`` variables and ``tx``."""
+    if not isinstance(tx, optax.GradientTransformation):
+      raise TypeError(f"TrainState.create: tx must be an optax.GradientTransformation, "
+                      f"got {tx!r}.")
+    params, fp8, collections = split_variables(variables)
+    return cls(step=jnp.zeros((), jnp.int32), params=params, fp8=fp8,
+               collections=collections, opt_state=tx.init(params), apply_fn=apply_fn, tx=tx)
+
+  @property
+  def variables(self) -> dict:
+    """The variables dict for ``apply_fn``."""
+    return join_variables(self.params, self.fp8, self.collections)
+
+  @property
+  def loss_scale(self) -> loss_scale_lib.LossScale:
+    """The loss scale the next loss is multiplied by (NoOp without loss scaling)."""
+    return find_loss_scale(self.opt_state)
+
+  def value_and_grad(self, fun: Callable[..., Any], *,
+                     has_aux: bool = False) -> Callable[..., Any]:
+    """:func:`value_and_grad` at this state's variables and loss scale.
+
+    Returns a function of ``*args`` (what ``fun`` takes after the variables).
+    """
+    grad_fn = value_and_grad(fun, has_aux=has_aux)
+    return lambda *args: grad_fn(self.variables, *args, loss_scale=self.loss_scale)
+
+  def apply_gradients(self, grads: Gradients, **changes) -> "TrainState":
+    """One step: params through ``tx``, fp8 state merged; ``changes`` replace fields.
+
+    Pass the model's updated collections as ``collections=...`` (e.g. new
+    ``batch_stats``).
+    """
+    if not isinstance(grads, Gradients):
+      raise TypeError(f"apply_gradients expects jaxmp.train.Gradients (from "
+                      f"value_and_grad), got {type(grads).__name__}.")
+    params, fp8, opt_state = apply_gradients(self.tx, self.params, self.fp8,
+                                             self.opt_state, grads)
+    return self.replace(step=self.step + 1, params=params, fp8=fp8, opt_state=opt_state,
+                        **changes)
