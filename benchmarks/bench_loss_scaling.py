@@ -7,13 +7,16 @@ donated, as a training loop runs it:
 
 * ``plain``: ``optax.adam``; the baseline.
 * ``jaxmp``: ``jaxmp.loss_scaling(optax.adam, DynamicLossScale())`` with the loss scaled
-  through ``get_loss_scale(state).value_and_grad``; the shipped formulation: the
-  finite check is one plain float32 sum per gradient leaf (exact ``all_finite``
-  fallback only when that sum is not finite), then ``lax.cond`` runs the inner update
-  (with the unscaling fused into it) or the skip.
-* ``cond_all_finite``: the same ``lax.cond``, with the finite check done by
-  ``jaxmp.all_finite`` on the unscaled gradients (a ``x * 0`` probe per leaf).
-* ``naive_select``: ``jaxmp.all_finite`` as above, then always run ``adam.update`` and
+  through ``get_loss_scale(state).value_and_grad``; the shipped formulation: unscale,
+  check with one plain float32 sum per gradient leaf (exact ``all_finite`` fallback
+  only when that sum is not finite), then ``lax.cond`` runs the inner update or the
+  skip.
+* ``cond_unscale_in_branch``: the same, but the unscaling is done inside the taken
+  branch (fused by XLA into the inner update) and the check sums the scaled
+  gradients (exact when ``scale >= 1``).
+* ``cond_all_finite``: the shipped ``lax.cond``, with the finite check done by
+  ``jaxmp.all_finite`` (a ``x * 0`` probe per leaf) instead of the plain sum.
+* ``naive_select``: the shipped check, then always run ``adam.update`` and
   ``jaxmp.select_tree`` between the new and the old updates/state.
 * ``optax_apply_if_finite``: ``optax.apply_if_finite(adam)`` on unscaled gradients
   (no loss scaling at all, only the skip), for reference.
@@ -43,6 +46,7 @@ import jax.numpy as jnp
 import optax
 
 import jaxmp
+from jaxmp import transforms
 
 WIDTH = 768
 LAYERS = 4
@@ -71,7 +75,11 @@ def loss_fn(params, x, y):
 
 
 def naive_select_loss_scaling(inner, loss_scale):
-  """Always runs the inner update, then selects new or old with jaxmp.select_tree."""
+  """Always runs the inner update, then selects new or old with jaxmp.select_tree.
+
+  The finite check is the shipped one, so that this differs from ``jaxmp`` only in
+  how the skip is done.
+  """
 
   def init(params):
     return jaxmp.LossScalingState(jax.tree_util.tree_map(jnp.array, loss_scale),
@@ -80,7 +88,7 @@ def naive_select_loss_scaling(inner, loss_scale):
 
   def update(updates, state, params=None):
     grads = state.loss_scale.unscale(updates)
-    finite = jaxmp.all_finite(grads)
+    finite = transforms._all_finite(grads)
     new_updates, new_inner = inner.update(grads, state.inner_state, params)
     zeros = jax.tree_util.tree_map(jnp.zeros_like, new_updates)
     new_updates = jaxmp.select_tree(finite, new_updates, zeros)
@@ -102,7 +110,35 @@ def cond_all_finite_loss_scaling(inner, loss_scale):
 
   def update(updates, state, params=None):
     ls = state.loss_scale
-    finite = jaxmp.all_finite(ls.unscale(updates))
+    grads = ls.unscale(updates)
+    finite = jaxmp.all_finite(grads)
+
+    def apply_inner():
+      return inner.update(grads, state.inner_state, params)
+
+    def skip():
+      return jax.tree_util.tree_map(jnp.zeros_like, updates), state.inner_state
+
+    new_updates, new_inner = jax.lax.cond(finite, apply_inner, skip)
+    return new_updates, jaxmp.LossScalingState(
+        state.loss_scale.adjust(finite), new_inner,
+        jnp.where(finite, state.skipped_steps, state.skipped_steps + 1), finite)
+
+  return optax.GradientTransformation(init, update)
+
+
+def cond_unscale_in_branch_loss_scaling(inner, loss_scale):
+  """lax.cond with the unscaling inside the branch; the plain-sum check on scaled grads."""
+
+  def init(params):
+    return jaxmp.LossScalingState(jax.tree_util.tree_map(jnp.array, loss_scale),
+                                  inner.init(params), jnp.zeros((), jnp.int32),
+                                  jnp.ones((), jnp.bool_))
+
+  def update(updates, state, params=None):
+    ls = state.loss_scale
+    total = sum(jnp.sum(g, dtype=jnp.float32) for g in jax.tree_util.tree_leaves(updates))
+    finite = jnp.isfinite(total) & (ls.loss_scale >= 1)
 
     def apply_inner():
       return inner.update(ls.unscale(updates), state.inner_state, params)
@@ -112,7 +148,7 @@ def cond_all_finite_loss_scaling(inner, loss_scale):
 
     new_updates, new_inner = jax.lax.cond(finite, apply_inner, skip)
     return new_updates, jaxmp.LossScalingState(
-        state.loss_scale.adjust(finite), new_inner,
+        ls.adjust(finite), new_inner,
         jnp.where(finite, state.skipped_steps, state.skipped_steps + 1), finite)
 
   return optax.GradientTransformation(init, update)
@@ -148,6 +184,7 @@ def variants(lr: float) -> list[Variant]:
   return [
       Variant("plain", adam, False),
       Variant("jaxmp", jaxmp.loss_scaling(adam, scale), True),
+      Variant("cond_unscale_in_branch", cond_unscale_in_branch_loss_scaling(adam, scale), True),
       Variant("cond_all_finite", cond_all_finite_loss_scaling(adam, scale), True),
       Variant("naive_select", naive_select_loss_scaling(adam, scale), True),
       Variant("optax_apply_if_finite", optax.apply_if_finite(adam, 10), False),

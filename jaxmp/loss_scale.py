@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp import dtypes as dtypes_lib
+from jaxmp import tree as tree_lib
 
 T = TypeVar("T")
 
@@ -137,10 +138,6 @@ def _check_grads_finite(grads_finite: Any, *, owner: str = "adjust") -> jax.Arra
 # Scaling arithmetic.
 
 
-def _is_float_array(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray)) and dtypes_lib.is_float_dtype(x.dtype)
-
-
 def _compute_dtype(dtype: Any) -> np.dtype:
   # float32 for every float of 32 bits or fewer, float64 for float64 leaves.
   return np.dtype(np.float64) if np.dtype(dtype).itemsize > 4 else np.dtype(np.float32)
@@ -150,7 +147,7 @@ def _multiply_tree(tree: T, factor: jax.Array) -> T:
   """Multiplies the float array leaves by the float32 ``factor``, each keeping its dtype."""
 
   def multiply(x):
-    if not _is_float_array(x):
+    if not tree_lib.is_float_array(x):
       return x
     wide = _compute_dtype(x.dtype)
     return (jnp.asarray(x, wide) * factor.astype(wide)).astype(x.dtype)

@@ -26,7 +26,8 @@ from jaxmp import dtypes as dtypes_lib
 T = TypeVar("T")
 
 
-def _is_float_array(x: Any) -> bool:
+def is_float_array(x: Any) -> bool:
+  """Whether ``x`` is a JAX or NumPy array of a floating-point dtype (fp8 included)."""
   return isinstance(x, (jax.Array, np.ndarray)) and dtypes_lib.is_float_dtype(x.dtype)
 
 
@@ -56,29 +57,27 @@ def cast_tree(tree: T, dtype: dtypes_lib.DTypeLike) -> T:
   dtype = dtypes_lib.parse_dtype(dtype, allow_fp8=True)
 
   def cast(x):
-    if _is_float_array(x) and x.dtype != dtype:
+    if is_float_array(x) and x.dtype != dtype:
       return x.astype(dtype)
     return x
 
   return jax.tree_util.tree_map(cast, tree)
 
 
-def _leaf_nonfinite_probe(x: jax.Array) -> jax.Array:
-  # ``x * 0`` is 0 for every finite value and NaN for inf and NaN, so the sum of
-  # the products is finite exactly when every element is. One add-reduction per
-  # leaf is cheaper than a boolean all-reduction on every backend we measured, and
-  # XLA fuses the multiply into it, so nothing of the leaf's size is materialized.
-  if x.dtype.itemsize == 1:
-    x = x.astype(jnp.float32)  # fp8 has no arithmetic of its own on some backends.
-  return jnp.sum(x * jnp.zeros((), x.dtype), dtype=jnp.float32)
+def _exactly_all_finite(leaves: list) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
 def all_finite(tree: Any) -> jax.Array:
   """Whether every floating-point value in ``tree`` is finite.
 
   Non-float leaves (integers, bools, keys, ``None``) are finite by definition, and an
-  empty tree is finite. Inside ``jit`` the check is one reduction per leaf fused with
-  the elementwise work, combined into one scalar on device: no host round-trip and
+  empty tree is finite. The check is a float32 sum per leaf, added up: any inf or NaN
+  makes that total non-finite, and a plain sum is the cheapest reduction XLA has
+  (about 4x cheaper than a boolean ``all(isfinite)`` on a CPU, where it fuses with
+  nothing else). Only when the total is not finite, which finite values can also cause
+  by overflowing the sum, does an exact element-wise check decide (a ``lax.cond``, so
+  it costs nothing on the common path; under ``vmap`` both run). No host round-trip,
   no temporary the size of the tree.
 
   Args:
@@ -90,12 +89,18 @@ def all_finite(tree: Any) -> jax.Array:
   Example:
     >>> bool(jaxmp.all_finite({"g": jnp.array([1.0, jnp.inf])}))
     False
+    >>> bool(jaxmp.all_finite({"g": jnp.array([3e38, 3e38])}))  # the sum overflows
+    True
   """
-  leaves = [x for x in jax.tree_util.tree_leaves(tree) if _is_float_array(x)]
+  leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(tree) if is_float_array(x)]
   if not leaves:
     return jnp.array(True)
-  total = sum(_leaf_nonfinite_probe(jnp.asarray(x)) for x in leaves)
-  return jnp.isfinite(total)
+  # fp8 has no arithmetic of its own on some backends, so it is summed as float32.
+  sums_ok = jnp.isfinite(sum(jnp.sum(x.astype(jnp.float32) if x.dtype.itemsize == 1 else x,
+                                     dtype=jnp.float32) for x in leaves))
+  # The fast branch returns sums_ok (True there) rather than a constant so that, inside
+  # shard_map, both branches vary over the same mesh axes.
+  return jax.lax.cond(sums_ok, lambda: sums_ok, lambda: _exactly_all_finite(leaves))
 
 
 def select_tree(pred: Any, on_true: T, on_false: T) -> T:

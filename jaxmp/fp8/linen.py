@@ -29,7 +29,6 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxmp.fp8 import dot_general as dot_general_lib
 from jaxmp.fp8 import recipes as recipes_lib

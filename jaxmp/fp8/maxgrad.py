@@ -156,14 +156,19 @@ def _define_max_float32() -> Any:
   return MaxFloat32()
 
 
-max_float32 = _define_max_float32()
-"""The max-accumulating float32 extended dtype."""
+try:
+  max_float32 = _define_max_float32()
+  """The max-accumulating float32 extended dtype (``None`` if this JAX cannot build it)."""
+  _UNAVAILABLE = None
+except ImportError as _error:  # jaxmp still imports; only for_grad needs the dtype.
+  max_float32 = None
+  _UNAVAILABLE = _error
 
 
 def is_max_float32(x: Any) -> bool:
   """Whether ``x`` (an array or a dtype) is of the :data:`max_float32` dtype."""
   dtype = getattr(x, "dtype", x)
-  return dtype == max_float32
+  return max_float32 is not None and dtype == max_float32
 
 
 def to_max_float32(x: jax.Array) -> jax.Array:
@@ -178,7 +183,10 @@ def to_max_float32(x: jax.Array) -> jax.Array:
   Raises:
     TypeError: for any other dtype; the conversion is only defined from float32, so
       a bfloat16 or float16 state is refused rather than silently widened.
+    ImportError: if this JAX version lacks the internals :data:`max_float32` needs.
   """
+  if _UNAVAILABLE is not None:
+    raise ImportError(str(_UNAVAILABLE)) from _UNAVAILABLE
   if is_max_float32(x):
     return x
   x = jnp.asarray(x)
