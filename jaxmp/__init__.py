@@ -12,6 +12,7 @@ Example:
 
 from jaxmp import fp8
 from jaxmp import linen
+from jaxmp import nnx
 from jaxmp import train
 from jaxmp.dtypes import FloatFormat
 from jaxmp.dtypes import float_format
@@ -57,6 +58,7 @@ __all__ = (
     "linen",
     "loss_scaling",
     "loss_scaling_metrics",
+    "nnx",
     "parse_dtype",
     "select_tree",
     "summary",

@@ -69,10 +69,18 @@ def half_dtype(device: Optional[jax.Device] = None) -> np.dtype:
   Returns:
     ``np.dtype(bfloat16)`` or ``np.dtype(float16)``.
 
+  Raises:
+    TypeError: if ``device`` is not a ``jax.Device``.
+
   Example:
     >>> jaxmp.half_dtype()  # on a CPU
     dtype('float16')
   """
+  # Duck-typed on ``platform`` so device descriptions other than ``jax.Device``
+  # (a description of a remote device, a test double) work too.
+  if device is not None and not isinstance(getattr(device, "platform", None), str):
+    raise TypeError(f"half_dtype: device must be a jax.Device (e.g. jax.devices()[0]) or "
+                    f"None, got {device!r} of type {type(device).__name__}.")
   device = jax.local_devices()[0] if device is None else device
   if device.platform == "tpu":
     return np.dtype(jnp.bfloat16)

@@ -443,7 +443,9 @@ class DynamicLossScale(LossScale):
           f"max_scale={max_scale}.")
     loss_scale = _check_scale(scale, owner=owner)
     if not _is_traced(scale):
-      value = float(loss_scale)
+      # From the concrete argument, not from ``loss_scale``: under ``jax.eval_shape`` or
+      # ``jit`` (building a restore target, say) that array is a tracer.
+      value = float(np.float32(_real_number(scale, "scale", owner=owner)))
       if not min_scale <= value <= max_scale:
         raise ValueError(
             f"{owner}: scale must be in [min_scale, max_scale] = [{min_scale}, {max_scale}], "

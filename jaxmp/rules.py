@@ -197,6 +197,10 @@ class PolicyRules:
 
   def __post_init__(self):
     object.__setattr__(self, "default", policy_lib.get_policy(self.default))
+    if not isinstance(self.float32_normalization, (bool, np.bool_)):
+      raise TypeError(
+          f"PolicyRules float32_normalization must be True or False, got "
+          f"{self.float32_normalization!r} of type {type(self.float32_normalization).__name__}.")
     if isinstance(self.rules, (Rule, str)) or not isinstance(self.rules, Sequence):
       raise TypeError(
           f"PolicyRules rules must be a sequence of jaxmp.Rule, got {self.rules!r}.")

@@ -24,8 +24,10 @@ from typing import Any, NamedTuple, Optional
 
 import flax.linen as nn
 import jax
+from flax import nnx
 
 from jaxmp import linen as linen_lib
+from jaxmp import nnx as nnx_lib
 from jaxmp import rules as rules_lib
 
 _COLUMNS = ("path", "module", "params", "compute", "output", "fp8", "rule")
@@ -103,8 +105,14 @@ def summary(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRules] = No
             *args, variables: Any = None, rngs: Any = None, **kwargs) -> PrecisionSummary:
   """Resolves the precision of every module for one call of the model.
 
+  An NNX model (or :func:`jaxmp.nnx.mixed_precision`'s wrapper) is called on a copy
+  of itself under ``jax.eval_shape``: the model is not changed, not even its params'
+  storage dtypes. It holds its own variables, so ``variables`` and ``rngs`` are for
+  linen only; pick another method than ``__call__`` with ``method="name"``.
+
   Args:
-    model_or_wrapper: a linen Module, or what :func:`jaxmp.linen.mixed_precision`
+    model_or_wrapper: a linen Module, an NNX Module, or what
+      :func:`jaxmp.linen.mixed_precision` or :func:`jaxmp.nnx.mixed_precision`
       returned.
     rules: a policy or :class:`jaxmp.PolicyRules`; may be ``None`` for a wrapper.
     *args: the call's positional arguments (arrays or ``jax.ShapeDtypeStruct``).
@@ -116,11 +124,20 @@ def summary(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRules] = No
     A :class:`PrecisionSummary`; print it for the table.
 
   Raises:
-    TypeError: if the model is not a linen Module or a wrapper.
+    TypeError: if the model is not a linen Module, an NNX Module or a wrapper, or
+      ``variables``/``rngs`` are given for an NNX model.
   """
+  if isinstance(model_or_wrapper, nnx.Module):
+    if variables is not None or rngs is not None:
+      raise TypeError("jaxmp.summary: an NNX model holds its own variables and RNGs; "
+                      "variables= and rngs= are for linen models.")
+    method = kwargs.pop("method", "__call__")
+    used, records = nnx_lib.trace_abstract(model_or_wrapper, rules, method, args, kwargs)
+    return PrecisionSummary(rows_from_records(used, records))
   if not isinstance(model_or_wrapper, (nn.Module, linen_lib.MixedPrecision)):
-    raise TypeError(f"jaxmp.summary expects a flax linen Module or a jaxmp wrapper, got "
-                    f"{model_or_wrapper!r} of type {type(model_or_wrapper).__name__}.")
+    raise TypeError(f"jaxmp.summary expects a flax linen Module, an NNX Module or a jaxmp "
+                    f"wrapper, got {model_or_wrapper!r} of type "
+                    f"{type(model_or_wrapper).__name__}.")
   wrapper = _linen_wrapper(model_or_wrapper, rules)
   records = []
 

@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple, Optional
 
 import flax
@@ -64,11 +65,24 @@ class Gradients(NamedTuple):
 
 
 def split_variables(variables: Any) -> tuple[Any, Any, dict]:
-  """Splits a linen variables dict into (params, fp8 state, other collections)."""
+  """Splits a linen variables dict into (params, fp8 state, other collections).
+
+  Raises:
+    TypeError: if ``variables`` is not a mapping of collection names to trees.
+  """
+  if not isinstance(variables, Mapping):
+    raise TypeError(
+        f"variables must be a mapping of collections (what model.init returns, e.g. "
+        f"{{'params': ...}}), got {type(variables).__name__}: {_short_repr(variables)}.")
   variables = dict(variables)
   params = variables.pop(PARAMS, {})
   fp8 = variables.pop(FP8_COLLECTION, {})
   return params, fp8, variables
+
+
+def _short_repr(x: Any, limit: int = 80) -> str:
+  text = repr(x)
+  return text if len(text) <= limit else text[:limit] + "..."
 
 
 def join_variables(params: Any, fp8: Any, collections: Optional[dict] = None) -> dict:
@@ -105,7 +119,12 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callabl
   Returns:
     A function returning ``(loss, Gradients)`` or ``((loss, aux), Gradients)``; the
     loss is unscaled, the params gradients scaled.
+
+  Raises:
+    TypeError: if ``fun`` is not callable.
   """
+  if not callable(fun):
+    raise TypeError(f"value_and_grad: fun must be callable, got {fun!r}.")
 
   def differentiable(params, fp8, collections, *args):
     variables = join_variables(params, fp8_state_lib.for_grad(fp8), collections)
@@ -127,7 +146,14 @@ def accumulate_gradients(a: Gradients, b: Gradients) -> Gradients:
   Divide the params part by the number of micro-batches for a mean; the loss scale is
   the same for every micro-batch of a step, so sums of scaled gradients unscale
   correctly.
+
+  Raises:
+    TypeError: if ``a`` or ``b`` is not a :class:`Gradients`.
   """
+  for name, g in (("a", a), ("b", b)):
+    if not isinstance(g, Gradients):
+      raise TypeError(f"accumulate_gradients: {name} must be jaxmp.train.Gradients (from "
+                      f"value_and_grad), got {type(g).__name__}: {_short_repr(g)}.")
   params = jax.tree_util.tree_map(jnp.add, a.params, b.params)
   return Gradients(params, fp8_state_lib.accumulate(a.fp8, b.fp8) if a.fp8 else a.fp8)
 
@@ -198,6 +224,9 @@ class TrainState(flax.struct.PyTreeNode):
   def create(cls, *, apply_fn: Callable[..., Any], variables: Any,
              tx: optax.GradientTransformation) -> "TrainState":
     """Builds the state from a model's ``apply``, its ``init`` variables and ``tx``."""
+    if not callable(apply_fn):
+      raise TypeError(f"TrainState.create: apply_fn must be callable (e.g. model.apply), "
+                      f"got {apply_fn!r}.")
     if not isinstance(tx, optax.GradientTransformation):
       raise TypeError(f"TrainState.create: tx must be an optax.GradientTransformation, "
                       f"got {tx!r}.")

@@ -130,7 +130,13 @@ def select_tree(pred: Any, on_true: T, on_false: T) -> T:
   pred_shape = np.shape(pred)
   if pred_shape != ():
     raise ValueError(f"select_tree needs a scalar predicate, got one of shape {pred_shape}.")
-  pred_dtype = pred.dtype if hasattr(pred, "dtype") else np.result_type(pred)
+  if hasattr(pred, "dtype"):
+    pred_dtype = pred.dtype
+  elif isinstance(pred, (bool, int, float, complex)):
+    pred_dtype = np.result_type(pred)
+  else:
+    raise TypeError(f"select_tree needs a boolean predicate, got {pred!r} of type "
+                    f"{type(pred).__name__}.")
   if pred_dtype != np.dtype(bool):
     raise TypeError(f"select_tree needs a boolean predicate, got dtype {pred_dtype}.")
 

@@ -28,3 +28,11 @@ def test_train_lm_runs_every_configuration(tmp_path, capsys):
     assert run.name in out
   assert "val vs f32" in out
   assert plot.exists() and plot.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_fp8_example_trains_like_bfloat16(capsys):
+  import train_fp8  # pylint: disable=g-import-not-at-top
+  fp8_loss, bf16_loss = train_fp8.main(["--steps", "60"])
+  assert abs(fp8_loss - bf16_loss) <= 0.1 * bf16_loss
+  assert "DelayedScaling" in capsys.readouterr().out

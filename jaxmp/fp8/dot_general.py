@@ -54,6 +54,11 @@ class _Config(NamedTuple):
   out_sharding: Any
   # (shape, dtype) of each state leaf, to hand the new state back in the same form.
   state_avals: Optional[tuple]
+  # The shard_map mesh axes lhs, rhs and each state leaf vary over (empty outside
+  # shard_map): each cotangent must vary over exactly its primal's axes.
+  lhs_varying: frozenset = frozenset()
+  rhs_varying: frozenset = frozenset()
+  state_varying: Optional[tuple] = None
 
 
 def _check_operand(name: str, x: jax.Array) -> None:
@@ -108,9 +113,12 @@ def _as_state(state: Any, recipe: recipes_lib.DelayedScaling) -> state_lib.Delay
       raise ValueError(
           f"fp8_dot_general: {tensor}_amax_history has shape {history.shape}, but the recipe "
           f"has amax_history_length={recipe.amax_history_length}.")
-  for x in state:
-    if not (maxgrad.is_max_float32(x) or jnp.issubdtype(x.dtype, jnp.floating)):
-      raise TypeError(f"fp8_dot_general: fp8 state must be float32, got dtype {x.dtype}.")
+  for name, x in zip(state._fields, state):
+    # Amax histories and scales are float32 in Flax and TransformerEngine; a narrower
+    # state would round every recorded amax.
+    if not (maxgrad.is_max_float32(x) or x.dtype == F32):
+      raise TypeError(f"fp8_dot_general: fp8 state must be float32, got {name} of dtype "
+                      f"{x.dtype}.")
   return state
 
 
@@ -128,6 +136,38 @@ def _write(x: jax.Array, aval: tuple) -> jax.Array:
   if dtype == maxgrad.max_float32:
     return jax.lax.convert_element_type(x, maxgrad.max_float32)
   return x.astype(dtype)
+
+
+def _varying_axes(x: Any) -> frozenset:
+  """The shard_map mesh axes ``x`` varies over (empty outside shard_map)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.9
+  if manual is not None:
+    return frozenset(getattr(manual, "varying", ()))
+  return frozenset(getattr(aval, "vma", ()) or ())  # older jax
+
+
+def _like_primal(ct: jax.Array, primal_axes: frozenset, reduce: Any) -> jax.Array:
+  """``ct`` made to vary over exactly the mesh axes its primal varies over.
+
+  Inside ``shard_map`` an operand replicated over an axis (a kernel, the fp8 state)
+  meets per-device data, so its cotangent comes out per device; a custom VJP must
+  hand back a cotangent of its primal's type. ``reduce`` combines it over the extra
+  axes: ``psum`` for the operand gradients, as JAX's own transpose of the implicit
+  broadcast does for a plain ``dot_general``, and ``pmax`` for the fp8 state, whose
+  new amaxes are maxima (the amax of the whole global batch). Axes the primal varies
+  over and the cotangent does not are added with ``pcast``.
+  """
+  extra = tuple(sorted(_varying_axes(ct) - primal_axes, key=str))
+  if extra:
+    ct = reduce(ct, extra)
+  missing = tuple(sorted(primal_axes - _varying_axes(ct), key=str))
+  if missing:
+    if hasattr(jax.lax, "pcast"):
+      ct = jax.lax.pcast(ct, missing, to="varying")
+    else:  # jax < 0.9
+      ct = jax.lax.pvary(ct, missing)
+  return ct
 
 
 def _remaining(ndim: int, *removed: Sequence[int]) -> list:
@@ -223,11 +263,14 @@ def _backward(cfg: _Config, residuals, g):
                         scale=k_scale * g_scale, dtype=cfg.lhs_dtype)
   d_rhs = _operand_grad(q_g, q_lhs, q_rhs, ((rc, lc), (rb, lb)), primal_is_lhs=False,
                         scale=x_scale * g_scale, dtype=cfg.rhs_dtype)
+  d_lhs = _like_primal(d_lhs, cfg.lhs_varying, jax.lax.psum)
+  d_rhs = _like_primal(d_rhs, cfg.rhs_varying, jax.lax.psum)
   if cfg.state_avals is None:
     return d_lhs, d_rhs, None
   values = (x_scale, x_history, k_scale, k_history, g_scale, g_history)
   new_state = state_lib.DelayedScalingState(
-      *(_write(v, aval) for v, aval in zip(values, cfg.state_avals)))
+      *(_write(_like_primal(v, axes, jax.lax.pmax), aval)
+        for v, aval, axes in zip(values, cfg.state_avals, cfg.state_varying)))
   return d_lhs, d_rhs, new_state
 
 
@@ -301,14 +344,16 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, prec
   if isinstance(recipe, recipes_lib.DelayedScaling):
     state = _as_state(state, recipe)
     state_avals = tuple((x.shape, x.dtype) for x in state)
+    state_varying = tuple(_varying_axes(x) for x in state)
   else:
     if state is not None:
       raise ValueError(
           f"fp8_dot_general: {recipe!r} keeps no state, but state= was given; pass "
           "state=None, or use DelayedScaling for stateful scaling.")
-    state_avals = None
+    state_avals = state_varying = None
   cfg = _Config(dimension_numbers, recipe, np.dtype(lhs.dtype), np.dtype(rhs.dtype),
-                out_dtype, out_sharding, state_avals)
+                out_dtype, out_sharding, state_avals, _varying_axes(lhs), _varying_axes(rhs),
+                state_varying)
   return _fp8_dot_jit(lhs, rhs, state, cfg)
 
 

@@ -1,0 +1,309 @@
+"""Flax NNX fp8 layers: delayed-scaling state as NNX Variables, and rule injection.
+
+NNX modules own their state, so an fp8 matmul is a small module that holds its
+delayed-scaling state as :class:`Fp8State` variables under Flax's names
+(``input_scale``, ``input_amax_history``, ``kernel_scale``, ``kernel_amax_history``,
+``output_grad_scale``, ``output_grad_amax_history``; scales ``(1,)``, histories
+``(amax_history_length,)``, float32):
+
+* :class:`Fp8DotGeneral` is a drop-in ``dot_general`` for ``nnx.Linear(dot_general=...)``
+  and ``nnx.LinearGeneral(dot_general=...)``;
+* :class:`Fp8Einsum` is a drop-in ``einsum_op`` for ``nnx.Einsum(einsum_op=...)``.
+
+Both compute :func:`~jaxmp.fp8.fp8_dot_general` / :func:`~jaxmp.fp8.fp8_einsum`; with
+:class:`~jaxmp.fp8.CurrentScaling` they hold no variables. ``Rule(nnx.Linear,
+fp8=...)`` under :func:`jaxmp.nnx.mixed_precision` creates them for an unchanged model
+(:func:`fp8_layers`, :func:`new_fp8_module`, :func:`install`).
+
+As in linen, the op cannot write its state: the new scale and history come back as
+the *gradient* of the old ones. :class:`Fp8State` is registered as the NNX type of
+linen's ``_overwrite_with_gradient`` collection, so ``nnx.bridge`` maps the two onto
+each other. To train soundly, differentiate with respect to ``nnx.Param`` and
+:class:`Fp8State` together, read the state through :func:`for_grad` inside the
+differentiated function (repeated uses then take the max, not the sum), and merge the
+state "gradient" with :func:`jaxmp.fp8.state.merge` rather than applying it;
+:func:`jaxmp.nnx.value_and_grad` and :func:`jaxmp.nnx.apply_gradients` do all of it.
+
+Example:
+  >>> from flax import nnx
+  >>> from jaxmp import fp8
+  >>> import jaxmp.fp8.nnx
+  >>> layer = nnx.Linear(3, 2, dot_general=fp8.nnx.Fp8DotGeneral(), rngs=nnx.Rngs(0))
+  >>> layer(jnp.ones((4, 3))).shape
+  (4, 2)
+  >>> sorted(nnx.state(layer, fp8.nnx.Fp8State)["dot_general"])
+  ['input_amax_history', 'input_scale', 'kernel_amax_history', 'kernel_scale', 'output_grad_amax_history', 'output_grad_scale']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Iterator, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmp.fp8 import dot_general as dot_general_lib
+from jaxmp.fp8 import recipes as recipes_lib
+from jaxmp.fp8 import state as state_lib
+
+
+class Fp8State(nnx.Variable):
+  """The delayed-scaling state of an fp8 matmul (a scale or an amax history).
+
+  Its "gradient" under ``nnx.grad`` is its next value, to be merged with
+  :func:`jaxmp.fp8.state.merge`, never applied by an optimizer: keep optimizers on
+  ``wrt=nnx.Param``. jaxmp's precision policies never cast it.
+  """
+
+
+# nnx.bridge names NNX variable types after linen collections; map linen's fp8
+# collection onto Fp8State so bridged linen fp8 layers and these share one type.
+if state_lib.OVERWRITE_WITH_GRADIENT not in nnx.variablelib.VariableTypeCache:
+  nnx.register_variable_name(state_lib.OVERWRITE_WITH_GRADIENT, Fp8State)
+
+
+def _init_variables(module: nnx.Module, recipe: recipes_lib.Recipe) -> None:
+  state = state_lib.init_state(recipe)
+  if state is None:
+    return
+  for name, value in state._asdict().items():
+    # A fresh array per variable: one buffer in two variables cannot be donated.
+    setattr(module, name, Fp8State(jnp.array(value)))
+
+
+def _read_state(module: nnx.Module) -> Optional[state_lib.DelayedScalingState]:
+  if isinstance(module.recipe, recipes_lib.CurrentScaling):
+    return None
+  return state_lib.DelayedScalingState(
+      *(getattr(module, name).get_value() for name in state_lib.DelayedScalingState._fields))
+
+
+class Fp8DotGeneral(nnx.Module):
+  """An fp8 ``dot_general`` with its delayed-scaling state, for NNX dense layers.
+
+  Pass an instance as ``nnx.Linear(..., dot_general=Fp8DotGeneral())`` or
+  ``nnx.LinearGeneral(..., dot_general=...)``: the layer calls it with the input
+  first and the kernel second, and its state appears under the layer's
+  ``dot_general`` attribute. One instance per layer (an instance shared by two layers
+  shares their state: its amaxes are the max over both).
+
+  Args:
+    recipe: :class:`~jaxmp.fp8.DelayedScaling` (default, history length 1024) or
+      :class:`~jaxmp.fp8.CurrentScaling` (no variables).
+
+  Raises:
+    TypeError: if ``recipe`` is not a jaxmp fp8 recipe.
+
+  Example:
+    >>> from jaxmp import fp8
+    >>> import jaxmp.fp8.nnx
+    >>> op = fp8.nnx.Fp8DotGeneral(fp8.DelayedScaling(amax_history_length=4))
+    >>> op(jnp.ones((2, 3)), jnp.ones((3, 1)), (((1,), (0,)), ((), ()))).ravel()
+    Array([3., 3.], dtype=float32)
+    >>> op.input_amax_history.shape
+    (4,)
+  """
+
+  def __init__(self, recipe: recipes_lib.Recipe = recipes_lib.DelayedScaling()):
+    self.recipe = recipes_lib.check_recipe(recipe, "Fp8DotGeneral")
+    _init_variables(self, self.recipe)
+
+  def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
+               precision: Any = None, preferred_element_type: Any = None,
+               out_sharding: Any = None) -> jax.Array:
+    """``fp8_dot_general(lhs, rhs, ...)`` with this module's state; same arguments."""
+    return dot_general_lib.fp8_dot_general(
+        lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding,
+        state=_read_state(self), recipe=self.recipe)
+
+
+class Fp8Einsum(nnx.Module):
+  """A two-operand fp8 einsum with its delayed-scaling state, for ``nnx.Einsum``.
+
+  Pass an instance as ``nnx.Einsum(..., einsum_op=Fp8Einsum())``; it is called like
+  ``jnp.einsum(eqn, input, kernel, ...)`` and computes :func:`~jaxmp.fp8.fp8_einsum`,
+  which keeps the input and kernel roles fixed.
+
+  Args:
+    recipe: :class:`~jaxmp.fp8.DelayedScaling` (default) or
+      :class:`~jaxmp.fp8.CurrentScaling`.
+
+  Raises:
+    TypeError: if ``recipe`` is not a jaxmp fp8 recipe.
+
+  Example:
+    >>> from jaxmp import fp8
+    >>> import jaxmp.fp8.nnx
+    >>> op = fp8.nnx.Fp8Einsum(fp8.CurrentScaling())
+    >>> op("btd,dh->bth", jnp.ones((2, 3, 4)), jnp.ones((4, 5))).shape
+    (2, 3, 5)
+  """
+
+  def __init__(self, recipe: recipes_lib.Recipe = recipes_lib.DelayedScaling()):
+    self.recipe = recipes_lib.check_recipe(recipe, "Fp8Einsum")
+    _init_variables(self, self.recipe)
+
+  def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array, precision: Any = None,
+               preferred_element_type: Any = None, out_sharding: Any = None) -> jax.Array:
+    """``fp8_einsum(eqn, lhs, rhs)`` with this module's state.
+
+    Raises:
+      ValueError: for an ``out_sharding``: the fp8 einsum lays its output out itself.
+    """
+    if out_sharding is not None:
+      raise ValueError(f"Fp8Einsum does not take out_sharding, got {out_sharding!r}; "
+                       "shard the einsum's inputs instead.")
+    return dot_general_lib.fp8_einsum(
+        eqn, lhs, rhs, state=_read_state(self), recipe=self.recipe,
+        preferred_element_type=preferred_element_type, precision=precision)
+
+
+FP8_LAYER_TYPES: tuple[type, ...] = (
+    nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.MultiHeadAttention)
+"""The NNX layers a rule's fp8 recipe applies to."""
+
+FP8_MODULE_TYPES: tuple[type, ...] = (Fp8DotGeneral, Fp8Einsum)
+"""jaxmp's own NNX fp8 modules, which precision policies leave alone."""
+
+_PROJECTIONS = ("query", "key", "value", "out")
+
+
+def supports_fp8(module_type: type) -> bool:
+  """Whether a rule's fp8 recipe can turn ``module_type``'s matmuls into fp8."""
+  return issubclass(module_type, FP8_LAYER_TYPES)
+
+
+def _hook(layer: nnx.Module) -> tuple[str, Any]:
+  """The (attribute, value) through which ``layer`` computes its product."""
+  if isinstance(layer, nnx.Einsum):
+    return "einsum_op", layer.einsum_op
+  if isinstance(layer, nnx.LinearGeneral) and layer.dot_general_cls is not None:
+    return "dot_general_cls", layer.dot_general_cls
+  return "dot_general", layer.dot_general
+
+
+def _is_default(layer: nnx.Module, value: Any) -> bool:
+  if isinstance(layer, nnx.Einsum):
+    return value is jnp.einsum
+  if isinstance(layer, nnx.LinearGeneral):
+    return value is None
+  return value is jax.lax.dot_general
+
+
+def fp8_layers(path: str, module: nnx.Module) -> list[tuple[str, nnx.Module]]:
+  """The ``(path, layer)`` pairs whose product a rule's fp8 recipe on ``module`` replaces.
+
+  A ``nnx.Linear``, ``nnx.LinearGeneral`` or ``nnx.Einsum`` is its own layer; a
+  ``nnx.MultiHeadAttention`` contributes its ``query``, ``key``, ``value`` and ``out``
+  projections (the attention-score einsums keep the compute dtype). Layers that
+  already compute with a jaxmp fp8 module are left out.
+
+  Args:
+    path: ``module``'s '/'-joined path.
+    module: a module :func:`supports_fp8` accepts.
+
+  Returns:
+    The layers to give an fp8 module, with their paths.
+
+  Raises:
+    ValueError: if a layer already has a custom dot_general or einsum_op of its own.
+  """
+  if isinstance(module, nnx.MultiHeadAttention):
+    candidates = [(f"{path}/{name}" if path else name, getattr(module, name))
+                  for name in _PROJECTIONS]
+  else:
+    candidates = [(path, module)]
+  layers = []
+  for layer_path, layer in candidates:
+    attribute, value = _hook(layer)
+    if isinstance(value, FP8_MODULE_TYPES):
+      continue
+    if not _is_default(layer, value):
+      shown = layer_path or "<root>"
+      raise ValueError(
+          f"An fp8 rule matches {type(layer).__name__} at {shown!r}, which already has a "
+          f"custom {attribute}={value!r}; remove one of the two (exclude the layer with an "
+          f"earlier Rule({layer_path!r}) without fp8).")
+    layers.append((layer_path, layer))
+  return layers
+
+
+def new_fp8_module(layer: nnx.Module, recipe: recipes_lib.Recipe) -> nnx.Module:
+  """A fresh :class:`Fp8Einsum` for an ``nnx.Einsum``, else a :class:`Fp8DotGeneral`."""
+  if isinstance(layer, nnx.Einsum):
+    return Fp8Einsum(recipe)
+  return Fp8DotGeneral(recipe)
+
+
+def _call_module(module, *args, **kwargs):
+  return module(*args, **kwargs)
+
+
+def install(layer: nnx.Module, fp8_module: nnx.Module) -> None:
+  """Makes ``layer`` compute its product with ``fp8_module``.
+
+  Only for a private copy of a layer (``jaxmp.nnx.mixed_precision`` runs each call on
+  one): the attribute is written past NNX's checks and is not restored.
+  """
+  attribute = "einsum_op" if isinstance(layer, nnx.Einsum) else "dot_general"
+  # A plain callable rather than the module itself: the attribute stays static, so an
+  # NNX transform inside the model that splits the layer leaves the state where it is.
+  object.__setattr__(layer, attribute, functools.partial(_call_module, fp8_module))
+
+
+@contextlib.contextmanager
+def for_grad(model: Any) -> Iterator[None]:
+  """Makes repeated reads of the model's fp8 state accumulate cotangents by max.
+
+  Use it *inside* the function ``nnx.grad`` differentiates, around everything that
+  calls the model: for its duration every :class:`Fp8State` in ``model`` holds its
+  value converted to :data:`~jaxmp.fp8.maxgrad.max_float32` (see
+  :func:`jaxmp.fp8.state.for_grad`), so a layer called several times, or inside
+  ``nnx.scan``, gets the max of its uses' new states, not their sum. The float32
+  values are put back in ``finally``; the state's gradient comes back as float32.
+
+  Args:
+    model: an NNX graph node (a module, or a pytree of them).
+
+  Example:
+    >>> from flax import nnx
+    >>> from jaxmp import fp8
+    >>> import jaxmp.fp8.nnx
+    >>> op = fp8.nnx.Fp8DotGeneral(fp8.DelayedScaling(amax_history_length=2))
+    >>> def loss(op, x):
+    ...   with fp8.nnx.for_grad(op):
+    ...     dot = lambda a: op(a, jnp.ones((1, 1)), (((1,), (0,)), ((), ())))
+    ...     return jnp.sum(dot(dot(x)))   # used twice
+    >>> grads = nnx.grad(loss, argnums=nnx.DiffState(0, fp8.nnx.Fp8State))(
+    ...     op, jnp.full((1, 1), 2.0))
+    >>> grads["input_amax_history"][...]   # max of [2, 0] and [2, 0], not the sum
+    Array([2., 0.], dtype=float32)
+  """
+  variables = [v for _, v in nnx.iter_graph(model) if isinstance(v, Fp8State)]
+  originals = [v.get_raw_value() for v in variables]
+  converted = []
+  try:
+    for variable, value in zip(variables, originals):
+      variable.set_raw_value(state_lib.for_grad(value))
+      converted.append(variable)
+    yield
+  finally:
+    for variable, value in zip(converted, originals):
+      variable.set_raw_value(value)
+
+
+__all__ = (
+    "FP8_LAYER_TYPES",
+    "FP8_MODULE_TYPES",
+    "Fp8DotGeneral",
+    "Fp8Einsum",
+    "Fp8State",
+    "fp8_layers",
+    "for_grad",
+    "install",
+    "new_fp8_module",
+    "supports_fp8",
+)

@@ -1,0 +1,209 @@
+"""A catalogue of bad inputs across the public API.
+
+Each case must raise a ValueError or TypeError (never another exception, never a silent
+acceptance) whose message names the offending value: its repr, its name or its dtype.
+"""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxmp
+from jaxmp import fp8
+
+RECIPE = fp8.DelayedScaling(amax_history_length=4)
+STATE = fp8.init_state(RECIPE)
+DIMS = (((1,), (0,)), ((), ()))
+PARAMS = {"w": jnp.ones(2)}
+X, W = jnp.ones((2, 3)), jnp.ones((3, 2))
+
+
+def _sgd_state():
+  return jaxmp.train.TrainState.create(apply_fn=lambda v, x: x, variables={"params": PARAMS},
+                                       tx=optax.sgd(1.0))
+
+
+# (id, call, exception type, text the message must contain)
+CASES = [
+    # Policies and dtypes.
+    ("get_policy unknown dtype", lambda: jaxmp.get_policy("c=f8"), ValueError, "'f8'"),
+    ("get_policy unknown key", lambda: jaxmp.get_policy("p=f32,x=bf16"), ValueError, "'x'"),
+    ("get_policy not a string", lambda: jaxmp.get_policy(3), TypeError, "got 3 of type int"),
+    ("get_policy key set twice", lambda: jaxmp.get_policy("p=f32,p=bf16"), ValueError,
+     "'p=f32,p=bf16' sets param_dtype twice"),
+    ("get_policy integer dtype", lambda: jaxmp.get_policy("int8"), ValueError, "'int8'"),
+    ("get_policy malformed part", lambda: jaxmp.get_policy("p=f32=bf16"), ValueError,
+     "'p=f32=bf16'"),
+    ("get_policy empty", lambda: jaxmp.get_policy("  "), ValueError, "'  '"),
+    ("Policy integer compute", lambda: jaxmp.Policy("float32", "int32"), ValueError,
+     "compute_dtype: Unknown dtype 'int32'"),
+    ("Policy fp8 compute", lambda: jaxmp.Policy("float32", "float8_e4m3fn"), ValueError,
+     "'float8_e4m3fn'"),
+    ("Policy not a dtype", lambda: jaxmp.Policy([1]), TypeError, "got [1] of type list"),
+    ("with_compute_dtype int8", lambda: jaxmp.Policy().with_compute_dtype("int8"), ValueError,
+     "'int8'"),
+    ("to_jmp not a policy", lambda: jaxmp.to_jmp(5), TypeError, "got 5 of type int"),
+    ("parse_dtype unknown", lambda: jaxmp.parse_dtype("floaty"), ValueError, "'floaty'"),
+    ("parse_dtype fp8 not allowed", lambda: jaxmp.parse_dtype("float8_e4m3fn"), ValueError,
+     "'float8_e4m3fn'"),
+    ("float_format integer", lambda: jaxmp.float_format("int8"), ValueError, "'int8'"),
+    ("half_dtype not a device", lambda: jaxmp.half_dtype("cpu"), TypeError,
+     "got 'cpu' of type str"),
+    # Trees.
+    ("cast_tree integer target", lambda: jaxmp.cast_tree(PARAMS, "int32"), ValueError, "'int32'"),
+    ("cast_tree bool target", lambda: jaxmp.cast_tree(PARAMS, jnp.bool_), ValueError, "'bool'"),
+    ("cast_tree None target", lambda: jaxmp.cast_tree(PARAMS, None), TypeError, "got None"),
+    ("select_tree vector predicate",
+     lambda: jaxmp.select_tree(jnp.array([True, False]), PARAMS, PARAMS), ValueError, "(2,)"),
+    ("select_tree integer predicate", lambda: jaxmp.select_tree(1, PARAMS, PARAMS), TypeError,
+     "dtype int"),
+    ("select_tree string predicate", lambda: jaxmp.select_tree("yes", PARAMS, PARAMS),
+     TypeError, "got 'yes' of type str"),
+    ("select_tree structures", lambda: jaxmp.select_tree(
+        True, {"a": jnp.ones(1)}, {"b": jnp.ones(1)}), ValueError, "'b'"),
+    ("select_tree shapes", lambda: jaxmp.select_tree(
+        True, {"a": jnp.ones(2)}, {"a": jnp.ones(3)}), ValueError, "['a'] has shape (2,)"),
+    ("select_tree dtypes", lambda: jaxmp.select_tree(
+        True, {"a": jnp.ones(2)}, {"a": jnp.ones(2, jnp.bfloat16)}), TypeError, "bfloat16"),
+    # Loss scales.
+    ("DynamicLossScale growth_interval 0", lambda: jaxmp.DynamicLossScale(growth_interval=0),
+     ValueError, "got 0"),
+    ("DynamicLossScale growth_factor string",
+     lambda: jaxmp.DynamicLossScale(growth_factor="2"), TypeError, "got '2'"),
+    ("DynamicLossScale min above max",
+     lambda: jaxmp.DynamicLossScale(3.0, min_scale=4.0, max_scale=2.0), ValueError,
+     "min_scale=4.0 > max_scale=2.0"),
+    ("StaticLossScale negative", lambda: jaxmp.StaticLossScale(-1.0), ValueError, "got -1.0"),
+    ("StaticLossScale string", lambda: jaxmp.StaticLossScale("8"), TypeError, "got '8'"),
+    ("adjust vector flag", lambda: jaxmp.DynamicLossScale().adjust(jnp.array([True, False])),
+     ValueError, "shape (2,)"),
+    ("adjust float flag", lambda: jaxmp.DynamicLossScale().adjust(1.0), TypeError, "type float"),
+    ("value_and_grad not callable", lambda: jaxmp.StaticLossScale(2.0).value_and_grad("loss"),
+     TypeError, "got 'loss'"),
+    # loss_scaling and its state.
+    ("loss_scaling uncalled optimizer", lambda: jaxmp.loss_scaling(optax.adam), TypeError,
+     "function adam"),
+    ("loss_scaling number as scale", lambda: jaxmp.loss_scaling(optax.sgd(1.0), 1024.0),
+     TypeError, "got 1024.0 of type float"),
+    ("loss_scaling list axis_name",
+     lambda: jaxmp.loss_scaling(optax.sgd(1.0), axis_name=["i"]), TypeError, "got ['i']"),
+    ("loss_scaling foreign state", lambda: jaxmp.loss_scaling(optax.sgd(1.0)).update(
+        PARAMS, optax.sgd(1.0).init(PARAMS), PARAMS), TypeError, "got tuple"),
+    ("get_loss_scale without wrapper",
+     lambda: jaxmp.get_loss_scale(optax.sgd(1.0).init(PARAMS)), ValueError, "of type tuple"),
+    ("get_loss_scale two wrappers", lambda: jaxmp.get_loss_scale(
+        (jaxmp.loss_scaling(optax.sgd(1.0)).init(PARAMS),) * 2), ValueError,
+     "holds 2 LossScalingStates"),
+    ("loss_scaling_metrics without wrapper", lambda: jaxmp.loss_scaling_metrics({"a": 1}),
+     ValueError, "of type dict"),
+    # Rules.
+    ("Rule match not a class or regex", lambda: jaxmp.Rule(42), TypeError, "got 42 of type int"),
+    ("Rule invalid regex", lambda: jaxmp.Rule("[unclosed"), ValueError, "'[unclosed'"),
+    ("Rule bad policy", lambda: jaxmp.Rule(nn.Dense, "c=f8"), ValueError, "'f8'"),
+    ("Rule fp8 not a recipe", lambda: jaxmp.Rule(nn.Dense, fp8="delayed"), TypeError,
+     "got 'delayed' of type str"),
+    ("Rule integer output", lambda: jaxmp.Rule(nn.Dense, output_dtype="int32"), ValueError,
+     "'int32'"),
+    ("Rule two output dtypes", lambda: jaxmp.Rule(nn.Dense, "c=f32,o=bf16",
+                                                  output_dtype="float16"), ValueError,
+     "bfloat16 in its policy and output_dtype=float16"),
+    ("PolicyRules tuple instead of Rule",
+     lambda: jaxmp.PolicyRules("f32", [("Dense", "bf16")]), TypeError, "('Dense', 'bf16')"),
+    ("PolicyRules single Rule", lambda: jaxmp.PolicyRules("f32", jaxmp.Rule(nn.Dense)),
+     TypeError, "Rule(match="),
+    ("PolicyRules bad default", lambda: jaxmp.PolicyRules("nonsense"), ValueError, "'nonsense'"),
+    ("PolicyRules float32_normalization string",
+     lambda: jaxmp.PolicyRules("f32", float32_normalization="no"), TypeError, "got 'no'"),
+    # Flax wrapper and summary.
+    ("mixed_precision function", lambda: jaxmp.linen.mixed_precision(print, "f32"), TypeError,
+     "print"),
+    ("mixed_precision module class", lambda: jaxmp.linen.mixed_precision(nn.Dense, "f32"),
+     TypeError, "Dense"),
+    ("mixed_precision bare rule list",
+     lambda: jaxmp.linen.mixed_precision(nn.Dense(3), [jaxmp.Rule(nn.Dense)]), TypeError,
+     "[Rule(match="),
+    ("mixed_precision bad policy", lambda: jaxmp.linen.mixed_precision(nn.Dense(3), "c=f7"),
+     ValueError, "'f7'"),
+    ("summary of a string", lambda: jaxmp.summary("model"), TypeError, "got 'model'"),
+    ("summary without rules", lambda: jaxmp.summary(nn.Dense(2), None, jnp.ones((1, 2))),
+     ValueError, "Dense"),
+    # fp8.
+    ("DelayedScaling history 0", lambda: fp8.DelayedScaling(amax_history_length=0), ValueError,
+     "got 0"),
+    ("DelayedScaling history float", lambda: fp8.DelayedScaling(amax_history_length=4.0),
+     TypeError, "got 4.0"),
+    ("DelayedScaling amax_compute", lambda: fp8.DelayedScaling(amax_compute="mean"), ValueError,
+     "'mean'"),
+    ("DelayedScaling margin float", lambda: fp8.DelayedScaling(margin=1.5), TypeError, "got 1.5"),
+    ("CurrentScaling negative margin", lambda: fp8.CurrentScaling(margin=-1), ValueError,
+     "got -1"),
+    ("init_state not a recipe", lambda: fp8.init_state("delayed"), TypeError, "got 'delayed'"),
+    ("fp8_dot_general integer operand", lambda: fp8.fp8_dot_general(
+        X.astype(jnp.int32), W, DIMS, state=STATE, recipe=RECIPE), TypeError, "dtype int32"),
+    ("fp8_dot_general state with current scaling", lambda: fp8.fp8_dot_general(
+        X, W, DIMS, state=STATE, recipe=fp8.CurrentScaling()), ValueError, "CurrentScaling("),
+    ("fp8_dot_general history length", lambda: fp8.fp8_dot_general(
+        X, W, DIMS, state=STATE, recipe=fp8.DelayedScaling(8)), ValueError,
+     "shape (4,), but the recipe has amax_history_length=8"),
+    ("fp8_dot_general dimension numbers", lambda: fp8.fp8_dot_general(
+        X, W, "ij,jk", state=STATE, recipe=RECIPE), ValueError, "'ij,jk'"),
+    ("fp8_dot_general recipe string", lambda: fp8.fp8_dot_general(X, W, DIMS, recipe="delayed"),
+     TypeError, "got 'delayed'"),
+    ("fp8_dot_general integer output", lambda: fp8.fp8_dot_general(
+        X, W, DIMS, state=STATE, recipe=RECIPE, preferred_element_type=jnp.int32), TypeError,
+     "got int32"),
+    ("fp8_dot_general bfloat16 state", lambda: fp8.fp8_dot_general(
+        X, W, DIMS, state=jax.tree.map(lambda a: a.astype(jnp.bfloat16), STATE), recipe=RECIPE),
+     TypeError, "input_scale of dtype bfloat16"),
+    ("fp8_einsum three operands", lambda: fp8.fp8_einsum(
+        "ij,jk,kl->il", X, W, recipe=fp8.CurrentScaling()), ValueError, "'ij,jk,kl->il'"),
+    ("merge vector flag", lambda: fp8.state.merge(STATE, STATE, jnp.array([True])), ValueError,
+     "shape (1,)"),
+    ("merge float flag", lambda: fp8.state.merge(STATE, STATE, 1.0), TypeError, "dtype float"),
+    ("merge shapes", lambda: fp8.state.merge(STATE, STATE._replace(input_scale=jnp.ones(2)), True),
+     ValueError, ".input_scale has shape (1,) in the state and (2,)"),
+    ("for_grad bfloat16 state", lambda: fp8.state.for_grad(
+        jax.tree.map(lambda a: a.astype(jnp.bfloat16), STATE)), TypeError, "dtype bfloat16"),
+    # Training.
+    ("TrainState tx string", lambda: jaxmp.train.TrainState.create(
+        apply_fn=lambda v, x: x, variables={"params": PARAMS}, tx="adam"), TypeError, "got 'adam'"),
+    ("TrainState apply_fn None", lambda: jaxmp.train.TrainState.create(
+        apply_fn=None, variables={"params": PARAMS}, tx=optax.sgd(1.0)), TypeError, "got None"),
+    ("TrainState variables list", lambda: jaxmp.train.TrainState.create(
+        apply_fn=lambda v, x: x, variables=[PARAMS], tx=optax.sgd(1.0)), TypeError,
+     "got list: [{'w'"),
+    ("apply_gradients plain dict", lambda: _sgd_state().apply_gradients({"params": PARAMS}),
+     TypeError, "got dict"),
+    ("train.value_and_grad not callable", lambda: jaxmp.train.value_and_grad("loss"), TypeError,
+     "got 'loss'"),
+    ("accumulate_gradients plain dicts",
+     lambda: jaxmp.train.accumulate_gradients({"a": 1}, {"a": 2}), TypeError,
+     "a must be jaxmp.train.Gradients (from value_and_grad), got dict: {'a': 1}"),
+]
+
+
+def test_the_catalogue_is_large_and_its_ids_unique():
+  ids = [case[0] for case in CASES]
+  assert len(ids) == len(set(ids)) and len(ids) >= 25
+
+
+@pytest.mark.parametrize("call, error, names", [case[1:] for case in CASES],
+                         ids=[case[0] for case in CASES])
+def test_bad_input_is_refused_with_a_message_naming_it(call, error, names):
+  with pytest.raises((ValueError, TypeError)) as info:
+    call()
+  assert type(info.value) is error or isinstance(info.value, error), (
+      f"raised {type(info.value).__name__}, expected {error.__name__}: {info.value}")
+  assert names in str(info.value), f"message does not name {names!r}: {info.value}"
+
+
+def test_bad_input_inside_jit_is_refused_at_trace_time():
+  # Checks run on the static structure, so they also fire inside jit.
+  with pytest.raises(ValueError, match=re.escape("shape (2,)")):
+    jax.jit(lambda f: jaxmp.DynamicLossScale().adjust(f))(jnp.array([True, False]))
+  with pytest.raises(TypeError, match="dtype int32"):
+    jax.jit(lambda p: jaxmp.select_tree(p, PARAMS, PARAMS))(jnp.int32(1))
