@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
+import pathlib
+import sys
 import statistics
 import time
 from typing import Callable, NamedTuple
@@ -48,9 +49,23 @@ import optax
 import jaxmp
 from jaxmp import transforms
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import timing  # pylint: disable=g-import-not-at-top
+
 WIDTH = 768
 LAYERS = 4
 BATCH = 256
+
+
+def _initial_state(inner, loss_scale):
+  """The ``init`` of every hand-written variant: the shipped ``LossScalingState``."""
+
+  def init(params):
+    return jaxmp.LossScalingState(jax.tree_util.tree_map(jnp.array, loss_scale),
+                                  inner.init(params), jnp.zeros((), jnp.int32),
+                                  jnp.ones((), jnp.bool_))
+
+  return init
 
 
 def init_params(key):
@@ -81,10 +96,7 @@ def naive_select_loss_scaling(inner, loss_scale):
   how the skip is done.
   """
 
-  def init(params):
-    return jaxmp.LossScalingState(jax.tree_util.tree_map(jnp.array, loss_scale),
-                                  inner.init(params), jnp.zeros((), jnp.int32),
-                                  jnp.ones((), jnp.bool_))
+  init = _initial_state(inner, loss_scale)
 
   def update(updates, state, params=None):
     grads = state.loss_scale.unscale(updates)
@@ -103,10 +115,7 @@ def naive_select_loss_scaling(inner, loss_scale):
 def cond_all_finite_loss_scaling(inner, loss_scale):
   """lax.cond as shipped, but with jaxmp.all_finite of the unscaled grads as the check."""
 
-  def init(params):
-    return jaxmp.LossScalingState(jax.tree_util.tree_map(jnp.array, loss_scale),
-                                  inner.init(params), jnp.zeros((), jnp.int32),
-                                  jnp.ones((), jnp.bool_))
+  init = _initial_state(inner, loss_scale)
 
   def update(updates, state, params=None):
     ls = state.loss_scale
@@ -130,10 +139,7 @@ def cond_all_finite_loss_scaling(inner, loss_scale):
 def cond_unscale_in_branch_loss_scaling(inner, loss_scale):
   """lax.cond with the unscaling inside the branch; the plain-sum check on scaled grads."""
 
-  def init(params):
-    return jaxmp.LossScalingState(jax.tree_util.tree_map(jnp.array, loss_scale),
-                                  inner.init(params), jnp.zeros((), jnp.int32),
-                                  jnp.ones((), jnp.bool_))
+  init = _initial_state(inner, loss_scale)
 
   def update(updates, state, params=None):
     ls = state.loss_scale
@@ -221,17 +227,6 @@ class _OtherLoad:
     return max(0.0, (busy1 - busy0) - (own1 - own0)) / (w1 - w0)
 
 
-def _cpu_name() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--blocks", type=int, default=40,
@@ -299,7 +294,7 @@ def main():
 
   device = jax.devices()[0]
   print(f"device: jax.devices()[0].device_kind={device.device_kind!r}, {os.cpu_count()} CPU "
-        f"cores ({_cpu_name()}); jax {jax.__version__}, optax {optax.__version__}")
+        f"cores ({timing.cpu_model()}); jax {jax.__version__}, optax {optax.__version__}")
   print(f"MLP {LAYERS}x{WIDTH}, batch {BATCH}, Adam, float32, jitted full train step with "
         f"donated state; interleaved blocks of {args.steps} steps; kept "
         f"{sum(kept.values())}/{total_blocks} blocks during which other processes used "

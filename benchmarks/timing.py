@@ -23,7 +23,7 @@ class Timing(NamedTuple):
   ratio: float    # median over rounds of (this variant / baseline)
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
   try:
     with open("/proc/cpuinfo") as f:
       for line in f:
@@ -38,7 +38,7 @@ def device_description() -> str:
   """The device the figures come from, for RESULTS.md."""
   device = jax.devices()[0]
   if device.platform == "cpu":
-    return f"CPU: {_cpu_model()}, {os.cpu_count()} cores"
+    return f"CPU: {cpu_model()}, {os.cpu_count()} cores"
   return f"{device.device_kind} ({device.platform})"
 
 
