@@ -73,7 +73,9 @@ def half_dtype(device: Optional[jax.Device] = None) -> np.dtype:
     TypeError: if ``device`` is not a ``jax.Device``.
 
   Example:
-    >>> jaxmp.half_dtype()  # on a CPU
+    >>> jaxmp.half_dtype() in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+    True
+    >>> jaxmp.half_dtype(jax.devices("cpu")[0])
     dtype('float16')
   """
   # Duck-typed on ``platform`` so device descriptions other than ``jax.Device``
@@ -121,6 +123,14 @@ def parse_dtype(value: DTypeLike, *, allow_fp8: bool = False) -> np.dtype:
   Raises:
     ValueError: for an unknown name or a dtype that is not an accepted float type.
     TypeError: for a value that is neither a string nor a dtype.
+
+  Example:
+    >>> jaxmp.parse_dtype("f32"), jaxmp.parse_dtype(jnp.bfloat16)
+    (dtype('float32'), dtype(bfloat16))
+    >>> jaxmp.parse_dtype("e4m3", allow_fp8=True)
+    dtype(float8_e4m3fn)
+    >>> jaxmp.parse_dtype("half") == jaxmp.half_dtype()
+    True
   """
   if isinstance(value, str):
     if value == HALF:
@@ -180,6 +190,11 @@ class FloatFormat:
     exponent_bits: exponent bits.
     has_inf: whether the format has infinities (float8_e4m3fn has none: it saturates
       to NaN instead).
+
+  Example:
+    >>> fmt = jaxmp.float_format("bf16")
+    >>> fmt.mantissa_bits, fmt.exponent_bits, fmt.eps, fmt.has_inf
+    (7, 8, 0.0078125, True)
   """
 
   dtype: np.dtype

@@ -54,6 +54,17 @@ class CallRecord:
     method: the method called (``"__call__"``, ``"attend"``, ...).
     precision: the resolved :class:`~jaxmp.rules.ModulePrecision`.
     output_dtype: the dtype the call's floating-point output was handed back in.
+
+  Example:
+    >>> import flax.linen as nn
+    >>> model = jaxmp.linen.mixed_precision(nn.Sequential([nn.Dense(4), nn.Dense(2)]),
+    ...                                     "p=f32,c=bf16,o=f32")
+    >>> x = jnp.ones((1, 3))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> _, calls = model.trace(lambda: model.model.apply(variables, x))
+    >>> [(c.path, c.module_type.__name__, c.output_dtype.name) for c in calls]
+    [('', 'Sequential', 'float32'), ('layers_0', 'Dense', 'bfloat16'),
+     ('layers_1', 'Dense', 'bfloat16')]
   """
 
   path: str
@@ -144,7 +155,16 @@ def _describe_paths(records: list[CallRecord]) -> str:
 
 
 def unused_rules(rules: rules_lib.PolicyRules, records: list[CallRecord]) -> list[str]:
-  """Describes each rule that decided no module's precision in ``records``."""
+  """Describes each rule that decided no module's precision in ``records``.
+
+  Example:
+    >>> import flax.linen as nn
+    >>> model = jaxmp.linen.mixed_precision(nn.Dense(2), "float32")
+    >>> _, calls = model.trace(lambda: model.model.init(jax.random.key(0), jnp.ones((1, 3))))
+    >>> rules = jaxmp.PolicyRules("float32", [jaxmp.Rule("encoder", "bf16")])
+    >>> jaxmp.linen.unused_rules(rules, calls)
+    ["rule 0 ('encoder') matches no module"]
+  """
   problems = []
   for index, rule in enumerate(rules.rules):
     decided = [r for r in records if r.precision.rule is rule]
@@ -173,6 +193,18 @@ class MixedPrecision:
   Attributes:
     model: the wrapped linen Module, unchanged.
     rules: the resolved :class:`~jaxmp.PolicyRules`.
+
+  Example:
+    >>> import flax.linen as nn
+    >>> rules = jaxmp.PolicyRules("p=f32,c=bf16,o=f32", [jaxmp.Rule("layers_1", "bf16")])
+    >>> model = jaxmp.linen.mixed_precision(nn.Sequential([nn.Dense(4), nn.Dense(2)]), rules)
+    >>> x = jnp.ones((1, 3))
+    >>> out, variables = model.init_with_output(jax.random.key(0), x)
+    >>> jax.tree.map(lambda p: p.dtype.name, variables["params"])
+    {'layers_0': {'bias': 'float32', 'kernel': 'float32'},
+     'layers_1': {'bias': 'bfloat16', 'kernel': 'bfloat16'}}
+    >>> model.apply(variables, x).dtype
+    dtype('float32')
   """
 
   model: nn.Module

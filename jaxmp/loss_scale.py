@@ -164,6 +164,14 @@ class LossScale:
 
   Attributes:
     loss_scale: the current scale, a float32 scalar array.
+
+  Example:
+    >>> scales = (jaxmp.NoOpLossScale(), jaxmp.StaticLossScale(4.0),
+    ...           jaxmp.DynamicLossScale(8.0))
+    >>> all(isinstance(ls, jaxmp.LossScale) for ls in scales)
+    True
+    >>> [float(ls.unscale(jnp.float32(8.0))) for ls in scales]
+    [8.0, 2.0, 1.0]
   """
 
   __slots__ = ()

@@ -44,7 +44,10 @@ Training with fp8 state or loss scaling: :func:`value_and_grad` differentiates w
 respect to the params and the fp8 state together (repeated uses take the max), scaled
 by the loss scale, and :func:`apply_gradients` steps an ``nnx.Optimizer`` on the
 params and merges the fp8 state (kept on a skipped step or where a layer got no
-cotangent), mirroring :mod:`jaxmp.train` for linen.
+cotangent), mirroring :mod:`jaxmp.train` for linen. ``nnx.Optimizer.step`` counts
+every update, skipped ones included; the inner Optax state (Adam's ``count``, and so
+its bias correction and any schedule) does not advance on a step
+:func:`jaxmp.loss_scaling` skips, so read the number of applied steps from there.
 
 What it cannot do: a module called directly through its class's unbound function
 (``nnx.remat(Block.__call__)(block, x)``) runs unwrapped itself (its children are
@@ -274,6 +277,15 @@ class MixedPrecision(nnx.Module):
     rules: the resolved :class:`~jaxmp.PolicyRules` (static).
     fp8: an ``nnx.Dict`` from layer path to the fp8 module (and state) that layer
       computes with; empty without fp8 rules.
+
+  Example:
+    >>> from flax import nnx
+    >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    >>> wrapped = jaxmp.nnx.mixed_precision(model, "p=bf16,c=bf16,o=f32")
+    >>> wrapped.model is model, model.kernel[...].dtype  # params cast in place
+    (True, dtype(bfloat16))
+    >>> nnx.jit(lambda m, x: m(x))(wrapped, jnp.ones((1, 3))).dtype
+    dtype('float32')
   """
 
   def __init__(self, model: nnx.Module, rules: rules_lib.PolicyRules,
@@ -487,6 +499,17 @@ def trace_abstract(model_or_wrapper: nnx.Module, rules: Optional[rules_lib.Polic
 
   Raises:
     ValueError: if ``rules`` is ``None`` for an unwrapped model.
+
+  Example:
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)),
+    ...                        nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+    >>> x = jax.ShapeDtypeStruct((1, 3), jnp.float32)
+    >>> rules, calls = jaxmp.nnx.trace_abstract(model, "bf16", "__call__", (x,), {})
+    >>> [(c.path, c.precision.policy.param_dtype.name) for c in calls]
+    [('', 'bfloat16'), ('layers/0', 'bfloat16'), ('layers/1', 'bfloat16')]
+    >>> model.layers[0].kernel[...].dtype  # the model itself is not changed
+    dtype('float32')
   """
   if rules is None and not isinstance(model_or_wrapper, MixedPrecision):
     raise ValueError("jaxmp.summary needs rules (a policy or jaxmp.PolicyRules) when given "
@@ -607,6 +630,8 @@ def apply_gradients(optimizer: nnx.Optimizer, model: nnx.Module, grads: Gradient
   state is merged with :func:`jaxmp.fp8.state.merge`: it keeps its old value on a
   skipped step (the loss scaling state's ``last_step_finite``, or the finiteness of the
   gradients without loss scaling) and wherever a layer got no cotangent.
+  ``optimizer.step`` advances on every call, a skipped step included; the inner Optax
+  state (e.g. Adam's ``count``) advances only on applied steps.
 
   Args:
     optimizer: an ``nnx.Optimizer`` over ``model`` (``wrt=nnx.Param``).

@@ -5,7 +5,9 @@ the "master weights"), a module computes in ``compute_dtype`` (bfloat16 or float
 speed) and hands its result back in ``output_dtype``. :func:`get_policy` builds one
 from a string in jmp's grammar, a Keras policy name, a ``jmp.Policy`` or a Policy.
 
-String grammar (jmp's, with jmp's meaning):
+String grammar (jmp's, with jmp's meaning except for ``half``, which is
+:func:`jaxmp.half_dtype`: bfloat16 on GPUs with compute capability >= 8.0, where jmp
+picks float16):
 
 * ``"key=value,key=value"`` with keys ``p|params``, ``c|compute``, ``o|output`` and
   values ``bf16|bfloat16``, ``f16|float16``, ``full|f32|float32``, ``f64|float64``,

@@ -58,6 +58,14 @@ class Gradients(NamedTuple):
       with (what :func:`jaxmp.loss_scaling`'s ``update`` expects).
     fp8: the fp8 state's cotangent: the proposed new fp8 state, float32, to be
       merged by :func:`apply_gradients` (``{}`` for a model without fp8 layers).
+
+  Example:
+    >>> import flax.linen as nn
+    >>> model, x = nn.Dense(2), jnp.ones((1, 3))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> _, grads = jaxmp.train.value_and_grad(lambda v: model.apply(v, x).sum())(variables)
+    >>> grads.params["bias"], grads.fp8
+    (Array([1., 1.], dtype=float32), {})
   """
 
   params: Any
@@ -69,6 +77,11 @@ def split_variables(variables: Any) -> tuple[Any, Any, dict]:
 
   Raises:
     TypeError: if ``variables`` is not a mapping of collection names to trees.
+
+  Example:
+    >>> jaxmp.train.split_variables({"params": {"w": 1.0}, "batch_stats": {"mean": 0.0},
+    ...                              "_overwrite_with_gradient": {"input_scale": 1.0}})
+    ({'w': 1.0}, {'input_scale': 1.0}, {'batch_stats': {'mean': 0.0}})
   """
   if not isinstance(variables, Mapping):
     raise TypeError(
@@ -86,7 +99,12 @@ def _short_repr(x: Any, limit: int = 80) -> str:
 
 
 def join_variables(params: Any, fp8: Any, collections: Optional[dict] = None) -> dict:
-  """The inverse of :func:`split_variables`; an empty fp8 state is left out."""
+  """The inverse of :func:`split_variables`; an empty fp8 state is left out.
+
+  Example:
+    >>> jaxmp.train.join_variables({"w": 1.0}, {}, {"batch_stats": {"mean": 0.0}})
+    {'batch_stats': {'mean': 0.0}, 'params': {'w': 1.0}}
+  """
   variables = dict(collections or {})
   variables[PARAMS] = params
   if fp8:
@@ -95,7 +113,16 @@ def join_variables(params: Any, fp8: Any, collections: Optional[dict] = None) ->
 
 
 def find_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
-  """The loss scale in ``opt_state``, or :class:`jaxmp.NoOpLossScale` if it has none."""
+  """The loss scale in ``opt_state``, or :class:`jaxmp.NoOpLossScale` if it has none.
+
+  Example:
+    >>> import optax
+    >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.StaticLossScale(4.0))
+    >>> jaxmp.train.find_loss_scale(tx.init({}))
+    StaticLossScale(scale=Array(4., dtype=float32))
+    >>> jaxmp.train.find_loss_scale(optax.sgd(0.1).init({}))
+    NoOpLossScale()
+  """
   found: list = []
   transforms._find_states(opt_state, found)  # pylint: disable=protected-access
   if not found:
@@ -122,6 +149,20 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callabl
 
   Raises:
     TypeError: if ``fun`` is not callable.
+
+  Example:
+    >>> import flax.linen as nn
+    >>> model = jaxmp.linen.mixed_precision(nn.Dense(2), jaxmp.PolicyRules(
+    ...     "float32", [jaxmp.Rule(nn.Dense, fp8=jaxmp.fp8.DelayedScaling(amax_history_length=4))]))
+    >>> x = jnp.full((4, 3), 2.0)
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> loss_fn = lambda variables, x: jnp.mean(model.apply(variables, x))
+    >>> loss, grads = jaxmp.train.value_and_grad(loss_fn)(
+    ...     variables, x, loss_scale=jaxmp.StaticLossScale(8.0))
+    >>> grads.params["bias"]  # gradients of 8 * loss
+    Array([4., 4.], dtype=float32)
+    >>> grads.fp8["Fp8DotGeneral_0"]["input_amax_history"]  # the proposed next state
+    Array([2., 0., 0., 0.], dtype=float32)
   """
   if not callable(fun):
     raise TypeError(f"value_and_grad: fun must be callable, got {fun!r}.")
@@ -149,11 +190,28 @@ def accumulate_gradients(a: Gradients, b: Gradients) -> Gradients:
 
   Raises:
     TypeError: if ``a`` or ``b`` is not a :class:`Gradients`.
+    ValueError: if their fp8 states differ in structure (one has fp8 state and the
+      other none, say): they are not gradients of the same model.
+
+  Example:
+    >>> s = jaxmp.fp8.init_state(jaxmp.fp8.DelayedScaling(amax_history_length=2))
+    >>> a = jaxmp.train.Gradients({"w": jnp.array([1.0])},
+    ...                           s._replace(input_amax_history=jnp.array([3.0, 0.0])))
+    >>> b = jaxmp.train.Gradients({"w": jnp.array([3.0])},
+    ...                           s._replace(input_amax_history=jnp.array([5.0, 0.0])))
+    >>> total = jaxmp.train.accumulate_gradients(a, b)
+    >>> total.params["w"], total.fp8.input_amax_history  # sum, max
+    (Array([4.], dtype=float32), Array([5., 0.], dtype=float32))
   """
   for name, g in (("a", a), ("b", b)):
     if not isinstance(g, Gradients):
       raise TypeError(f"accumulate_gradients: {name} must be jaxmp.train.Gradients (from "
                       f"value_and_grad), got {type(g).__name__}: {_short_repr(g)}.")
+  fp8_structures = [jax.tree_util.tree_structure(g.fp8) for g in (a, b)]
+  if fp8_structures[0] != fp8_structures[1]:
+    raise ValueError(
+        "accumulate_gradients: a and b must be gradients of the same model, but their fp8 "
+        f"states differ: {fp8_structures[0]} vs {fp8_structures[1]}.")
   params = jax.tree_util.tree_map(jnp.add, a.params, b.params)
   return Gradients(params, fp8_state_lib.accumulate(a.fp8, b.fp8) if a.fp8 else a.fp8)
 
@@ -186,6 +244,19 @@ def apply_gradients(tx: optax.GradientTransformation, params: Any, fp8: Any, opt
 
   Returns:
     ``(new_params, new_fp8, new_opt_state)``.
+
+  Example:
+    >>> import flax.linen as nn, optax
+    >>> model, x = nn.Dense(2), jnp.ones((4, 3))
+    >>> params, fp8, _ = jaxmp.train.split_variables(model.init(jax.random.key(0), x))
+    >>> tx = jaxmp.loss_scaling(optax.sgd(0.1))
+    >>> opt_state = tx.init(params)
+    >>> loss_fn = lambda variables: jnp.mean(model.apply(variables, x))
+    >>> _, grads = jaxmp.train.value_and_grad(loss_fn)(
+    ...     jaxmp.train.join_variables(params, fp8), loss_scale=jaxmp.get_loss_scale(opt_state))
+    >>> params, fp8, opt_state = jaxmp.train.apply_gradients(tx, params, fp8, opt_state, grads)
+    >>> params["bias"]  # -0.1 * the unscaled gradient 0.5
+    Array([-0.05, -0.05], dtype=float32)
   """
   if extra_args:
     updates, opt_state = tx.update(grads.params, opt_state, params, **extra_args)
@@ -210,6 +281,22 @@ class TrainState(flax.struct.PyTreeNode):
     opt_state: the optimizer's state.
     apply_fn: the model's apply function (static).
     tx: the optimizer (static).
+
+  Example:
+    >>> import flax.linen as nn, optax
+    >>> model, y = nn.Dense(1), jnp.ones((4, 1))
+    >>> state = jaxmp.train.TrainState.create(
+    ...     apply_fn=model.apply, variables=model.init(jax.random.key(0), jnp.ones((4, 3))),
+    ...     tx=jaxmp.loss_scaling(optax.adam(1e-2)))
+    >>> @jax.jit
+    ... def train_step(state, x):
+    ...   loss_fn = lambda variables: jnp.mean((state.apply_fn(variables, x) - y) ** 2)
+    ...   loss, grads = state.value_and_grad(loss_fn)()
+    ...   return state.apply_gradients(grads), loss
+    >>> state, _ = train_step(state, jnp.ones((4, 3)))
+    >>> state, _ = train_step(state, jnp.full((4, 3), jnp.inf))  # skipped
+    >>> int(state.step), int(state.opt_state.inner_state[0].count)
+    (2, 1)
   """
 
   step: jax.Array
@@ -253,16 +340,18 @@ class TrainState(flax.struct.PyTreeNode):
     grad_fn = value_and_grad(fun, has_aux=has_aux)
     return lambda *args: grad_fn(self.variables, *args, loss_scale=self.loss_scale)
 
-  def apply_gradients(self, grads: Gradients, **changes) -> "TrainState":
+  def apply_gradients(self, grads: Gradients, *, extra_args: Optional[Mapping[str, Any]] = None,
+                      **changes) -> "TrainState":
     """One step: params through ``tx``, fp8 state merged; ``changes`` replace fields.
 
     Pass the model's updated collections as ``collections=...`` (e.g. new
-    ``batch_stats``).
+    ``batch_stats``), and optax extra arguments for ``tx.update`` (such as
+    ``value=loss`` for ``optax.contrib.reduce_on_plateau``) as ``extra_args={...}``.
     """
     if not isinstance(grads, Gradients):
       raise TypeError(f"apply_gradients expects jaxmp.train.Gradients (from "
                       f"value_and_grad), got {type(grads).__name__}.")
     params, fp8, opt_state = apply_gradients(self.tx, self.params, self.fp8,
-                                             self.opt_state, grads)
+                                             self.opt_state, grads, **(extra_args or {}))
     return self.replace(step=self.step + 1, params=params, fp8=fp8, opt_state=opt_state,
                         **changes)

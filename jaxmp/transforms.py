@@ -67,6 +67,17 @@ class LossScalingState(NamedTuple):
       finite, an int32 scalar (saturates at the int32 maximum).
     last_step_finite: whether the last step's gradients were finite (and so the
       inner optimizer ran), a bool scalar; ``True`` before the first step.
+
+  Example:
+    >>> import optax
+    >>> tx = jaxmp.loss_scaling(optax.adam(0.1), jaxmp.StaticLossScale(8.0))
+    >>> params = {"w": jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({"w": jnp.array([jnp.nan, 8.0])}, state, params)
+    >>> state.skipped_steps, state.last_step_finite
+    (Array(1, dtype=int32), Array(False, dtype=bool))
+    >>> state.inner_state[0].count  # Adam did not step
+    Array(0, dtype=int32)
   """
 
   loss_scale: loss_scale_lib.LossScale

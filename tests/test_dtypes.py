@@ -44,7 +44,7 @@ def test_parse_rejects_non_dtypes(bad):
     jaxmp.parse_dtype(bad)
 
 
-def test_half_dtype_on_this_backend_matches_jmp_rule():
+def test_half_dtype_on_this_backend_follows_jaxmps_rule():
   platform = jax.local_devices()[0].platform
   expected = jnp.bfloat16 if platform == "tpu" else jnp.float16
   if platform == "gpu":

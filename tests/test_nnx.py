@@ -458,6 +458,29 @@ def test_optimizer_with_fp16_loss_scaling_trains_and_skips_a_poisoned_step():
   assert float(metrics["loss_scale"]) == 2.0**9
 
 
+def test_optimizer_step_counts_a_skipped_step_but_the_inner_state_does_not():
+  # nnx.Optimizer.step advances on every update; loss scaling leaves the inner Optax
+  # state (Adam's count, hence its bias correction and schedules) as it was.
+  wrapped = jaxmp.nnx.mixed_precision(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), BF16)
+  optimizer = nnx.Optimizer(wrapped, jaxmp.loss_scaling(optax.adam(1e-2)), wrt=nnx.Param)
+  adam_count = lambda: int(optimizer.opt_state.inner_state[0].count[...])
+
+  def step(x):
+    loss_fn = lambda m, x: jnp.mean(m(x) ** 2)
+    _, grads = jaxmp.nnx.value_and_grad(loss_fn)(
+        wrapped, x, loss_scale=jaxmp.get_loss_scale(optimizer.opt_state))
+    jaxmp.nnx.apply_gradients(optimizer, wrapped, grads)
+
+  step(jnp.ones((4, 3)))
+  assert (int(optimizer.step[...]), adam_count()) == (1, 1)
+  params = [np.asarray(p).tobytes() for p in jax.tree.leaves(nnx.state(wrapped, nnx.Param))]
+  step(jnp.ones((4, 3)).at[0, 0].set(jnp.nan))
+  assert not bool(jaxmp.loss_scaling_metrics(optimizer.opt_state)["last_step_finite"])
+  assert (int(optimizer.step[...]), adam_count()) == (2, 1)
+  assert [np.asarray(p).tobytes()
+          for p in jax.tree.leaves(nnx.state(wrapped, nnx.Param))] == params
+
+
 def test_plain_nnx_grad_and_optimizer_update_work_too():
   x, y = _regression(16)
   wrapped = jaxmp.nnx.mixed_precision(build(lambda: MLP(nnx.Rngs(0))), BF16)

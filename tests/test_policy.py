@@ -18,8 +18,11 @@ VALUES = ("bf16", "bfloat16", "f16", "float16", "full", "f32", "float32", "f64",
 
 
 def _assert_same_as_jmp(spec):
+  # jaxmp's "half" is jaxmp.half_dtype(), which differs from jmp's (float16 on every
+  # GPU) on GPUs with compute capability >= 8.0: compare the grammar with jmp, and
+  # "half" with jaxmp.half_dtype(), on every platform.
   ours = jaxmp.get_policy(spec)
-  theirs = jmp.get_policy(spec)
+  theirs = jmp.get_policy(spec.replace("half", jaxmp.half_dtype().name))
   assert ours.param_dtype == np.dtype(theirs.param_dtype), spec
   assert ours.compute_dtype == np.dtype(theirs.compute_dtype), spec
   assert ours.output_dtype == np.dtype(theirs.output_dtype), spec
@@ -63,9 +66,46 @@ def test_defaults_follow_jmp_rule():
   assert (policy.compute_dtype, policy.output_dtype) == (jnp.float32, jnp.bfloat16)
 
 
-def test_half_is_half_dtype():
-  assert jaxmp.get_policy("half").compute_dtype == jaxmp.half_dtype()
-  assert jaxmp.get_policy("c=half").compute_dtype == jaxmp.half_dtype()
+F32 = np.dtype(jnp.float32)
+HALF_SPECS = [  # spec, then which of (param, compute, output) are half, the rest float32
+    ("half", (True, True, True)),
+    ("p=half", (True, True, True)),
+    ("c=half", (False, True, True)),
+    ("o=half", (False, False, True)),
+    ("p=f32,c=half", (False, True, True)),
+    ("p=f32,c=half,o=f32", (False, True, False)),
+    ("params=half,output=float32", (True, True, False)),
+]
+
+
+def _expected(half, is_half):
+  return jaxmp.Policy(*(half if h else F32 for h in is_half))
+
+
+@pytest.mark.parametrize("spec,is_half", HALF_SPECS)
+def test_half_is_half_dtype(spec, is_half):
+  assert jaxmp.get_policy(spec) == _expected(jaxmp.half_dtype(), is_half)
+
+
+class _FakeDevice:
+
+  def __init__(self, platform, compute_capability=None):
+    self.platform = platform
+    if compute_capability is not None:
+      self.compute_capability = compute_capability
+
+
+@pytest.mark.parametrize("device,half", [
+    (_FakeDevice("cpu"), jnp.float16),
+    (_FakeDevice("gpu", "7.0"), jnp.float16),
+    (_FakeDevice("gpu", "8.0"), jnp.bfloat16),  # where jmp's "half" is float16
+    (_FakeDevice("tpu"), jnp.bfloat16),
+], ids=["cpu", "gpu-7.0", "gpu-8.0", "tpu"])
+@pytest.mark.parametrize("spec,is_half", HALF_SPECS)
+def test_half_follows_the_devices_half_dtype(monkeypatch, device, half, spec, is_half):
+  monkeypatch.setattr(jax, "local_devices", lambda *args, **kwargs: [device])
+  assert jaxmp.half_dtype() == np.dtype(half)
+  assert jaxmp.get_policy(spec) == _expected(np.dtype(half), is_half)
 
 
 @pytest.mark.parametrize("name,compute", [("mixed_float16", jnp.float16),

@@ -145,6 +145,29 @@ def test_accumulated_micro_batches_take_the_max():
     np.testing.assert_allclose(t, a + b, rtol=1e-6)
 
 
+def test_accumulating_gradients_of_different_models_is_refused():
+  with_fp8 = jaxmp.train.Gradients({"w": jnp.ones(2)}, fp8.init_state(RECIPE))
+  without = jaxmp.train.Gradients({"w": jnp.ones(2)}, {})
+  for a, b in ((with_fp8, without), (without, with_fp8)):
+    with pytest.raises(ValueError, match="fp8 states differ"):
+      jaxmp.train.accumulate_gradients(a, b)
+
+
+def test_train_state_forwards_extra_args_to_the_optimizer():
+  x, y = _data()
+  model = jaxmp.linen.mixed_precision(TwoDense(), "float32")
+  # reduce_on_plateau reads the loss as the extra argument ``value``.
+  tx = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=0, factor=0.5))
+  state = jaxmp.train.TrainState.create(apply_fn=model.apply,
+                                        variables=model.init(jax.random.key(0), x), tx=tx)
+  _, grads = state.value_and_grad(_mse(state.apply_fn, x, y))()
+  state = state.apply_gradients(grads, extra_args={"value": jnp.asarray(1.0)})
+  state = state.apply_gradients(grads, extra_args={"value": jnp.asarray(2.0)})  # no progress
+  assert float(state.opt_state[1].scale) == 0.5
+  with pytest.raises(TypeError):
+    state.apply_gradients(grads)  # reduce_on_plateau needs its value
+
+
 def test_loss_scale_multiplies_params_gradients_only():
   x, y = _data()
   model = _fp8_model()

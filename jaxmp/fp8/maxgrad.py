@@ -166,7 +166,14 @@ except ImportError as _error:  # jaxmp still imports; only for_grad needs the dt
 
 
 def is_max_float32(x: Any) -> bool:
-  """Whether ``x`` (an array or a dtype) is of the :data:`max_float32` dtype."""
+  """Whether ``x`` (an array or a dtype) is of the :data:`max_float32` dtype.
+
+  Example:
+    >>> from jaxmp.fp8 import maxgrad
+    >>> x = jnp.ones(2)
+    >>> maxgrad.is_max_float32(maxgrad.to_max_float32(x)), maxgrad.is_max_float32(x)
+    (True, False)
+  """
   dtype = getattr(x, "dtype", x)
   return max_float32 is not None and dtype == max_float32
 
@@ -184,6 +191,11 @@ def to_max_float32(x: jax.Array) -> jax.Array:
     TypeError: for any other dtype; the conversion is only defined from float32, so
       a bfloat16 or float16 state is refused rather than silently widened.
     ImportError: if this JAX version lacks the internals :data:`max_float32` needs.
+
+  Example:
+    >>> from jaxmp.fp8 import maxgrad
+    >>> maxgrad.to_max_float32(jnp.array([1.0, 2.0])).dtype == maxgrad.max_float32
+    True
   """
   if _UNAVAILABLE is not None:
     raise ImportError(str(_UNAVAILABLE)) from _UNAVAILABLE
@@ -200,6 +212,11 @@ def from_max_float32(x: jax.Array) -> jax.Array:
   """Converts a :data:`max_float32` array back to float32; other arrays pass through.
 
   Differentiable: the cotangent of the float32 result goes back as ``max_float32``.
+
+  Example:
+    >>> from jaxmp.fp8 import maxgrad
+    >>> maxgrad.from_max_float32(maxgrad.to_max_float32(jnp.array([1.0, 2.0])))
+    Array([1., 2.], dtype=float32)
   """
   if is_max_float32(x):
     return _from_max_float32(x)

@@ -52,7 +52,13 @@ F32 = np.dtype(np.float32)
 
 
 def fp8_max(fp8_dtype: Any) -> float:
-  """The largest finite value of an fp8 dtype (448 for E4M3, 57344 for E5M2)."""
+  """The largest finite value of an fp8 dtype (448 for E4M3, 57344 for E5M2).
+
+  Example:
+    >>> from jaxmp.fp8 import quantize as q
+    >>> q.fp8_max(q.E4M3), q.fp8_max("e5m2")
+    (448.0, 57344.0)
+  """
   fmt = dtypes_lib.float_format(fp8_dtype)
   if fmt.dtype.itemsize != 1:
     raise ValueError(f"Expected an fp8 dtype, got {fmt.dtype.name}.")
@@ -76,6 +82,11 @@ def quantize(x: jax.Array, fp8_dtype: Any, scale: jax.Array) -> jax.Array:
 
   Returns:
     An array of ``x``'s shape in ``fp8_dtype``.
+
+  Example:
+    >>> from jaxmp.fp8 import quantize as q
+    >>> q.quantize(jnp.array([1.0, 500.0, -1000.0, jnp.inf]), q.E4M3, jnp.float32(1.0))
+    Array([1, 448, -448, nan], dtype=float8_e4m3fn)
   """
   bound = fp8_max(fp8_dtype)
   x = x.astype(F32)
@@ -89,12 +100,27 @@ def quantize(x: jax.Array, fp8_dtype: Any, scale: jax.Array) -> jax.Array:
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: Any = F32) -> jax.Array:
-  """``float32(q) * scale``, cast to ``dtype``."""
+  """``float32(q) * scale``, cast to ``dtype``.
+
+  Example:
+    >>> from jaxmp.fp8 import quantize as q
+    >>> x = q.quantize(jnp.array([0.3, 100.0]), q.E4M3, jnp.float32(0.5))
+    >>> x
+    Array([0.625, 192], dtype=float8_e4m3fn)
+    >>> q.dequantize(x, jnp.float32(0.5), jnp.bfloat16)
+    Array([0.3125, 96], dtype=bfloat16)
+  """
   return (q.astype(F32) * jnp.asarray(scale, F32)).astype(dtype)
 
 
 def amax(x: jax.Array) -> jax.Array:
-  """``max|x|`` as a float32 scalar (0 for an empty array)."""
+  """``max|x|`` as a float32 scalar (0 for an empty array).
+
+  Example:
+    >>> from jaxmp.fp8 import quantize as q
+    >>> q.amax(jnp.array([[1.0, -3.0], [2.0, 0.5]], jnp.bfloat16)), q.amax(jnp.zeros((0,)))
+    (Array(3., dtype=float32), Array(0., dtype=float32))
+  """
   if x.dtype.itemsize == 1:
     x = x.astype(F32)  # fp8 has no arithmetic of its own on some backends.
   if x.size == 0:
@@ -105,13 +131,25 @@ def amax(x: jax.Array) -> jax.Array:
 
 
 def valid_scale(scale: jax.Array) -> jax.Array:
-  """``scale`` where it is finite and > 0, else 1: the scale an fp8 op may trust."""
+  """``scale`` where it is finite and > 0, else 1: the scale an fp8 op may trust.
+
+  Example:
+    >>> from jaxmp.fp8 import quantize as q
+    >>> q.valid_scale(jnp.array([0.5, 0.0, jnp.inf, -1.0, jnp.nan]))
+    Array([0.5, 1. , 1. , 1. , 1. ], dtype=float32)
+  """
   scale = jnp.asarray(scale, F32)
   return jnp.where(jnp.isfinite(scale) & (scale > 0), scale, jnp.ones_like(scale))
 
 
 def valid_history(history: jax.Array) -> jax.Array:
-  """``history`` with every inf, NaN or negative entry read as 0."""
+  """``history`` with every inf, NaN or negative entry read as 0.
+
+  Example:
+    >>> from jaxmp.fp8 import quantize as q
+    >>> q.valid_history(jnp.array([3.0, jnp.inf, -1.0, jnp.nan]))
+    Array([3., 0., 0., 0.], dtype=float32)
+  """
   history = jnp.asarray(history, F32)
   return jnp.where(jnp.isfinite(history) & (history > 0), history, jnp.zeros_like(history))
 
@@ -162,6 +200,15 @@ def amax_from_history(history: jax.Array, amax_compute: str = "max") -> jax.Arra
 
   Returns:
     A float32 scalar.
+
+  Raises:
+    ValueError: for another ``amax_compute``.
+
+  Example:
+    >>> from jaxmp.fp8 import quantize as q
+    >>> history = jnp.array([1.0, 4.0, 2.0])
+    >>> q.amax_from_history(history), q.amax_from_history(history, "most_recent")
+    (Array(4., dtype=float32), Array(1., dtype=float32))
   """
   history = valid_history(history)
   if amax_compute == "max":
@@ -186,6 +233,14 @@ def record_amax(history: jax.Array, amax_value: jax.Array) -> jax.Array:
 
   Returns:
     The new history.
+
+  Example:
+    >>> from jaxmp.fp8 import quantize as q
+    >>> history = jnp.array([1.0, 4.0, 2.0])
+    >>> q.record_amax(history, jnp.float32(3.0))
+    Array([3., 2., 1.], dtype=float32)
+    >>> q.record_amax(history, jnp.float32(jnp.inf))  # an overflow records 0
+    Array([0., 2., 1.], dtype=float32)
   """
   history = valid_history(history)
   amax_value = jnp.asarray(amax_value, F32)
@@ -213,6 +268,14 @@ def shared_amax(x: jax.Array, history: jax.Array) -> jax.Array:
 
   Returns:
     A float32 scalar.
+
+  Example:
+    >>> from jaxmp.fp8 import quantize as q
+    >>> xs = jnp.array([[1.0, -2.0], [5.0, 0.5]])
+    >>> jax.vmap(q.shared_amax, in_axes=(0, None))(xs, jnp.zeros(2))  # one shared state
+    Array([5., 5.], dtype=float32)
+    >>> jax.vmap(q.shared_amax)(xs, jnp.zeros((2, 2)))  # one state per member
+    Array([2., 5.], dtype=float32)
   """
   del history
   return amax(x)

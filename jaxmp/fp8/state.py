@@ -84,6 +84,18 @@ class DelayedScalingState(NamedTuple):
     kernel_amax_history: amax history of the kernel.
     output_grad_scale: scale of the output gradient.
     output_grad_amax_history: amax history of the output gradient.
+
+  Example:
+    >>> import flax.linen as nn
+    >>> from jaxmp import fp8
+    >>> flax_layer = nn.Dense(2, dot_general_cls=nn.Fp8DotGeneral)  # Flax's own fp8
+    >>> variables = flax_layer.init(jax.random.key(0), jnp.ones((1, 3)))
+    >>> (flax_state,) = variables[fp8.OVERWRITE_WITH_GRADIENT].values()
+    >>> state = fp8.DelayedScalingState.from_variables(flax_state)
+    >>> state.input_scale, state.input_amax_history.shape
+    (Array([1.], dtype=float32), (1024,))
+    >>> sorted(state._asdict()) == sorted(flax_state)
+    True
   """
 
   input_scale: Any
@@ -180,6 +192,19 @@ def from_grad(tree: T) -> T:
   Not needed after the pattern :func:`for_grad` documents (the cotangent already
   comes back as float32); useful when ``max_float32`` values were differentiated
   directly with ``jax.vjp``. Other leaves come back unchanged.
+
+  Example:
+    >>> from jaxmp.fp8 import maxgrad
+    >>> def f(h):  # two reads, whose cotangents [3, 1] and [1, 4] combine by max
+    ...   a = maxgrad.from_max_float32(h) * jnp.array([3.0, 1.0])
+    ...   b = maxgrad.from_max_float32(h) * jnp.array([1.0, 4.0])
+    ...   return jnp.sum(a) + jnp.sum(b)
+    >>> _, f_vjp = jax.vjp(f, maxgrad.to_max_float32(jnp.ones(2)))
+    >>> (ct,) = f_vjp(jnp.float32(1.0))
+    >>> maxgrad.is_max_float32(ct)
+    True
+    >>> jaxmp.fp8.state.from_grad({"history": ct, "step": 3})
+    {'history': Array([3., 4.], dtype=float32), 'step': 3}
   """
   return jax.tree_util.tree_map(maxgrad.from_max_float32, tree)
 
