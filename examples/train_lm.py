@@ -163,7 +163,7 @@ def train(run: Run, args, config, corpus, val_batches):
   metrics = (jaxmp.loss_scaling_metrics(state.opt_state) if run.loss_scale is not None
              else None)
   return dict(
-      name=run.name, note=run.note, losses=losses, scales=scales,
+      name=run.name, note=run.note, losses=losses, scales=scales, state=state,
       train=float(np.mean(losses[-20:])), val=val,
       tokens_per_s=(args.steps - 1) * args.batch * config.context / seconds,
       param_bytes=tree_bytes(state.params), opt_bytes=tree_bytes(state.opt_state),
@@ -196,7 +196,7 @@ def print_table(results, baseline):
           f"{r['skipped']:>7} {r['final_scale']:>8g}")
   for r in results:
     if r["note"]:
-      print(f"  {r['name']}: {r['note']}: " + unscaled_fp16_verdict(r, baseline))
+      print(f"  {r['name']} ({r['note']}): " + unscaled_fp16_verdict(r, baseline))
 
 
 def unscaled_fp16_verdict(result, baseline) -> str:
@@ -208,6 +208,40 @@ def unscaled_fp16_verdict(result, baseline) -> str:
   return (f"here it stayed within {gap:+.2f}% of float32: at this batch size the "
           "gradients mostly stay within float16's range; more tokens per step (a mean "
           "over a larger batch) push them below it")
+
+
+def gradients_in_float16(results, tokens) -> None:
+  """What float16 would do to the float32 run's gradients, with and without a scale.
+
+  The gradients of the trained float32 model on a validation batch: the cotangent of
+  the logits (the error signal every backward pass starts from: the softmax error
+  divided by the batch's token count) and the params gradients, classified as float16
+  would store them (``jaxmp.underflow_report``) at scale 1 and at the final scale of
+  the float16 run's dynamic loss scaling.
+  """
+  baseline = results[0]
+  scaled = next((r for r in results if r["name"] == "float16 + loss scaling"), None)
+  if baseline["name"] != "float32" or scaled is None:
+    return
+  state = baseline["state"]
+  logits = state.apply_fn(state.variables, tokens[:, :-1])
+  cross_entropy = lambda logits: optax.softmax_cross_entropy_with_integer_labels(
+      logits, tokens[:, 1:]).mean()
+  trees = {"logits gradient": jax.grad(cross_entropy)(logits),
+           "params gradients": jax.grad(
+               lambda params: loss_fn(state.apply_fn, {**state.variables, "params": params},
+                                      tokens))(state.params)}
+  print("\nWhy float16 needs a loss scale: the float32 run's gradients (one validation batch)"
+        "\nas float16 would hold them, without a scale and at the float16 run's final scale:")
+  header = f"{'':<18} {'loss scale':>10} {'flush to 0':>11} {'subnormal':>10} {'overflow':>9}"
+  print(header + "\n" + "-" * len(header))
+  for name, tree in trees.items():
+    for scale in (1.0, scaled["final_scale"]):
+      report = jaxmp.underflow_report(tree, "float16", loss_scale=scale)
+      print(f"{name:<18} {scale:>10g} {100 * report.underflow_fraction:>10.2f}% "
+            f"{100 * report.subnormal_fraction:>9.2f}% {100 * report.overflow_fraction:>8.2f}%")
+  print("(subnormal float16 values keep fewer than 10 bits, flushed ones none; the "
+        "loss scale moves them back into float16's normal range)")
 
 
 def plot(results, path: pathlib.Path):
@@ -259,6 +293,7 @@ def main(argv=None):
   results = [train(run, args, config, train_data, val_batches) for run in runs]
   baseline = results[0]
   print_table(results, baseline)
+  gradients_in_float16(results, val_batches[0])
   if any(r["name"] == "float16 + loss scaling" for r in results):
     path = pathlib.Path(args.plot).resolve()
     plot(results, path)

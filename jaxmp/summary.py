@@ -126,6 +126,18 @@ def summary(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRules] = No
   Raises:
     TypeError: if the model is not a linen Module, an NNX Module or a wrapper, or
       ``variables``/``rngs`` are given for an NNX model.
+
+  Example:
+    >>> import flax.linen as nn
+    >>> rules = jaxmp.PolicyRules("p=f32,c=bf16,o=f32", [
+    ...     jaxmp.Rule("layers_1", fp8=jaxmp.fp8.DelayedScaling())])
+    >>> model = nn.Sequential([nn.Dense(4), nn.Dense(2)])
+    >>> print(jaxmp.summary(model, rules, jnp.ones((1, 3))))
+    path      module      params   compute   output    fp8             rule
+    --------  ----------  -------  --------  --------  --------------  -------------
+    <root>    Sequential  float32  bfloat16  float32   -               default
+    layers_0  Dense       float32  bfloat16  bfloat16  -               default
+    layers_1  Dense       float32  bfloat16  bfloat16  DelayedScaling  0: 'layers_1'
   """
   if isinstance(model_or_wrapper, nnx.Module):
     if variables is not None or rngs is not None:

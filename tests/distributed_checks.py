@@ -18,7 +18,8 @@ program run on one device:
   fp8 amax global.
 * ``data_parallel_overflow_and_amax``: one shard's data poisoned makes every device
   skip; one shard's large value is the amax every device records.
-* ``fsdp_jit``: params and Adam moments sharded over the same axis.
+* ``fsdp_jit``: params and Adam moments sharded over the same axis, in float32 and
+  with bfloat16 compute (both with fp8).
 * ``checkpoint_sharded``: the FSDP state saved with Orbax mid-run, restored into its
   shardings (and onto one device), resumes bit for bit without recompiling.
 * ``shard_map_explicit``: a per-device step, gradients psum-ed, fp8 state cotangents
@@ -268,7 +269,7 @@ def check_data_parallel_overflow_and_amax() -> str:
           f"devices record input amax 40.0")
 
 
-def _fsdp_setup():
+def _fsdp_setup(policy: str = F32, fp8: bool = True):
   # Auto axes: XLA all-gathers the sharded kernels where the matmul needs them. (With
   # Explicit axes an FSDP model must reshard its kernels itself; plain nn.Dense fails
   # there with or without jaxmp.)
@@ -282,7 +283,7 @@ def _fsdp_setup():
       return replicated
     return NamedSharding(mesh, P(*([None] * (leaf.ndim - 1)), AXIS))
 
-  state = make_state(F32, True)
+  state = make_state(policy, fp8)
   shardings = jax.tree_util.tree_map_with_path(sharding, state)
   step = jax.jit(train_step, in_shardings=(shardings, batch, batch),
                  out_shardings=(shardings, replicated))
@@ -290,28 +291,41 @@ def _fsdp_setup():
 
 
 def check_fsdp_jit() -> str:
-  mesh, batch, shardings, step, state = _fsdp_setup()
   x, y = data()
-  xs, ys = jax.device_put(x, batch), jax.device_put(y, batch)
-  state, losses, scales = run(step, state, xs, ys)
-  report = compare_with_single_device("fsdp", state, losses, scales, F32, True, **TIGHT)
-  kernel = state.params["hidden"]["kernel"]
-  assert kernel.sharding.spec == P(None, AXIS), f"hidden kernel sharding {kernel.sharding}"
-  shapes = {s.data.shape for s in kernel.addressable_shards}
-  assert shapes == {(FEATURES, HIDDEN // DEVICES)}, f"per-device kernel shapes {shapes}"
-  mu = state.opt_state.inner_state[0].mu["hidden"]["kernel"]
-  assert mu.sharding.spec == P(None, AXIS), f"Adam mu sharding {mu.sharding}"
-  assert_replicated_and_equal(state.opt_state.loss_scale, "fsdp loss scale")
-  assert_replicated_and_equal(state.fp8, "fsdp fp8")
+  report = []
+  # With bfloat16 compute XLA may cast each shard of a kernel before gathering it or the
+  # gathered kernel after (the same values: the cast is elementwise). What differs from
+  # one device is, as in data parallel, only the order of float32 sums (over the batch,
+  # and over the sharded dimension in the backward matmuls), so the tolerances are the
+  # data-parallel case's.
+  for policy, fp8, tol in [(F32, True, TIGHT), (BF16, True, LOOSE)]:
+    name = f"fsdp {'bf16' if policy == BF16 else 'f32'}+fp8"
+    mesh, batch, shardings, step, state = _fsdp_setup(policy, fp8)
+    xs, ys = jax.device_put(x, batch), jax.device_put(y, batch)
+    state, losses, scales = run(step, state, xs, ys)
+    report.append(f"[{name}] " + compare_with_single_device(name, state, losses, scales, policy,
+                                                              fp8, **tol))
+    kernel = state.params["hidden"]["kernel"]
+    assert kernel.dtype == jnp.float32, f"{name}: hidden kernel stored as {kernel.dtype}"
+    assert kernel.sharding.spec == P(None, AXIS), f"{name}: kernel sharding {kernel.sharding}"
+    shapes = {s.data.shape for s in kernel.addressable_shards}
+    assert shapes == {(FEATURES, HIDDEN // DEVICES)}, f"{name}: per-device kernel shapes {shapes}"
+    mu = state.opt_state.inner_state[0].mu["hidden"]["kernel"]
+    assert mu.sharding.spec == P(None, AXIS), f"{name}: Adam mu sharding {mu.sharding}"
+    assert_replicated_and_equal(state.opt_state.loss_scale, f"{name} loss scale")
+    assert_replicated_and_equal(state.fp8, f"{name} fp8")
 
-  poisoned = x.copy()
-  poisoned[6 * 8, 0] = np.nan
-  after, _ = step(state, jax.device_put(poisoned, batch), ys)
-  assert [bool(b) for b in per_device(after.opt_state.last_step_finite)] == [False] * DEVICES
-  assert_bitwise_equal(after.params, state.params, "fsdp params")
-  assert_bitwise_equal(after.opt_state.inner_state, state.opt_state.inner_state, "fsdp opt state")
-  assert_bitwise_equal(after.fp8, state.fp8, "fsdp fp8 state")
-  return report + f"; kernels {FEATURES}x{HIDDEN // DEVICES} per device; one NaN shard: all skip"
+    poisoned = x.copy()
+    poisoned[6 * 8, 0] = np.nan
+    after, _ = step(state, jax.device_put(poisoned, batch), ys)
+    finite = [bool(b) for b in per_device(after.opt_state.last_step_finite)]
+    assert finite == [False] * DEVICES, f"{name}: last_step_finite per device {finite}"
+    assert_bitwise_equal(after.params, state.params, f"{name} params")
+    assert_bitwise_equal(after.opt_state.inner_state, state.opt_state.inner_state,
+                         f"{name} opt state")
+    assert_bitwise_equal(after.fp8, state.fp8, f"{name} fp8 state")
+  return "; ".join(report) + (f"; kernels {FEATURES}x{HIDDEN // DEVICES} per device; "
+                              "one NaN shard: all skip")
 
 
 def check_checkpoint_sharded() -> str:

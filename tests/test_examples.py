@@ -1,11 +1,15 @@
 """The examples run end to end and show what they claim (short settings)."""
 
+import os
 import pathlib
+import re
+import subprocess
 import sys
 
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
 
 import train_classifier  # pylint: disable=g-import-not-at-top
 import train_lm  # pylint: disable=g-import-not-at-top
@@ -36,3 +40,80 @@ def test_fp8_example_trains_like_bfloat16(capsys):
   fp8_loss, bf16_loss = train_fp8.main(["--steps", "60"])
   assert abs(fp8_loss - bf16_loss) <= 0.1 * bf16_loss
   assert "DelayedScaling" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_nnx_example_matches_float32_and_keeps_float32_params(capsys):
+  import train_nnx  # pylint: disable=g-import-not-at-top
+  results = train_nnx.main(["--epochs", "4"])
+  baseline = results["float32"]["accuracy"]
+  assert baseline > 0.9
+  for name, r in results.items():
+    assert abs(r["accuracy"] - baseline) <= 0.01, (name, results)
+    assert r["kernel_dtype"] == "float32" and r["skipped"] == 0
+  assert results["float16 + loss scaling"]["scale"] == 2.0**15
+  assert "DelayedScaling" in capsys.readouterr().out
+
+
+# The sharded example runs in a subprocess: JAX fixes its device count when it starts,
+# and JAX in this process has (or will have) one CPU device.
+
+
+def _run_example(args, env, timeout=300):
+  return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+                        timeout=timeout, cwd=EXAMPLES.parent)
+
+
+@pytest.mark.slow
+def test_sharded_example_matches_one_device_and_keeps_the_loss_scale_replicated():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  result = _run_example([str(EXAMPLES / "train_sharded.py"), "--steps", "12",
+                         "--compare-steps", "3"], env)
+  out = result.stdout
+  assert result.returncode == 0, f"{out[-2000:]}\n{result.stderr[-4000:]}"
+  assert "8 cpu devices; mesh {'data': 4, 'fsdp': 2}" in out, out
+  # FSDP: the embedding split in two over 'fsdp', a bias replicated.
+  assert re.search(r"embed/embedding +\(256, 128\) +P\('fsdp', None\) +per device \(128, 128\)",
+                   out), out
+  assert re.search(r"block_0/mlp/up/bias +\(512,\) +P\(\) +per device \(512,\)", out), out
+
+  first, last = map(float, re.search(
+      r"loss ([\d.]+) \(mean of the first 5\) -> ([\d.]+) \(last 5\)", out).groups())
+  assert last < 0.8 * first, (first, last)
+  # Ten finite steps grow the scale once (growth_interval=10): 4096 -> 8192, on every
+  # device, read from each device's own buffer.
+  scales = re.search(r"^loss scale on each of the 8 devices: \[(.*)\]$", out, re.M).group(1)
+  assert [float(s) for s in scales.split(",")] == [8192.0] * 8, scales
+  assert "skipped steps on each of the 8 devices: [0, 0, 0, 0, 0, 0, 0, 0]" in out
+  assert "loss-scaling state identical on every device: True" in out
+  assert "fp8 state replicated and identical on every device: True" in out
+  # bfloat16 + fp8: the sharded sums round differently from one device's, within 1%.
+  relative = float(re.search(r"max \|sharded - one device\| loss difference: \S+ "
+                             r"\((\S+) relative\)", out).group(1))
+  assert relative <= 1e-2, out
+
+
+@pytest.mark.parametrize("env_change, expected_flags", [
+    ({"XLA_FLAGS": None, "JAX_PLATFORMS": "cpu"},
+     "--xla_force_host_platform_device_count=8"),
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"},
+     "--xla_force_host_platform_device_count=2"),
+    ({"XLA_FLAGS": None, "JAX_PLATFORMS": "tpu"}, None),
+], ids=["unset-on-cpu", "user-flags-kept", "not-cpu"])
+def test_sharded_example_forces_cpu_devices_only_when_xla_flags_is_unset(env_change,
+                                                                          expected_flags):
+  env = dict(os.environ)
+  for name, value in env_change.items():
+    env.pop(name, None)
+    if value is not None:
+      env[name] = value
+  probe = ("import os, train_sharded, jax; print(repr(os.environ.get('XLA_FLAGS')))\n"
+           "if os.environ.get('JAX_PLATFORMS') == 'cpu': print(jax.device_count())")
+  result = _run_example(["-c", f"import sys; sys.path.insert(0, {str(EXAMPLES)!r})\n{probe}"],
+                        env, timeout=120)
+  assert result.returncode == 0, result.stderr[-4000:]
+  lines = result.stdout.split()
+  assert lines[0] == repr(expected_flags), result.stdout
+  if expected_flags is not None:
+    assert int(lines[1]) == int(expected_flags.rsplit("=", 1)[1]), result.stdout

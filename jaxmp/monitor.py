@@ -1,0 +1,431 @@
+"""Is my mixed-precision run healthy? In-jit training metrics and a host-side monitor.
+
+:func:`training_metrics` is a pure function to call inside the jitted train step: the
+gradients' global norm, the number of non-finite gradient values per top-level module,
+and, given the optimizer state, the loss scale, the skipped-step count and whether the
+last step was finite (:func:`jaxmp.loss_scaling_metrics`). Return the dict from the
+step; it is a handful of scalars.
+
+:class:`Monitor` lives on the host. Fed each step's metrics and loss, it keeps their
+history and flags the ways mixed precision fails quietly:
+
+* ``scale_collapse``: the loss scale has fallen to within ``collapse_factor`` of
+  ``min_scale`` and below the largest scale seen (so a fixed scale never counts; the
+  first update's scale is the first one seen): the gradients overflow at almost any
+  scale, usually because a layer overflows in float16 by itself;
+* ``skip_rate``: more than ``max_skip_rate`` of the last ``skip_window`` steps were
+  skipped for non-finite gradients (the message names the top-level modules whose
+  gradients were non-finite);
+* ``loss_spike``: the loss exceeds ``spike_factor`` times the median of the
+  previous ``spike_window`` finite losses;
+* ``nonfinite_loss``: the loss is inf or NaN.
+
+Each kind is reported at the step its condition becomes true, and again only after it
+has been false for a step, so a long collapse is one anomaly, not one per step.
+
+Example:
+  >>> import optax
+  >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(2.0**15))
+  >>> opt_state = tx.init({"w": jnp.ones(2)})
+  >>> grads = {"w": jnp.array([jnp.inf, 1.0])}
+  >>> _, opt_state = tx.update(grads, opt_state)
+  >>> metrics = jax.jit(jaxmp.training_metrics)(grads, opt_state)
+  >>> {k: v.tolist() for k, v in metrics["nonfinite"].items()}, metrics["skipped_steps"].item()
+  ({'w': 1}, 1)
+  >>> monitor = jaxmp.Monitor(skip_window=1, max_skip_rate=0.5)
+  >>> [a.kind for a in monitor.update(metrics, loss=2.3)]
+  ['skip_rate']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp import diagnostics
+from jaxmp import loss_scale as loss_scale_lib
+from jaxmp import transforms
+
+# ---- in-jit metrics ------------------------------------------------------------------------
+
+
+def _inverse_scale(loss_scale: Any) -> Any:
+  if loss_scale is None:
+    return None
+  if isinstance(loss_scale, loss_scale_lib.LossScale):
+    loss_scale = loss_scale.loss_scale
+  if isinstance(loss_scale, (bool, np.bool_, str)) or not (
+      isinstance(loss_scale, (int, float, np.number)) or hasattr(loss_scale, "dtype")):
+    raise TypeError(f"training_metrics: loss_scale must be a jaxmp.LossScale, a number or a "
+                    f"scalar array, got {loss_scale!r} of type {type(loss_scale).__name__}.")
+  if np.shape(loss_scale) != ():
+    raise TypeError(f"training_metrics: loss_scale must be a scalar, got shape "
+                    f"{np.shape(loss_scale)}.")
+  if not isinstance(loss_scale, jax.core.Tracer):
+    value = float(np.asarray(loss_scale))
+    if not (math.isfinite(value) and value > 0):
+      raise ValueError(f"training_metrics: loss_scale must be positive and finite, got "
+                       f"{loss_scale!r}.")
+  return 1.0 / jnp.asarray(loss_scale, jnp.float32)
+
+
+def training_metrics(grads: Any, opt_state: Any = None, *,
+                     loss_scale: Any = None) -> dict[str, Any]:
+  """Scalars that say whether a mixed-precision step was healthy; pure and jit-able.
+
+  Args:
+    grads: the gradients to measure, any pytree (an ``nnx.State`` too). Counts are
+      grouped by the first element of each leaf's path: pass the params' gradients
+      (``grads.params`` from :func:`jaxmp.train.value_and_grad`, or
+      ``grads["params"]``) to group by top-level module. The norm is of what you pass:
+      gradients of a scaled loss are scaled, unless ``loss_scale`` says by how much.
+    opt_state: an optimizer state holding one :class:`jaxmp.LossScalingState`, for
+      the loss-scaling entries; ``None`` for none. Pass the state *after* the update
+      to read that update's outcome.
+    loss_scale: the scale ``grads`` were multiplied by (a :class:`jaxmp.LossScale`,
+      number or scalar array); the norm is then of the unscaled gradients. Give the
+      scale that produced them (the one before the update), not the adjusted one.
+
+  Returns:
+    A dict with
+
+    * ``"grad_norm"``: the global L2 norm of all floating-point leaves, computed in
+      float32 (float16 squares would overflow), unscaled by ``loss_scale``; inf or
+      NaN when a gradient is;
+    * ``"nonfinite"``: a dict from each top-level key (``"<root>"`` for a bare array)
+      to the int32 number of inf/NaN values under it;
+    * with ``opt_state``: ``"loss_scale"``, ``"skipped_steps"`` and
+      ``"last_step_finite"`` from :func:`jaxmp.loss_scaling_metrics`.
+
+  Raises:
+    ValueError: if ``opt_state`` holds no (or several) ``LossScalingState``, or a
+      concrete ``loss_scale`` is not positive and finite.
+    TypeError: for a ``loss_scale`` that is not a number, scalar array or loss scale.
+
+  Example:
+    >>> metrics = jaxmp.training_metrics({"a": {"w": jnp.array([3.0, jnp.nan])},
+    ...                                   "b": jnp.array([8.0])}, loss_scale=2.0)
+    >>> {k: int(v) for k, v in metrics["nonfinite"].items()}
+    {'a': 1, 'b': 0}
+    >>> float(jaxmp.training_metrics({"w": jnp.array([6.0, 8.0])}, loss_scale=2.0)["grad_norm"])
+    5.0
+  """
+  inverse = _inverse_scale(loss_scale)
+  leaves = diagnostics.float_leaves(grads)
+  squares = []
+  nonfinite: dict[str, Any] = {}
+  for path, x in leaves:
+    x = jnp.asarray(x).astype(jnp.promote_types(x.dtype, jnp.float32))
+    if inverse is not None:
+      x = x * inverse.astype(x.dtype)
+    squares.append(jnp.sum(jnp.square(x), dtype=jnp.float32))
+    key = path[0] if path else diagnostics.ROOT
+    count = jnp.sum(~jnp.isfinite(x), dtype=jnp.int32)
+    nonfinite[key] = nonfinite[key] + count if key in nonfinite else count
+  metrics: dict[str, Any] = {
+      "grad_norm": jnp.sqrt(sum(squares)) if squares else jnp.zeros((), jnp.float32),
+      "nonfinite": nonfinite,
+  }
+  if opt_state is not None:
+    metrics.update(transforms.loss_scaling_metrics(opt_state))
+  return metrics
+
+
+# ---- the host-side monitor -----------------------------------------------------------------
+
+
+class Anomaly(NamedTuple):
+  """One flagged event.
+
+  Attributes:
+    step: the step it was flagged at (the ``step`` given to :meth:`Monitor.update`;
+      by default updates are numbered 0, 1, 2, ...).
+    kind: ``"scale_collapse"``, ``"skip_rate"``, ``"loss_spike"`` or
+      ``"nonfinite_loss"``.
+    message: what happened, with the numbers.
+  """
+
+  step: int
+  kind: str
+  message: str
+
+  def __str__(self) -> str:
+    return f"step {self.step}: {self.kind}: {self.message}"
+
+
+KINDS = ("scale_collapse", "skip_rate", "loss_spike", "nonfinite_loss")
+
+
+def _positive(name: str, value: Any, *, integer: bool = False, at_least: float = 0.0,
+              strict: bool = True) -> Any:
+  kind = "an integer" if integer else "a number"
+  ok_type = (isinstance(value, (int, np.integer)) if integer
+             else isinstance(value, (int, float, np.integer, np.floating)))
+  if isinstance(value, (bool, np.bool_)) or not ok_type:
+    raise TypeError(f"Monitor: {name} must be {kind}, got {value!r} of type "
+                    f"{type(value).__name__}.")
+  bad = value <= at_least if strict else value < at_least
+  if bad or not math.isfinite(value):
+    relation = ">" if strict else ">="
+    raise ValueError(f"Monitor: {name} must be finite and {relation} {at_least:g}, got "
+                     f"{value!r}.")
+  return int(value) if integer else float(value)
+
+
+def _scalar(metrics: Mapping, key: str, convert) -> Any:
+  if key not in metrics:
+    return None
+  value = np.asarray(metrics[key])
+  if value.shape != ():
+    raise ValueError(f"Monitor.update: metrics[{key!r}] must be a scalar, got shape "
+                     f"{value.shape}.")
+  return convert(value)
+
+
+@dataclasses.dataclass
+class _Series:
+  steps: list
+  loss: list
+  grad_norm: list
+  loss_scale: list
+  skipped: list
+  nonfinite: list
+
+
+class Monitor:
+  """Keeps a run's metric history on the host and flags anomalies as they start.
+
+  A plain (mutable) class rather than an immutable pytree: it never enters ``jit``,
+  and its history grows every step, which an immutable object would copy at every
+  update (quadratic in the number of steps). Call :meth:`update` once per training
+  step with that step's :func:`training_metrics` (or :func:`jaxmp.loss_scaling_metrics`,
+  or any dict with some of the keys) and loss; checks whose inputs are missing are
+  skipped. See the module docstring for the four anomaly kinds.
+
+  Args:
+    min_scale: the loss scale's ``min_scale`` (``DynamicLossScale``'s default 1.0);
+      > 0.
+    collapse_factor: the scale collapses when ``loss_scale <= collapse_factor *
+      min_scale`` and is below the largest scale seen; >= 1.
+    skip_window: the number of recent steps the skip rate is measured over; it is
+      checked from the ``skip_window``-th update on; integer >= 1.
+    max_skip_rate: the skip rate (skipped / ``skip_window``) above which to flag; in
+      ``[0, 1)``.
+    spike_window: the number of previous finite losses the median is taken over; the
+      check starts once there are that many; integer >= 1.
+    spike_factor: flag a loss above ``spike_factor`` times that median (only when the
+      median is positive); > 1.
+
+  Raises:
+    TypeError, ValueError: for a bad argument, naming it.
+
+  Example:
+    >>> monitor = jaxmp.Monitor(spike_window=3, spike_factor=2.0)
+    >>> for step, loss in enumerate([2.0, 2.1, 1.9, 2.0, 9.0, 2.0]):
+    ...   for anomaly in monitor.update({}, loss=loss):
+    ...     print(anomaly)
+    step 4: loss_spike: loss 9 > 2 x 2, the median of the previous 3 finite losses
+  """
+
+  def __init__(self, *, min_scale: float = 1.0, collapse_factor: float = 8.0,
+               skip_window: int = 100, max_skip_rate: float = 0.05, spike_window: int = 50,
+               spike_factor: float = 2.0):
+    self.min_scale = _positive("min_scale", min_scale)
+    self.collapse_factor = _positive("collapse_factor", collapse_factor, at_least=1.0,
+                                     strict=False)
+    self.skip_window = _positive("skip_window", skip_window, integer=True, at_least=1,
+                                 strict=False)
+    self.max_skip_rate = _positive("max_skip_rate", max_skip_rate, strict=False)
+    if self.max_skip_rate >= 1:
+      raise ValueError(f"Monitor: max_skip_rate must be in [0, 1), got {max_skip_rate!r}.")
+    self.spike_window = _positive("spike_window", spike_window, integer=True, at_least=1,
+                                  strict=False)
+    self.spike_factor = _positive("spike_factor", spike_factor, at_least=1.0)
+    self._series = _Series([], [], [], [], [], [])
+    self._anomalies: list[Anomaly] = []
+    self._active: set[str] = set()
+    self._max_scale = -math.inf
+
+  # -- history ---------------------------------------------------------------------------
+
+  @property
+  def steps(self) -> int:
+    """The number of updates so far."""
+    return len(self._series.steps)
+
+  @property
+  def anomalies(self) -> tuple[Anomaly, ...]:
+    """Every anomaly flagged so far, in order."""
+    return tuple(self._anomalies)
+
+  def history(self) -> dict[str, Any]:
+    """The history as arrays, one entry per update (NaN / -1 where a value was missing).
+
+    Returns:
+      ``{"step", "loss", "grad_norm", "loss_scale": float64/int64 arrays,
+      "skipped": int8 array (1 skipped, 0 not, -1 unknown), "nonfinite": {key: int64
+      array}}``; copies, safe to keep.
+    """
+    s = self._series
+    keys = sorted({k for d in s.nonfinite for k in d})
+    floats = lambda values: np.array([math.nan if v is None else v for v in values], np.float64)
+    return {
+        "step": np.array(s.steps, np.int64),
+        "loss": floats(s.loss),
+        "grad_norm": floats(s.grad_norm),
+        "loss_scale": floats(s.loss_scale),
+        "skipped": np.array(s.skipped, np.int8),
+        "nonfinite": {k: np.array([d.get(k, 0) for d in s.nonfinite], np.int64) for k in keys},
+    }
+
+  # -- update ----------------------------------------------------------------------------
+
+  def update(self, metrics: Mapping[str, Any], loss: Any = None, *,
+             step: Optional[int] = None) -> tuple[Anomaly, ...]:
+    """Records one step and returns the anomalies that start at it.
+
+    Args:
+      metrics: a mapping with any of ``"grad_norm"``, ``"nonfinite"``,
+        ``"loss_scale"``, ``"skipped_steps"``, ``"last_step_finite"`` (arrays or
+        numbers; fetched from the device here). ``last_step_finite`` says whether the
+        step was skipped.
+      loss: the step's (unscaled) loss, a real scalar, or ``None``.
+      step: the step number to record; by default one more than the previous one
+        (0 for the first update). Must be larger than the previous one.
+
+    Returns:
+      The anomalies flagged at this step (usually none).
+
+    Raises:
+      TypeError: if ``metrics`` is not a mapping or ``loss`` not a real scalar.
+      ValueError: for a non-scalar metric or a step that does not increase.
+    """
+    if not isinstance(metrics, Mapping):
+      raise TypeError(f"Monitor.update: metrics must be a mapping (what training_metrics "
+                      f"returns), got {type(metrics).__name__}.")
+    metrics = jax.device_get(dict(metrics))
+    loss = self._loss(loss)
+    step = self._step(step)
+    s = self._series
+    scale = _scalar(metrics, "loss_scale", float)
+    finite = _scalar(metrics, "last_step_finite", bool)
+    nonfinite = {str(k): int(np.asarray(v)) for k, v in
+                 dict(metrics.get("nonfinite", {})).items()}
+    grad_norm = _scalar(metrics, "grad_norm", float)
+    s.steps.append(step)
+    s.loss.append(loss)
+    s.grad_norm.append(grad_norm)
+    s.loss_scale.append(scale)
+    s.skipped.append(-1 if finite is None else int(not finite))
+    s.nonfinite.append(nonfinite)
+
+    found = {
+        "scale_collapse": self._scale_collapse(scale),
+        "skip_rate": self._skip_rate(),
+        "loss_spike": self._loss_spike(loss),
+        "nonfinite_loss": (None if loss is None or math.isfinite(loss)
+                           else f"the loss is {loss}"),
+    }
+    new = []
+    for kind in KINDS:
+      message = found[kind]
+      if message is None:
+        self._active.discard(kind)
+      elif kind not in self._active:
+        self._active.add(kind)
+        new.append(Anomaly(step, kind, message))
+    self._anomalies.extend(new)
+    return tuple(new)
+
+  def _loss(self, loss: Any) -> Optional[float]:
+    if loss is None:
+      return None
+    if isinstance(loss, (bool, np.bool_, str)) or not (
+        isinstance(loss, (int, float, np.number)) or hasattr(loss, "dtype")):
+      raise TypeError(f"Monitor.update: loss must be a real scalar or None, got {loss!r} of "
+                      f"type {type(loss).__name__}.")
+    value = np.asarray(jax.device_get(loss))
+    if value.shape != () or not np.issubdtype(value.dtype, np.number):
+      raise TypeError(f"Monitor.update: loss must be a real scalar, got {loss!r}.")
+    return float(value)
+
+  def _step(self, step: Optional[int]) -> int:
+    previous = self._series.steps[-1] if self._series.steps else None
+    if step is None:
+      return 0 if previous is None else previous + 1
+    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
+      raise TypeError(f"Monitor.update: step must be an integer, got {step!r}.")
+    if previous is not None and step <= previous:
+      raise ValueError(f"Monitor.update: step must increase, got {step} after {previous}.")
+    return int(step)
+
+  def _scale_collapse(self, scale: Optional[float]) -> Optional[str]:
+    if scale is None:
+      return None
+    self._max_scale = max(self._max_scale, scale)
+    limit = self.collapse_factor * self.min_scale
+    if scale <= limit and scale < self._max_scale:
+      return (f"loss scale {scale:g} <= {self.collapse_factor:g} x min_scale {self.min_scale:g} "
+              f"(down from {self._max_scale:g}): gradients overflow at almost any scale")
+    return None
+
+  def _skip_rate(self) -> Optional[str]:
+    window = self._series.skipped[-self.skip_window:]
+    if len(window) < self.skip_window or -1 in window:
+      return None
+    skipped = sum(window)
+    if skipped / self.skip_window <= self.max_skip_rate:
+      return None
+    culprits: dict[str, int] = {}
+    for counts in self._series.nonfinite[-self.skip_window:]:
+      for key, count in counts.items():
+        if count:
+          culprits[key] = culprits.get(key, 0) + count
+    message = (f"{skipped} of the last {self.skip_window} steps skipped "
+               f"({skipped / self.skip_window:.0%} > {self.max_skip_rate:.0%})")
+    if culprits:
+      ranked = sorted(culprits.items(), key=lambda kv: -kv[1])
+      message += "; non-finite gradients in " + ", ".join(f"{k} ({v:,})" for k, v in ranked)
+    return message
+
+  def _loss_spike(self, loss: Optional[float]) -> Optional[str]:
+    if loss is None or not math.isfinite(loss):
+      return None
+    previous = [x for x in self._series.loss[:-1]
+                if x is not None and math.isfinite(x)][-self.spike_window:]
+    if len(previous) < self.spike_window:
+      return None
+    median = float(np.median(previous))
+    if median > 0 and loss > self.spike_factor * median:
+      return (f"loss {loss:g} > {self.spike_factor:g} x {median:g}, the median of the previous "
+              f"{self.spike_window} finite losses")
+    return None
+
+  def __str__(self) -> str:
+    if not self.steps:
+      return "Monitor: no steps yet"
+    s = self._series
+    known = [x for x in s.skipped if x >= 0]
+    parts = [f"{self.steps} steps"]
+    if known:
+      parts.append(f"{sum(known)} skipped ({sum(known) / len(known):.1%})")
+    for name, values in (("loss", s.loss), ("grad norm", s.grad_norm),
+                         ("loss scale", s.loss_scale)):
+      if values[-1] is not None:
+        parts.append(f"{name} {values[-1]:.4g}")
+    lines = ["Monitor: " + ", ".join(parts)]
+    if self._anomalies:
+      lines.append(f"{len(self._anomalies)} anomalies:")
+      lines += [f"  {a}" for a in self._anomalies]
+    else:
+      lines.append("no anomalies")
+    return "\n".join(lines)
+
+
+__all__ = ("Anomaly", "Monitor", "training_metrics")

@@ -1,0 +1,427 @@
+"""jaxmp.diagnostics: underflow/overflow reports and per-module sensitivity."""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxmp
+from jaxmp import diagnostics
+
+F16, BF16, E4M3, E5M2 = "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"
+
+
+def _f32_after(x: float) -> float:
+  return float(np.nextafter(np.float32(x), np.float32(np.inf)))
+
+
+def _f32_before(x: float) -> float:
+  return float(np.nextafter(np.float32(x), np.float32(0)))
+
+
+def _counts(values, dtype, loss_scale=1.0):
+  s = diagnostics.underflow_stats({"x": jnp.asarray(values, jnp.float32)}, dtype, loss_scale)
+  s = jax.device_get(s["x"])
+  return (int(s.nonzero), int(s.underflow), int(s.subnormal), int(s.overflow),
+          int(s.nonfinite))
+
+
+# ---- underflow_stats: exact classes ------------------------------------------------------------
+
+
+def test_hand_constructed_float16():
+  values = [1e-8, -1e-8, 2.0**-20, 1.0, -70000.0, 0.0, np.inf, np.nan]
+  # nonzero finite: 1e-8 (x2, flush), 2**-20 (subnormal), 1.0, -70000 (overflow).
+  assert _counts(values, F16) == (5, 2, 1, 1, 2)
+
+
+@pytest.mark.parametrize("dtype, zero, normal, overflow, inclusive", [
+    # (min_subnormal / 2, min_normal - min_subnormal / 2, max + ulp(max) / 2)
+    (F16, 2.0**-25, 2.0**-14 - 2.0**-25, 65520.0, True),
+    (E4M3, 2.0**-10, 2.0**-6 - 2.0**-10, 464.0, False),
+    (E5M2, 2.0**-17, 2.0**-14 - 2.0**-17, 61440.0, True),
+])
+def test_rounding_boundaries(dtype, zero, normal, overflow, inclusive):
+  # The midpoint to zero flushes (ties to even 0); just above it is subnormal.
+  assert _counts([zero], dtype)[1:4] == (1, 0, 0)
+  assert _counts([_f32_after(zero)], dtype)[1:4] == (0, 1, 0)
+  # The midpoint below min_normal rounds up to a normal number; just below stays subnormal.
+  assert _counts([normal], dtype)[1:4] == (0, 0, 0)
+  assert _counts([_f32_before(normal)], dtype)[1:4] == (0, 1, 0)
+  # Rounding to max is not overflow; the midpoint overflows only with infinities.
+  assert _counts([_f32_before(overflow)], dtype)[3] == 0
+  assert _counts([overflow], dtype)[3] == int(inclusive)
+  assert _counts([_f32_after(overflow)], dtype)[3] == 1
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16, E4M3, E5M2])
+def test_classes_agree_with_xla_conversion(dtype):
+  fmt = jaxmp.float_format(dtype)
+  rng = np.random.default_rng(0)
+  lo, hi = max(np.log2(fmt.min_subnormal) - 3, -125), min(np.log2(fmt.max) + 2, 127.9)
+  random = 2.0 ** rng.uniform(lo, hi, 4000) * rng.choice([-1, 1], 4000)
+  bounds = diagnostics._boundaries(fmt)
+  edges = [bounds.zero, bounds.normal, bounds.overflow, fmt.max, fmt.min_normal,
+           fmt.min_subnormal]
+  edges = [f(e) for e in edges for f in (float, _f32_after, _f32_before)
+           if np.isfinite(np.float32(e)) and np.float32(e) >= 2.0**-126]
+  x = jnp.asarray(np.concatenate([random, edges]), jnp.float32)
+  converted = np.abs(np.asarray(x.astype(dtype).astype(jnp.float32)))
+  expected = (int(np.sum(converted == 0)),
+              int(np.sum((converted > 0) & (converted < fmt.min_normal))),
+              int(np.sum(~np.isfinite(converted))))
+  assert expected[0] + expected[1] + expected[2] > 0 or dtype == BF16
+  assert _counts(x, dtype)[1:4] == expected
+
+
+def test_loss_scale_shifts_values():
+  assert _counts([1e-8], F16, 1024.0)[1:4] == (0, 1, 0)   # 1.02e-5: subnormal
+  assert _counts([1e-8], F16, 2.0**13)[1:4] == (0, 0, 0)  # 8.2e-5: normal
+  assert _counts([100.0], F16, 1024.0)[1:4] == (0, 0, 1)  # 102400: overflow
+  assert _counts([1e-8], F16, jaxmp.StaticLossScale(1024.0))[1:4] == (0, 1, 0)
+
+
+def test_stats_jit_with_traced_scale():
+  fun = jax.jit(diagnostics.underflow_stats, static_argnums=1)
+  stats = fun({"a": [jnp.array([1e-8, 3.0])]}, F16, jnp.float32(4096.0))
+  assert list(stats) == ["a/0"]
+  assert int(stats["a/0"].subnormal) == 1
+  assert float(stats["a/0"].max_abs) == 3.0
+  assert float(stats["a/0"].min_abs) == np.float32(1e-8)
+
+
+def test_max_and_min_ignore_zero_and_nonfinite():
+  stats = diagnostics.underflow_stats(jnp.array([0.0, -2.5, 1e-3, np.inf]), F16)
+  assert list(stats) == ["<root>"]
+  assert float(stats["<root>"].max_abs) == 2.5
+  assert float(stats["<root>"].min_abs) == np.float32(1e-3)
+
+
+# ---- underflow_report ----------------------------------------------------------------------------
+
+
+def test_report_rows_totals_and_fractions():
+  tree = {"w": jnp.array([1e-8, 2.0**-20, 1.0, 0.0]), "b": [jnp.array([7e4], jnp.float32)],
+          "step": jnp.array(3), "key": jax.random.key(0), "none": None}
+  report = jaxmp.underflow_report(tree, "f16")
+  assert [r.path for r in report.rows] == ["b/0", "w"]
+  w = report.row("w")
+  assert (w.size, w.nonzero, w.underflow, w.subnormal, w.overflow) == (4, 3, 1, 1, 0)
+  assert report.row("b/0").overflow == 1
+  total = report.total
+  assert (total.size, total.nonzero, total.underflow, total.subnormal, total.overflow) == (
+      5, 4, 1, 1, 1)
+  assert (report.underflow_fraction, report.subnormal_fraction,
+          report.overflow_fraction) == (0.25, 0.25, 0.25)
+  assert report.dtype == np.dtype(jnp.float16)
+  assert report.loss_scale == 1.0
+  with pytest.raises(KeyError, match="'nope'"):
+    report.row("nope")
+
+
+def test_report_suggested_scale_and_remaining_underflow():
+  report = jaxmp.underflow_report({"g": jnp.array([1.0, 1e-12, 1e-6])}, F16)
+  # 2**14 * 1.0 <= 65504 / 2 < 2**15 * 1.0
+  assert report.suggested_scale == 2.0**14
+  remaining = report.at_suggested
+  assert (remaining.underflow, remaining.subnormal, remaining.overflow) == (1, 0, 0)
+  assert (report.total.underflow, report.total.subnormal) == (1, 1)
+
+
+def test_report_overflowing_values_suggest_a_scale_below_one():
+  report = jaxmp.underflow_report(jnp.array([1e6, 1.0]), F16)
+  assert report.suggested_scale == 2.0**-5   # 1e6 / 32 = 31250 <= 32752
+  assert report.at_suggested.overflow == 0
+  assert report.total.overflow == 1
+
+
+@pytest.mark.parametrize("max_abs, min_abs, dtype, expected", [
+    (1.0, 1e-12, F16, 2.0**14),        # capped: 2**14 <= 65504 / 2 < 2**15
+    (32752.0, 1e-12, F16, 1.0),
+    (32753.0, 1e-12, F16, 0.5),
+    (1e-3, 2.0**-20, F16, 2.0**6),     # just enough: 2**-20 * 2**6 = 2**-14
+    (1e-3, 1.01 * 2.0**-20, F16, 2.0**6),
+    (1e-3, 0.99 * 2.0**-20, F16, 2.0**7),
+    (1.0, 0.5, F16, 1.0),              # already normal: no scaling
+    (1e6, 1.0, F16, 2.0**-5),          # overflow: scale down
+    (1e-3, 1e-6, BF16, 1.0),
+    (1.0, 1e-3, E4M3, 16.0),           # min_normal 2**-6: 1e-3 * 16 >= 2**-6
+    (0.0, 0.0, F16, None), (float("inf"), 1.0, F16, None), (1.0, float("inf"), F16, None),
+    (1e-45, 1e-45, F16, 2.0**126),
+])
+def test_suggest_scale(max_abs, min_abs, dtype, expected):
+  assert diagnostics.suggest_scale(max_abs, min_abs, dtype) == expected
+
+
+def test_report_all_zero():
+  report = jaxmp.underflow_report({"g": jnp.zeros(3)}, BF16)
+  assert report.suggested_scale is None and report.at_suggested is None
+  assert report.underflow_fraction == 0.0
+  assert "no suggested loss scale" in str(report)
+
+
+def test_report_fp8_and_float16_leaves_and_nnx_state():
+  tree = {"q": jnp.array([1.0, 2.0], jnp.float8_e4m3fn), "h": jnp.array([1e-7], jnp.float16)}
+  report = jaxmp.underflow_report(tree, "e5m2")
+  assert report.row("q").nonzero == 2
+  assert report.row("h").underflow == 1       # 1.19e-7 <= 2**-17 / ... flushes in e5m2
+  assert report.dtype == np.dtype(jnp.float8_e5m2)
+  model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+  report = jaxmp.underflow_report(nnx.state(model, nnx.Param), F16)
+  assert [r.path for r in report.rows] == ["bias", "kernel"]
+
+
+def test_report_table_text():
+  report = jaxmp.underflow_report({"w": jnp.array([1e-8, 1.0]), "b": jnp.array([2.0])}, F16,
+                                  loss_scale=2.0)
+  lines = str(report).splitlines()
+  assert lines[0] == ("float16 at loss scale 2**1 = 2: of 3 nonzero finite values, 33.33% "
+                      "flush to zero, 0% become subnormal, 0% overflow")
+  assert lines[1].split() == ["path", "dtype", "nonzero", "flush", "%", "subnormal", "%",
+                              "overflow", "%", "max", "|x|", "min", "|x|"]
+  assert lines[4].split() == ["w", "float32", "2", "50.00", "0", "0", "1.00e+00", "1.00e-08"]
+  assert lines[5].split()[:3] == ["<all>", "3", "33.33"]
+  assert lines[6] == ("suggested loss scale 2**13 = 8192 (the smallest that makes every "
+                      "nonzero |x| normal): 0% flush to zero, 0% subnormal, 0% overflow")
+
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    (dict(dtype="int8"), ValueError, "'int8'"),
+    (dict(dtype="floaty"), ValueError, "'floaty'"),
+    (dict(loss_scale=0.0), ValueError, "got 0.0"),
+    (dict(loss_scale=-2), ValueError, "got -2"),
+    (dict(loss_scale=float("inf")), ValueError, "got inf"),
+    (dict(loss_scale=1e-50), ValueError, "positive and finite in float32 (values are scaled in "
+     "float32), got 1e-50"),
+    (dict(loss_scale=1e39), ValueError, "got 1e+39"),
+    (dict(loss_scale=float("nan")), ValueError, "got nan"),
+    (dict(loss_scale="8"), TypeError, "got '8' of type str"),
+    (dict(loss_scale=True), TypeError, "got True"),
+    (dict(loss_scale=jnp.ones(2)), TypeError, "shape (2,)"),
+])
+def test_report_bad_inputs(kwargs, error, text):
+  kwargs = {"dtype": F16, **kwargs}
+  with pytest.raises(error, match=re.escape(text)):
+    jaxmp.underflow_report({"g": jnp.ones(2)}, **kwargs)
+
+
+def test_report_no_float_leaves():
+  with pytest.raises(ValueError, match="no floating-point array leaves"):
+    jaxmp.underflow_report({"ids": jnp.arange(3)}, F16)
+
+
+def test_stats_bad_concrete_scale():
+  with pytest.raises(ValueError, match="got -1.0"):
+    diagnostics.underflow_stats({"g": jnp.ones(2)}, F16, -1.0)
+
+
+# ---- sensitivity ------------------------------------------------------------------------------
+
+
+def _fragile(x):
+  # Normalizes with the variance computed as E[x^2] - E[x]^2 of data shifted by 100:
+  # the two terms are ~10^4 and differ by ~1, which 16-bit floats (spacing 8 and 64
+  # there) cannot resolve. XLA cannot simplify it away, unlike (x + c) - c.
+  shifted = x + 100.0
+  mean = jnp.mean(shifted, -1, keepdims=True)
+  var = jnp.mean(jnp.square(shifted), -1, keepdims=True) - jnp.square(mean)
+  return (shifted - mean) * jax.lax.rsqrt(jnp.abs(var) + 0.1)
+
+
+class Fragile(nn.Module):
+
+  def __call__(self, x):
+    return _fragile(x)
+
+
+class Net(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(8, name="body")(x)
+    x = Fragile(name="fragile")(nn.LayerNorm(name="norm")(x))
+    return nn.Dense(3, name="head")(nn.gelu(x))
+
+
+X = jnp.linspace(-1.0, 1.0, 40).reshape(8, 5)
+PATHS = {"", "body", "norm", "fragile", "head"}
+
+
+@pytest.fixture(scope="module")
+def linen_report():
+  variables = Net().init(jax.random.key(0), X)
+  return variables, jaxmp.sensitivity(Net(), variables, X)
+
+
+def test_sensitivity_finds_the_fragile_module(linen_report):
+  _, report = linen_report
+  assert report.candidates == ("bfloat16", "float16")
+  assert {r.path for r in report.rows} == PATHS
+  assert report.rows[0].path == "fragile" and report.rows[0].module == "Fragile"
+  assert report.deviation("fragile", "bf16") > 0.5
+  assert report.deviation("fragile", "float16") > 0.5
+  for row in report.rows[1:]:
+    assert max(row.deviations) < 0.01, row
+  worst = [r.worst for r in report.rows]
+  assert worst == sorted(worst, reverse=True)
+  assert all(d > 0 for d in report.whole_model)
+
+
+def test_recommended_rules_keep_only_the_fragile_module(linen_report):
+  variables, report = linen_report
+  rules = report.recommended_rules(threshold=0.01)
+  assert rules.default == jaxmp.Policy("float32", "bfloat16", "float32")
+  assert [(r.match, r.policy) for r in rules.rules] == [("fragile", jaxmp.Policy("float32"))]
+  assert rules.float32_normalization
+  assert report.recommended == rules
+  assert report.sensitive(0.01, "float16") == ("fragile",)
+  f16 = report.recommended_rules(0.01, "float16", float32_normalization=False)
+  assert f16.default.compute_dtype == np.dtype(jnp.float16) and not f16.float32_normalization
+  assert report.recommended_rules(threshold=1e9).rules == ()
+  # The recommendation is closer to float32 than computing everything in bfloat16.
+  all_bf16, recommended = diagnostics.deviation(
+      Net(), variables, X, rules=["params=float32,compute=bfloat16,output=float32", rules])
+  assert recommended < 0.01 < all_bf16
+  assert diagnostics.deviation(Net(), variables, X, rules="float32") == 0.0
+
+
+def test_sensitivity_table_text(linen_report):
+  _, report = linen_report
+  lines = str(report).splitlines()
+  assert lines[0].startswith("Net: relative L2 error of the output vs float32")
+  assert lines[1].split() == ["rank", "path", "module", "bfloat16", "float16"]
+  assert lines[3].split()[:3] == ["1", "fragile", "Fragile"]
+  assert "<root>" in str(report)
+  assert lines[-1].split()[:2] == ["whole", "model"]
+
+
+def test_sensitivity_of_a_wrapper_ignores_its_rules(linen_report):
+  variables, report = linen_report
+  wrapped = jaxmp.linen.mixed_precision(Net(), "bfloat16")
+  again = jaxmp.sensitivity(wrapped, variables, X, candidates=["bfloat16"], modules="fragile")
+  assert again.rows[0].deviations == (report.deviation("fragile", "bfloat16"),)
+
+
+def test_sensitivity_custom_metric_and_module_filter():
+  variables = Net().init(jax.random.key(0), X)
+
+  def max_abs_error(reference, output):
+    return jnp.max(jnp.abs(reference - output))
+
+  report = jaxmp.sensitivity(Net(), variables, X, candidates=["float16"],
+                             metric=max_abs_error, modules=r"body|head")
+  assert [r.path for r in report.rows][0] in ("body", "head") and len(report.rows) == 2
+  assert report.metric == "max_abs_error"
+  assert str(report).startswith("Net: max_abs_error of the output")
+
+
+def test_sensitivity_with_call_kwargs():
+
+  class Flagged(nn.Module):
+
+    @nn.compact
+    def __call__(self, x, fragile: bool):
+      x = nn.Dense(4, name="dense")(x)
+      return Fragile(name="fragile")(x) if fragile else x
+
+  variables = Flagged().init(jax.random.key(0), X, True)
+  report = jaxmp.sensitivity(Flagged(), variables, X, candidates=["bf16"], modules="fragile",
+                             fragile=True)
+  assert report.rows[0].deviations[0] > 0.5
+  report = jaxmp.sensitivity(Flagged(), variables, X, candidates=["bf16"], fragile=False)
+  assert {r.path for r in report.rows} == {"", "dense"}
+
+
+class NnxFragile(nnx.Module):
+
+  def __call__(self, x):
+    return _fragile(x)
+
+
+class NnxNet(nnx.Module):
+
+  def __init__(self, rngs):
+    self.body = nnx.Linear(5, 8, rngs=rngs)
+    self.fragile = NnxFragile()
+    self.head = nnx.Linear(8, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.fragile(self.body(x)))
+
+
+def test_sensitivity_nnx():
+  model = NnxNet(nnx.Rngs(0))
+  kernel = model.body.kernel[...]
+  report = jaxmp.sensitivity(model, None, X, candidates=["bfloat16"])
+  assert {r.path for r in report.rows} == {"", "body", "fragile", "head"}
+  assert report.rows[0].path == "fragile"
+  assert [r.match for r in report.recommended_rules(0.01).rules] == ["fragile"]
+  assert model.body.kernel[...] is kernel   # the model is not changed
+  wrapped = jaxmp.nnx.mixed_precision(NnxNet(nnx.Rngs(0)),
+                                      "params=float32,compute=bfloat16,output=float32")
+  again = jaxmp.sensitivity(wrapped, None, X, candidates=["bfloat16"], modules="fragile")
+  assert again.rows[0].deviations == report.rows[0].deviations
+
+
+@pytest.mark.parametrize("call, error, text", [
+    (lambda v: jaxmp.sensitivity("model", v, X), TypeError, "got 'model' of type str"),
+    (lambda v: jaxmp.sensitivity(Net(), None, X), TypeError, "needs its variables"),
+    (lambda v: jaxmp.sensitivity(NnxNet(nnx.Rngs(0)), v, X), TypeError, "pass variables=None"),
+    (lambda v: jaxmp.sensitivity(Net(), v, X, candidates="bfloat16"), TypeError,
+     "got 'bfloat16'"),
+    (lambda v: jaxmp.sensitivity(Net(), v, X, candidates=()), TypeError, "got ()"),
+    (lambda v: jaxmp.sensitivity(Net(), v, X, candidates=["int8"]), ValueError, "'int8'"),
+    (lambda v: jaxmp.sensitivity(Net(), v, X, candidates=["bf16", "bfloat16"]), ValueError,
+     "name a dtype twice"),
+    (lambda v: jaxmp.sensitivity(Net(), v, X, metric="l2"), TypeError, "got 'l2' of type str"),
+    (lambda v: jaxmp.sensitivity(Net(), v, X, modules="nothing"), ValueError,
+     "modules='nothing' matches none"),
+    (lambda v: jaxmp.sensitivity(Net(), v, X, modules="("), ValueError, "modules='('"),
+    (lambda v: jaxmp.sensitivity(Net(), v, X, modules=3), TypeError, "got 3 of type int"),
+    (lambda v: jaxmp.sensitivity(Net(), v, X, modules="head",
+                                 metric=lambda r, o: jnp.abs(r - o)), ValueError,
+     "metric must return a scalar"),
+])
+def test_sensitivity_bad_inputs(call, error, text):
+  variables = Net().init(jax.random.key(0), X)
+  with pytest.raises(error, match=re.escape(text)):
+    call(variables)
+
+
+def test_recommended_rules_bad_inputs(linen_report):
+  _, report = linen_report
+  with pytest.raises(ValueError, match=re.escape("got -0.1")):
+    report.recommended_rules(threshold=-0.1)
+  with pytest.raises(ValueError, match=re.escape("got nan")):
+    report.recommended_rules(threshold=float("nan"))
+  with pytest.raises(TypeError, match=re.escape("got '0.1' of type str")):
+    report.recommended_rules(threshold="0.1")
+  with pytest.raises(ValueError, match=re.escape("'float32' was not measured")):
+    report.recommended_rules(low="float32")
+  with pytest.raises(KeyError, match="'nope'"):
+    report.deviation("nope", "bf16")
+
+
+def test_relative_error():
+  assert float(diagnostics.relative_error({"a": jnp.array([3.0, 4.0])},
+                                          {"a": jnp.array([3.0, 6.5])})) == 0.5
+  assert float(diagnostics.relative_error(jnp.zeros(2), jnp.array([3.0, 4.0]))) == 5.0
+  assert float(diagnostics.relative_error(jnp.ones(2), jnp.array([1.0, jnp.nan]))) == np.inf
+  with pytest.raises(ValueError, match="1 float leaves and the output 2"):
+    diagnostics.relative_error(jnp.ones(2), (jnp.ones(2), jnp.ones(2)))
+
+
+@pytest.mark.parametrize("values, text", [
+    ([1.0, 1e-12], "suggested loss scale 2**14 = 16384 (the largest with max |x| x scale <= max "
+                   "/ 2: the values span more than float16's range): 50.00% flush to zero"),
+    ([1.0, 0.5], "suggested loss scale 2**0 = 1 (no scaling needed): 0% flush to zero"),
+    ([1e6, 1.0], "suggested loss scale 2**-5 = 0.03125 (the largest with max |x| x scale <= "
+                 "max / 2): 0% flush to zero"),
+])
+def test_report_explains_its_suggestion(values, text):
+  last = str(jaxmp.underflow_report(jnp.array(values), F16)).splitlines()[-1]
+  assert last.startswith(text), last

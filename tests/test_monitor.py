@@ -1,0 +1,239 @@
+"""jaxmp.monitor: in-jit training metrics and the host-side anomaly monitor."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxmp
+
+# ---- training_metrics ------------------------------------------------------------------------
+
+
+def test_nonfinite_counts_per_top_level_key():
+  grads = {"a": {"w": jnp.array([3.0, jnp.nan]), "b": jnp.array([jnp.inf, -jnp.inf])},
+           "c": jnp.array([4.0]), "step": jnp.array(3)}
+  metrics = jaxmp.training_metrics(grads)
+  assert {k: int(v) for k, v in metrics["nonfinite"].items()} == {"a": 3, "c": 0}
+  assert metrics["nonfinite"]["a"].dtype == jnp.int32
+  assert np.isnan(float(metrics["grad_norm"]))
+  assert set(metrics) == {"grad_norm", "nonfinite"}
+
+
+def test_grad_norm_in_float32_and_unscaled():
+  grads = {"a": {"w": jnp.array([3.0], jnp.float16)}, "b": jnp.array([4.0])}
+  assert float(jaxmp.training_metrics(grads)["grad_norm"]) == 5.0
+  assert float(jaxmp.training_metrics(grads, loss_scale=2.0)["grad_norm"]) == 2.5
+  assert float(jaxmp.training_metrics(
+      grads, loss_scale=jaxmp.StaticLossScale(0.5))["grad_norm"]) == 10.0
+  # 300**2 overflows float16; the sum of squares is taken in float32.
+  big = {"w": jnp.array([300.0, 400.0], jnp.float16)}
+  norm = jaxmp.training_metrics(big)["grad_norm"]
+  assert norm.dtype == jnp.float32 and float(norm) == 500.0
+
+
+def test_keys_for_lists_bare_arrays_nnx_and_empty_trees():
+  assert list(jaxmp.training_metrics([jnp.ones(1), jnp.ones(1)])["nonfinite"]) == ["0", "1"]
+  assert list(jaxmp.training_metrics(jnp.ones(2))["nonfinite"]) == ["<root>"]
+  empty = jaxmp.training_metrics({"ids": jnp.arange(3)})
+  assert float(empty["grad_norm"]) == 0.0 and empty["nonfinite"] == {}
+
+  class Net(nnx.Module):
+
+    def __init__(self):
+      self.body = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+      self.head = nnx.Linear(2, 1, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+      return self.head(self.body(x))
+
+  grads = nnx.grad(lambda m: jnp.sum(m(jnp.ones((1, 2)))))(Net())
+  assert sorted(jaxmp.training_metrics(grads)["nonfinite"]) == ["body", "head"]
+
+
+def test_loss_scaling_entries_and_jit():
+  tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(2.0**15))
+  state = tx.init({"w": jnp.ones(2)})
+  grads = {"w": jnp.array([jnp.inf, 1.0])}
+  _, state = tx.update(grads, state)
+  for fun in (jaxmp.training_metrics, jax.jit(jaxmp.training_metrics)):
+    metrics = fun(grads, state, loss_scale=jnp.float32(2.0**15))
+    assert float(metrics["loss_scale"]) == 2.0**14
+    assert int(metrics["skipped_steps"]) == 1
+    assert not bool(metrics["last_step_finite"])
+    assert int(metrics["nonfinite"]["w"]) == 1
+
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    (dict(loss_scale=0.0), ValueError, "got 0.0"),
+    (dict(loss_scale=float("inf")), ValueError, "got inf"),
+    (dict(loss_scale="2"), TypeError, "got '2' of type str"),
+    (dict(loss_scale=jnp.ones(2)), TypeError, "shape (2,)"),
+    (dict(opt_state=optax.sgd(1.0).init(jnp.ones(1))), ValueError, "no LossScalingState"),
+])
+def test_training_metrics_bad_inputs(kwargs, error, text):
+  with pytest.raises(error, match=re.escape(text)):
+    jaxmp.training_metrics({"w": jnp.ones(2)}, **kwargs)
+
+
+# ---- Monitor ---------------------------------------------------------------------------------
+
+
+def _flagged(monitor, kind):
+  return [a.step for a in monitor.anomalies if a.kind == kind]
+
+
+def test_scale_collapse_is_flagged_when_it_starts():
+  monitor = jaxmp.Monitor(min_scale=1.0, collapse_factor=8.0)
+  scales = [32768, 16384, 64, 16, 8, 4, 4, 16, 16, 8, 2]
+  flagged = [bool(monitor.update({"loss_scale": jnp.float32(s)})) for s in scales]
+  assert [i for i, f in enumerate(flagged) if f] == [4, 9]
+  assert _flagged(monitor, "scale_collapse") == [4, 9]
+  assert monitor.anomalies[0].message == ("loss scale 8 <= 8 x min_scale 1 (down from 32768): "
+                                          "gradients overflow at almost any scale")
+
+
+def test_fixed_small_scales_never_collapse():
+  monitor = jaxmp.Monitor()
+  for _ in range(5):
+    monitor.update({"loss_scale": 1.0, "last_step_finite": True})   # NoOpLossScale
+  assert monitor.anomalies == ()
+  monitor = jaxmp.Monitor(min_scale=2.0, collapse_factor=2.0)
+  assert [monitor.update({"loss_scale": s}) != () for s in (4.0, 4.0, 2.0)] == [
+      False, False, True]
+
+
+def test_skip_rate_over_a_window_names_the_modules():
+  monitor = jaxmp.Monitor(skip_window=4, max_skip_rate=0.25)
+  skipped = [0, 1, 0, 0, 1, 0, 1, 0, 0, 0, 0, 0]
+  nonfinite = {1: {"head": 3, "body": 0}, 4: {"head": 1, "embed": 2}, 6: {"embed": 5}}
+  for i, s in enumerate(skipped):
+    monitor.update({"last_step_finite": jnp.array(not s),
+                    "nonfinite": nonfinite.get(i, {"head": 0})})
+  assert _flagged(monitor, "skip_rate") == [4, 6]
+  assert monitor.anomalies[0].message == (
+      "2 of the last 4 steps skipped (50% > 25%); non-finite gradients in head (4), embed (2)")
+  assert monitor.anomalies[1].message.endswith("embed (7), head (1)")
+
+
+def test_skip_rate_needs_a_full_known_window():
+  monitor = jaxmp.Monitor(skip_window=3, max_skip_rate=0.0)
+  monitor.update({"last_step_finite": False})
+  monitor.update({"last_step_finite": False})
+  assert monitor.anomalies == ()
+  monitor.update({})                                  # unknown: no check
+  monitor.update({"last_step_finite": False})
+  monitor.update({"last_step_finite": True})
+  assert monitor.anomalies == ()
+  monitor.update({"last_step_finite": True})        # window [F, T, T]: 1/3 > 0
+  assert _flagged(monitor, "skip_rate") == [5]
+
+
+def test_loss_spikes_and_nonfinite_losses():
+  monitor = jaxmp.Monitor(spike_window=3, spike_factor=2.0)
+  losses = [1.0, 1.2, 0.8, 1.0, 2.5, 2.6, 1.0, float("nan"), 1.1, 5.0]
+  for loss in losses:
+    monitor.update({}, loss=jnp.float32(loss))
+  assert _flagged(monitor, "loss_spike") == [4, 9]
+  assert _flagged(monitor, "nonfinite_loss") == [7]
+  assert monitor.anomalies[0].message == (
+      "loss 2.5 > 2 x 1, the median of the previous 3 finite losses")
+  assert str(monitor.anomalies[1]) == "step 7: nonfinite_loss: the loss is nan"
+
+
+def test_no_spike_check_for_non_positive_median():
+  monitor = jaxmp.Monitor(spike_window=2)
+  for loss in (-3.0, -2.0, 5.0):
+    monitor.update({}, loss=loss)
+  assert monitor.anomalies == ()
+
+
+def test_history_steps_and_text():
+  monitor = jaxmp.Monitor(skip_window=2, max_skip_rate=0.4)
+  metrics = jaxmp.training_metrics({"head": jnp.array([jnp.inf]), "body": jnp.ones(1)})
+  metrics.update(loss_scale=jnp.float32(4.0), last_step_finite=jnp.array(False))
+  monitor.update(metrics, loss=2.0, step=10)
+  monitor.update({"loss_scale": 4.0, "last_step_finite": True, "grad_norm": 0.5}, loss=1.5)
+  monitor.update({"last_step_finite": False}, step=20)
+  history = monitor.history()
+  assert history["step"].tolist() == [10, 11, 20]
+  assert history["loss"][:2].tolist() == [2.0, 1.5] and np.isnan(history["loss"][2])
+  assert history["skipped"].tolist() == [1, 0, 1]
+  assert history["loss_scale"][:2].tolist() == [4.0, 4.0]
+  assert {k: v.tolist() for k, v in history["nonfinite"].items()} == {
+      "body": [0, 0, 0], "head": [1, 0, 0]}
+  assert monitor.steps == 3
+  assert _flagged(monitor, "skip_rate") == [11]   # window [skipped, not]; still on at 20
+  text = str(monitor).splitlines()
+  assert text[0] == "Monitor: 3 steps, 2 skipped (66.7%)"
+  assert text[1] == "1 anomalies:"
+  assert text[2] == ("  step 11: skip_rate: 1 of the last 2 steps skipped (50% > 40%); "
+                     "non-finite gradients in head (1)")
+  assert str(jaxmp.Monitor()) == "Monitor: no steps yet"
+
+
+def test_a_real_collapsing_run_is_flagged():
+  tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(8.0, min_scale=1.0))
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  monitor = jaxmp.Monitor(skip_window=2, max_skip_rate=0.5, collapse_factor=2.0)
+
+  @jax.jit
+  def step(state):
+    grads = {"w": jnp.array([jnp.inf, 0.0])}     # overflows at every scale
+    _, state = tx.update(grads, state, params)
+    return state, jaxmp.training_metrics(grads, state)
+
+  for _ in range(4):
+    state, metrics = step(state)
+    monitor.update(metrics, loss=1.0)
+  # Scales seen: 4, 2, 1, 1. The first one seen is the reference.
+  assert [(a.step, a.kind) for a in monitor.anomalies] == [(1, "scale_collapse"),
+                                                           (1, "skip_rate")]
+
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    (dict(min_scale=0.0), ValueError, "min_scale must be finite and > 0, got 0.0"),
+    (dict(min_scale="1"), TypeError, "min_scale must be a number, got '1'"),
+    (dict(collapse_factor=0.5), ValueError, "collapse_factor must be finite and >= 1, got 0.5"),
+    (dict(skip_window=0), ValueError, "skip_window must be finite and >= 1, got 0"),
+    (dict(skip_window=1.5), TypeError, "skip_window must be an integer, got 1.5"),
+    (dict(skip_window=True), TypeError, "skip_window must be an integer, got True"),
+    (dict(max_skip_rate=1.0), ValueError, "max_skip_rate must be in [0, 1), got 1.0"),
+    (dict(max_skip_rate=-0.1), ValueError, "max_skip_rate must be finite and >= 0, got -0.1"),
+    (dict(spike_window=0), ValueError, "spike_window must be finite and >= 1, got 0"),
+    (dict(spike_factor=1.0), ValueError, "spike_factor must be finite and > 1, got 1.0"),
+    (dict(spike_factor=float("inf")), ValueError, "spike_factor must be finite and > 1, got inf"),
+])
+def test_monitor_bad_arguments(kwargs, error, text):
+  with pytest.raises(error, match=re.escape(text)):
+    jaxmp.Monitor(**kwargs)
+
+
+@pytest.mark.parametrize("call, error, text", [
+    (lambda m: m.update([1.0]), TypeError, "metrics must be a mapping"),
+    (lambda m: m.update({}, loss="1.0"), TypeError, "got '1.0' of type str"),
+    (lambda m: m.update({}, loss=jnp.ones(2)), TypeError, "loss must be a real scalar"),
+    (lambda m: m.update({"loss_scale": jnp.ones(2)}), ValueError,
+     "metrics['loss_scale'] must be a scalar, got shape (2,)"),
+    (lambda m: m.update({}, step=2.0), TypeError, "step must be an integer, got 2.0"),
+    (lambda m: m.update({}, step=5), ValueError, "step must increase, got 5 after 5"),
+])
+def test_monitor_update_bad_inputs(call, error, text):
+  monitor = jaxmp.Monitor()
+  monitor.update({}, step=5)
+  with pytest.raises(error, match=re.escape(text)):
+    call(monitor)
+  assert monitor.steps == 1    # nothing recorded by a refused update
+
+
+def test_text_shows_nonfinite_values_but_not_missing_ones():
+  monitor = jaxmp.Monitor()
+  monitor.update({"grad_norm": jnp.float32(jnp.nan), "loss_scale": 8.0}, loss=float("inf"))
+  assert str(monitor).splitlines()[0] == "Monitor: 1 steps, loss inf, grad norm nan, loss scale 8"
+  monitor.update({})
+  assert str(monitor).splitlines()[0] == "Monitor: 2 steps"
