@@ -205,9 +205,9 @@ def unscaled_fp16_verdict(result, baseline) -> str:
   if not np.isfinite(result["val"]) or gap > 2.0:
     return (f"without a loss scale its validation loss is {gap:+.1f}% off float32 "
             "(small gradients flushed to zero in float16)")
-  return (f"here it stayed within {gap:+.2f}% of float32: at this batch size the "
-          "gradients mostly stay within float16's range; more tokens per step (a mean "
-          "over a larger batch) push them below it")
+  return (f"in this run it stayed within {gap:+.2f}% of float32, although float16 "
+          "flushes or denormalizes most of the logits gradient (below): the values it "
+          "loses are the smallest, and this short run did not feel their loss")
 
 
 def gradients_in_float16(results, tokens) -> None:
