@@ -28,10 +28,11 @@ recommended; ``half_dtype`` (float16 on a CPU, as jmp) answers "which 16-bit dty
 and is reported as :attr:`DeviceCapabilities.half_dtype`.
 
 Example:
-  >>> caps = jaxmp.device_capabilities()  # on a CPU
+  >>> cpu = jax.devices("cpu")[0]
+  >>> caps = jaxmp.device_capabilities(cpu)
   >>> caps.platform, caps.supports_bf16, caps.supports_fp8
   ('cpu', False, False)
-  >>> print(jaxmp.recommended_policy().policy)
+  >>> print(jaxmp.recommended_policy(cpu).policy)
   params=float32,compute=float32,output=float32
 """
 
