@@ -54,17 +54,54 @@ HALF = "half"
 POLICY_DTYPES: frozenset[np.dtype] = frozenset(POLICY_DTYPE_ALIASES.values())
 FP8_DTYPES: frozenset[np.dtype] = frozenset(FP8_DTYPE_ALIASES.values())
 
-_BF16_MIN_GPU_COMPUTE_CAPABILITY = 8.0
+BF16_MIN_COMPUTE_CAPABILITY = (8, 0)   # CUDA Ampere: bfloat16 tensor cores
+
+
+def check_device(device: Any, where: str) -> Any:
+  """``device``, or the first local device for ``None``; duck-typed on ``platform``.
+
+  Any object with a ``platform`` string is accepted, so that descriptions of devices
+  other than a local ``jax.Device`` (a remote one, a test double) work too.
+
+  Raises:
+    TypeError: if ``device`` has no ``platform`` string, naming ``where``.
+  """
+  if device is None:
+    return jax.local_devices()[0]
+  if not isinstance(getattr(device, "platform", None), str):
+    raise TypeError(f"{where}: device must be a jax.Device (e.g. jax.devices()[0]) or None, "
+                    f"got {device!r} of type {type(device).__name__}.")
+  return device
+
+
+def gpu_compute_capability(device: Any, where: str) -> Optional[tuple[int, int]]:
+  """A CUDA device's compute capability as ``(major, minor)``; ``None`` if it has none.
+
+  CUDA devices report e.g. ``"9.0"``; ROCm devices report no such attribute.
+
+  Raises:
+    ValueError: if the reported capability is not ``major[.minor]``, naming ``where``.
+  """
+  value = getattr(device, "compute_capability", None)
+  if value is None:
+    return None
+  major, _, minor = str(value).strip().partition(".")
+  if not (major.isdigit() and (minor.isdigit() or minor == "")):
+    raise ValueError(f"{where}: cannot read the compute capability {value!r} of "
+                     f"{device!r}; expected 'major.minor', e.g. '8.9'.")
+  return int(major), int(minor or 0)
 
 
 def half_dtype(device: Optional[jax.Device] = None) -> np.dtype:
   """Returns the 16-bit float dtype that ``device`` computes in best.
 
-  bfloat16 on TPUs and on GPUs with compute capability >= 8.0 (Ampere and later);
-  float16 on CPUs and older GPUs, as jmp does.
+  bfloat16 on TPUs and on GPUs with compute capability >= 8.0 (Ampere and later) or
+  none reported (ROCm: all current ones compute natively in bfloat16); float16 on
+  CPUs and older GPUs, as jmp does.
 
   Args:
-    device: the device to ask about; the first local device when omitted.
+    device: the device to ask about (a ``jax.Device``, or any object with a
+      ``platform`` string); the first local device when omitted.
 
   Returns:
     ``np.dtype(bfloat16)`` or ``np.dtype(float16)``.
@@ -78,26 +115,14 @@ def half_dtype(device: Optional[jax.Device] = None) -> np.dtype:
     >>> jaxmp.half_dtype(jax.devices("cpu")[0])
     dtype('float16')
   """
-  # Duck-typed on ``platform`` so device descriptions other than ``jax.Device``
-  # (a description of a remote device, a test double) work too.
-  if device is not None and not isinstance(getattr(device, "platform", None), str):
-    raise TypeError(f"half_dtype: device must be a jax.Device (e.g. jax.devices()[0]) or "
-                    f"None, got {device!r} of type {type(device).__name__}.")
-  device = jax.local_devices()[0] if device is None else device
+  device = check_device(device, "half_dtype")
   if device.platform == "tpu":
     return np.dtype(jnp.bfloat16)
-  if device.platform == "gpu" and _gpu_compute_capability(device) >= _BF16_MIN_GPU_COMPUTE_CAPABILITY:
-    return np.dtype(jnp.bfloat16)
+  if device.platform == "gpu":
+    capability = gpu_compute_capability(device, "half_dtype")
+    if capability is None or capability >= BF16_MIN_COMPUTE_CAPABILITY:
+      return np.dtype(jnp.bfloat16)
   return np.dtype(jnp.float16)
-
-
-def _gpu_compute_capability(device: jax.Device) -> float:
-  # CUDA devices report e.g. "9.0"; ROCm devices report no such attribute and all
-  # current ones compute natively in bfloat16.
-  capability = getattr(device, "compute_capability", None)
-  if capability is None:
-    return _BF16_MIN_GPU_COMPUTE_CAPABILITY
-  return float(capability)
 
 
 def _accepted_names(allow_fp8: bool) -> str:

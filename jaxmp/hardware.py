@@ -48,32 +48,9 @@ from jaxmp import dtypes as dtypes_lib
 from jaxmp import loss_scale as loss_scale_lib
 from jaxmp import policy as policy_lib
 
-BF16_MIN_COMPUTE_CAPABILITY = (8, 0)   # Ampere: bfloat16 tensor cores
+BF16_MIN_COMPUTE_CAPABILITY = dtypes_lib.BF16_MIN_COMPUTE_CAPABILITY  # Ampere
 FP16_MIN_COMPUTE_CAPABILITY = (7, 0)   # Volta: float16 tensor cores
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)    # Ada, Hopper: fp8 tensor cores
-
-
-def _check_device(device: Any, where: str) -> Any:
-  # Duck-typed on ``platform``, as jaxmp.half_dtype, so that descriptions of devices
-  # other than a local jax.Device (a remote one, a test double) work too.
-  if device is None:
-    return jax.local_devices()[0]
-  if not isinstance(getattr(device, "platform", None), str):
-    raise TypeError(f"{where}: device must be a jax.Device (e.g. jax.devices()[0]) or None, "
-                    f"got {device!r} of type {type(device).__name__}.")
-  return device
-
-
-def _compute_capability(device: Any) -> Optional[tuple[int, int]]:
-  value = getattr(device, "compute_capability", None)
-  if value is None:
-    return None
-  text = str(value).strip()
-  major, _, minor = text.partition(".")
-  if not (major.isdigit() and (minor.isdigit() or minor == "")):
-    raise ValueError(f"device_capabilities: cannot read the compute capability {value!r} of "
-                     f"{device!r}; expected 'major.minor', e.g. '8.9'.")
-  return int(major), int(minor or 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,10 +117,11 @@ def device_capabilities(device: Any = None) -> DeviceCapabilities:
     >>> caps.supports_bf16, caps.supports_fp8, caps.compute_capability
     (True, False, (8, 0))
   """
-  device = _check_device(device, "device_capabilities")
+  device = dtypes_lib.check_device(device, "device_capabilities")
   platform = device.platform
   kind = str(getattr(device, "device_kind", platform))
-  capability = _compute_capability(device) if platform == "gpu" else None
+  capability = (dtypes_lib.gpu_compute_capability(device, "device_capabilities")
+                if platform == "gpu" else None)
   if platform == "tpu":
     bf16, fp16, fp8 = True, False, False
     why = ("TPU matrix units multiply bfloat16 natively; float16 is not a native TPU type. "
@@ -237,7 +215,7 @@ def recommended_policy(device: Any = None) -> RecommendedPolicy:
     >>> type(recommended.loss_scale).__name__
     'DynamicLossScale'
   """
-  caps = device_capabilities(_check_device(device, "recommended_policy"))
+  caps = device_capabilities(dtypes_lib.check_device(device, "recommended_policy"))
   f32 = np.dtype(np.float32)
   fp8 = None
   if caps.supports_bf16:
