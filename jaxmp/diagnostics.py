@@ -43,6 +43,7 @@ from jaxmp import rules as rules_lib
 from jaxmp import tree as tree_lib
 # From its module: once jaxmp is loaded, the attribute jaxmp.summary is this function.
 from jaxmp.summary import summary as precision_summary
+from jaxmp.summary import text_table
 
 ROOT = "<root>"
 _TOTAL = "<all>"
@@ -334,17 +335,6 @@ def _scale_text(scale: float) -> str:
   return f"{scale:g}"
 
 
-def _table(header: Sequence[str], body: Sequence[Sequence[str]], right: Sequence[bool]) -> str:
-  cells = [list(header)] + [list(row) for row in body]
-  widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-  def line(row):
-    return "  ".join(c.rjust(w) if r else c.ljust(w)
-                     for c, w, r in zip(row, widths, right)).rstrip()
-  lines = [line(row) for row in cells]
-  lines.insert(1, "  ".join("-" * w for w in widths))
-  return "\n".join(lines)
-
-
 @dataclasses.dataclass(frozen=True)
 class UnderflowReport:
   """What a dtype would do to a tree's values; built by :func:`underflow_report`.
@@ -405,7 +395,7 @@ class UnderflowReport:
              _percent(r.subnormal, r.nonzero), _percent(r.overflow, r.nonzero),
              f"{r.max_abs:.2e}" if r.nonzero else "-",
              f"{r.min_abs:.2e}" if r.nonzero else "-") for r in (*self.rows, t)]
-    lines.append(_table(header, body, (False, False, True, True, True, True, True, True)))
+    lines.append(text_table(header, body, (False, False, True, True, True, True, True, True)))
     if self.suggested_scale is None:
       lines.append("no suggested loss scale: no nonzero finite values")
     else:
@@ -575,9 +565,7 @@ class _Runner:
   def __init__(self, model_or_wrapper: Any, variables: Any, args: tuple, kwargs: dict,
                metric: Metric, where: str):
     self.where = where
-    if isinstance(model_or_wrapper, nnx_lib.MixedPrecision):
-      model_or_wrapper = model_or_wrapper.model
-    elif isinstance(model_or_wrapper, linen_lib.MixedPrecision):
+    if isinstance(model_or_wrapper, (nnx_lib.MixedPrecision, linen_lib.MixedPrecision)):
       model_or_wrapper = model_or_wrapper.model
     self.is_nnx = isinstance(model_or_wrapper, nnx.Module)
     if not self.is_nnx and not isinstance(model_or_wrapper, nn.Module):
@@ -794,7 +782,7 @@ class SensitivityReport:
             for i, r in enumerate(self.rows)]
     body.append(("", "whole model", "", *map(_format_value, self.whole_model)))
     right = (True, False, False, *([True] * len(self.candidates)))
-    lines.append(_table(header, body, right))
+    lines.append(text_table(header, body, right))
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -59,6 +59,26 @@ def _recipe_label(recipe: Any) -> str:
   return "-" if recipe is None else type(recipe).__name__
 
 
+def text_table(header: Sequence[str], body: Sequence[Sequence[str]],
+               right: Optional[Sequence[bool]] = None) -> str:
+  """A plain-text table: the header, a rule of dashes, then the rows.
+
+  Columns are two spaces apart and as wide as their widest cell; a column whose
+  ``right`` flag is set is right-aligned (numbers), the others left-aligned.
+  """
+  cells = [list(header)] + [list(row) for row in body]
+  right = right or [False] * len(header)
+  widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+
+  def line(row):
+    return "  ".join(c.rjust(w) if r else c.ljust(w)
+                     for c, w, r in zip(row, widths, right)).rstrip()
+
+  lines = [line(row) for row in cells]
+  lines.insert(1, "  ".join("-" * w for w in widths))
+  return "\n".join(lines)
+
+
 @dataclasses.dataclass(frozen=True)
 class PrecisionSummary:
   """The rows of a precision table; ``str()`` renders it."""
@@ -66,13 +86,10 @@ class PrecisionSummary:
   rows: tuple[SummaryRow, ...]
 
   def __str__(self) -> str:
-    cells = [_COLUMNS] + [
+    body = [
         (r.path if r.method == "__call__" else f"{r.path}.{r.method}", r.module, r.param_dtype,
          r.compute_dtype, r.output_dtype, r.fp8, r.rule) for r in self.rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(_COLUMNS))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return text_table(_COLUMNS, body)
 
 
 def rows_from_records(rules: rules_lib.PolicyRules,
