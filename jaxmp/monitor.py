@@ -39,6 +39,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -251,6 +252,9 @@ class Monitor:
     self._anomalies: list[Anomaly] = []
     self._active: set[str] = set()
     self._max_scale = -math.inf
+    # The last spike_window finite losses, kept apart so that the spike check costs
+    # O(spike_window) per step however long the history grows.
+    self._recent_losses: collections.deque = collections.deque(maxlen=self.spike_window)
 
   # -- history ---------------------------------------------------------------------------
 
@@ -397,8 +401,8 @@ class Monitor:
   def _loss_spike(self, loss: Optional[float]) -> Optional[str]:
     if loss is None or not math.isfinite(loss):
       return None
-    previous = [x for x in self._series.loss[:-1]
-                if x is not None and math.isfinite(x)][-self.spike_window:]
+    previous = list(self._recent_losses)
+    self._recent_losses.append(loss)
     if len(previous) < self.spike_window:
       return None
     median = float(np.median(previous))
