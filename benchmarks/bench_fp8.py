@@ -9,7 +9,7 @@ Two workloads, each timed as a jitted forward + backward step (no optimizer):
   preset's sizes.
 
 Variants: ``float32``; ``bf16`` (``dtype=bfloat16``, float32 params, the baseline);
-``jaxmp_fp8`` (bf16 compute, ``jaxmp.fp8.Fp8DotGeneral`` with delayed scaling, the
+``jaxmp_fp8`` (bf16 compute, ``jaxmp.linen.Fp8DotGeneral`` with delayed scaling, the
 sound state update included: ``for_grad`` in the loss, ``merge`` after);
 ``jaxmp_fp8_current`` (current scaling, no state); ``flax_fp8`` (bf16 compute,
 Flax's ``nn.Fp8DirectDotGeneralOp``, state overwritten from its gradient).
@@ -62,9 +62,9 @@ def variants_of(recipe_length: int):
   return {
       "float32": (jnp.float32, None, None),
       "bf16": (jnp.bfloat16, None, None),
-      "jaxmp_fp8": (jnp.bfloat16, functools.partial(fp8.Fp8DotGeneral, recipe=delayed), "jaxmp"),
+      "jaxmp_fp8": (jnp.bfloat16, functools.partial(jaxmp.linen.Fp8DotGeneral, recipe=delayed), "jaxmp"),
       "jaxmp_fp8_current": (jnp.bfloat16, functools.partial(
-          fp8.Fp8DotGeneral, recipe=fp8.CurrentScaling()), None),
+          jaxmp.linen.Fp8DotGeneral, recipe=fp8.CurrentScaling()), None),
       "flax_fp8": (jnp.bfloat16, functools.partial(
           nn.Fp8DirectDotGeneralOp, amax_history_length=recipe_length), "flax"),
   }

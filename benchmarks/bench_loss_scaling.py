@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import optax
 
 import jaxmp
-from jaxmp import transforms
+from jaxmp._src import loss_scaling as transforms
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import timing  # pylint: disable=g-import-not-at-top

@@ -38,7 +38,7 @@ def build_step(run: train_lm.Run, config, batch: int):
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.01))
   if run.loss_scale is not None:
     tx = jaxmp.loss_scaling(tx, run.loss_scale())
-  state = jaxmp.train.TrainState.create(apply_fn=model.apply, variables=variables, tx=tx)
+  state = jaxmp.linen.TrainState.create(apply_fn=model.apply, variables=variables, tx=tx)
 
   def step(state, tokens):
     loss, grads = state.value_and_grad(

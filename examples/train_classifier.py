@@ -80,7 +80,7 @@ def train(name: str, args, train_data, val_data) -> float:
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
       return loss, updates
 
-    scale = jaxmp.train.find_loss_scale(state.opt_state)
+    scale = jaxmp._src.step.loss_scale_of(state.opt_state)
     (loss, updates), grads = scale.value_and_grad(loss_fn, has_aux=True)(state.params)
     state = state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
     return state, loss

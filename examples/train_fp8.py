@@ -2,7 +2,7 @@
 
 An MLP regression written in plain linen is trained with bfloat16 compute and its
 hidden layers' matmuls in fp8 (E4M3 forward, E5M2 gradients, delayed scaling), with no
-change to the model. The script prints the precision table (`jaxmp.summary`), then the
+change to the model. The script prints the precision table (`jaxmp.tools.summary`), then the
 first layer's fp8 state as training goes (each scale is the largest amax recorded in
 the history of the *previous* steps divided by 448, the E4M3 maximum; the scale used
 at a step does not yet know that step's amax), and finally the loss next to the same model trained
@@ -49,8 +49,8 @@ def train(fp8: bool, args, verbose: bool):
   model = jaxmp.linen.mixed_precision(MLP(), make_rules(fp8))
   x, y = data(jax.random.key(1), args.batch)
   if verbose:
-    print(jaxmp.summary(model, None, x), "\n")
-  state = jaxmp.train.TrainState.create(
+    print(jaxmp.tools.summary(model, None, x), "\n")
+  state = jaxmp.linen.TrainState.create(
       apply_fn=model.apply, variables=model.init(jax.random.key(0), x),
       tx=jaxmp.loss_scaling(optax.adam(args.lr), jaxmp.NoOpLossScale()))
 

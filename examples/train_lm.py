@@ -132,7 +132,7 @@ def train(run: Run, args, config, corpus, val_batches):
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
   if run.loss_scale is not None:
     tx = jaxmp.loss_scaling(tx, run.loss_scale())
-  state = jaxmp.train.TrainState.create(apply_fn=model.apply, variables=variables, tx=tx)
+  state = jaxmp.linen.TrainState.create(apply_fn=model.apply, variables=variables, tx=tx)
 
   def step(state, tokens):
     loss, grads = state.value_and_grad(lambda v: loss_fn(state.apply_fn, v, tokens))()
@@ -216,7 +216,7 @@ def gradients_in_float16(results, tokens) -> None:
   The gradients of the trained float32 model on a validation batch: the cotangent of
   the logits (the error signal every backward pass starts from: the softmax error
   divided by the batch's token count) and the params gradients, classified as float16
-  would store them (``jaxmp.underflow_report``) at scale 1 and at the final scale of
+  would store them (``jaxmp.tools.underflow_report``) at scale 1 and at the final scale of
   the float16 run's dynamic loss scaling.
   """
   baseline = results[0]
@@ -237,7 +237,7 @@ def gradients_in_float16(results, tokens) -> None:
   print(header + "\n" + "-" * len(header))
   for name, tree in trees.items():
     for scale in (1.0, scaled["final_scale"]):
-      report = jaxmp.underflow_report(tree, "float16", loss_scale=scale)
+      report = jaxmp.tools.underflow_report(tree, "float16", loss_scale=scale)
       print(f"{name:<18} {scale:>10g} {100 * report.underflow_fraction:>10.2f}% "
             f"{100 * report.subnormal_fraction:>9.2f}% {100 * report.overflow_fraction:>8.2f}%")
   print("(subnormal float16 values keep fewer than 10 bits, flushed ones none; the "

@@ -13,7 +13,7 @@ weights and data order:
 ``nnx.Param`` variables in float32, so ``nnx.Optimizer(wrapped, tx, wrt=nnx.Param)``
 and ``nnx.jit`` work as usual. ``jaxmp.nnx.value_and_grad`` and
 ``jaxmp.nnx.apply_gradients`` keep params, loss scale and fp8 state in step. The script
-prints the resolved precision table of the fp8 run (``jaxmp.summary`` on an NNX model)
+prints the resolved precision table of the fp8 run (``jaxmp.tools.summary`` on an NNX model)
 and each run's validation accuracy, skipped steps and final loss scale.
 
 Run: ``python examples/train_nnx.py`` (about half a minute on a CPU).
@@ -95,7 +95,7 @@ def train(name: str, args, train_data, val_data, verbose: bool) -> dict:
   x_train, y_train = train_data
   if verbose:
     print(f"{name}: the precision of each module for one call\n"
-          f"{jaxmp.summary(model, None, jnp.asarray(x_train[:2]))}\n")
+          f"{jaxmp.tools.summary(model, None, jnp.asarray(x_train[:2]))}\n")
   tx = jaxmp.loss_scaling(optax.adamw(args.lr, weight_decay=1e-4), loss_scale())
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 

@@ -3,7 +3,7 @@
 The transformer language model of ``examples/transformer.py`` (plain linen, unchanged)
 trains with a jaxmp policy (float32 params, bfloat16 compute, fp8 matmuls by rule as in
 ``train_lm.py``; ``--no-fp8`` for bfloat16 alone), dynamic loss scaling
-(``jaxmp.loss_scaling``) and ``jaxmp.train.TrainState``, sharded with nothing but JAX's
+(``jaxmp.loss_scaling``) and ``jaxmp.linen.TrainState``, sharded with nothing but JAX's
 own sharding:
 
 * a 2-D device mesh with axes ``("data", "fsdp")`` (``--mesh 4x2``: 4 x 2 devices);
@@ -153,8 +153,8 @@ def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> P:
   return P()
 
 
-def state_shardings(abstract_state: jaxmp.train.TrainState,
-                    mesh: jax.sharding.Mesh) -> jaxmp.train.TrainState:
+def state_shardings(abstract_state: jaxmp.linen.TrainState,
+                    mesh: jax.sharding.Mesh) -> jaxmp.linen.TrainState:
   """The sharding of every leaf of the train state (a TrainState of NamedShardings).
 
   The rule looks only at shapes, so Adam's moments land where their params do. The fp8
@@ -207,7 +207,7 @@ def make_tx(steps: int, lr: float) -> optax.GradientTransformation:
   return jaxmp.loss_scaling(inner, jaxmp.DynamicLossScale(2.0**12, growth_interval=10))
 
 
-def train_step(state: jaxmp.train.TrainState, tokens: jax.Array):
+def train_step(state: jaxmp.linen.TrainState, tokens: jax.Array):
   """The ordinary one-device step; sharding comes from the jit around it."""
   loss_fn = lambda variables: train_lm.loss_fn(state.apply_fn, variables, tokens)
   loss, grads = state.value_and_grad(loss_fn)()
@@ -286,7 +286,7 @@ def main(argv=None) -> dict:
 
   def create_state():
     variables = model.init(jax.random.key(args.seed), sample)
-    return jaxmp.train.TrainState.create(apply_fn=model.apply, variables=variables, tx=tx)
+    return jaxmp.linen.TrainState.create(apply_fn=model.apply, variables=variables, tx=tx)
 
   # Shapes first (nothing computed), then the init itself jitted straight into the
   # shardings, rather than built whole on one device and split: with several hosts, or

@@ -1,294 +1,46 @@
-"""Flax linen integration: run any linen model, unchanged, under per-module policies.
+"""Flax linen: per-module precision for unchanged models, fp8 layers, and train steps.
 
-:func:`mixed_precision` wraps a linen Module with a policy or :class:`~jaxmp.PolicyRules`
-and returns an object whose ``init`` and ``apply`` take exactly what the Module's take.
-Inside, a Flax method interceptor (``flax.linen.intercept_methods``) resolves every
-module call by its path and class and:
-
-1. casts the call's floating-point inputs to the module's compute dtype (integer
-   inputs such as token ids, bools, PRNG keys and non-array arguments are untouched);
-2. hands the module its own params in its compute dtype (the float32 master copies
-   stay where they are, so gradients come back in the param dtype);
-3. swaps the dot_general of matmul layers whose rule has an fp8 recipe;
-4. casts the output to the caller's compute dtype (an override is local), to the
-   dtype the rule names, or, for the outermost call, to the default output dtype.
-
-``init`` stores each module's params in its param dtype. Other collections
-(``batch_stats``, caches, fp8 state) are never cast.
+* :func:`mixed_precision` wraps a linen Module with a policy or
+  :class:`jaxmp.PolicyRules`; the wrapper's ``init`` and ``apply`` take exactly what
+  the Module's take.
+* :class:`Fp8DotGeneral` (``nn.Dense(dot_general_cls=...)``) and :class:`Fp8Einsum`
+  compute a layer's matmul in fp8 with delayed-scaling state; a
+  ``jaxmp.Rule(..., fp8=recipe)`` installs them without changing the model.
+* :class:`TrainState`, :func:`value_and_grad`, :func:`apply_gradients` and
+  :func:`accumulate_gradients` keep params, loss scaling and fp8 state in step.
 
 Example:
   >>> import flax.linen as nn
-  >>> model = jaxmp.linen.mixed_precision(
-  ...     nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(2)]),
-  ...     "params=float32,compute=bfloat16,output=float32")
-  >>> variables = model.init(jax.random.key(0), jnp.ones((4, 3)))
-  >>> variables["params"]["layers_0"]["kernel"].dtype
-  dtype('float32')
-  >>> model.apply(variables, jnp.ones((4, 3))).dtype
+  >>> model = jaxmp.linen.mixed_precision(nn.Dense(2), "params=float32,compute=bfloat16,output=float32")
+  >>> variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
+  >>> model.apply(variables, jnp.ones((1, 3))).dtype
   dtype('float32')
 """
 
-from __future__ import annotations
+from jaxmp._src.engine import CallRecord
+from jaxmp._src.linen.fp8 import Fp8DotGeneral
+from jaxmp._src.linen.fp8 import Fp8Einsum
+from jaxmp._src.linen.train import TrainState
+from jaxmp._src.linen.train import apply_gradients
+from jaxmp._src.linen.train import join_variables
+from jaxmp._src.linen.train import split_variables
+from jaxmp._src.linen.train import value_and_grad
+from jaxmp._src.linen.wrapper import MixedPrecision
+from jaxmp._src.linen.wrapper import mixed_precision
+from jaxmp._src.step import Gradients
+from jaxmp._src.step import accumulate_gradients
 
-import dataclasses
-import warnings
-from collections.abc import Mapping
-from typing import Any, Callable
-
-import flax.linen as nn
-import numpy as np
-
-from jaxmp import rules as rules_lib
-from jaxmp import tree as tree_lib
-from jaxmp.fp8 import injection
-_MAX_PATHS_IN_WARNING = 60
-
-
-@dataclasses.dataclass(frozen=True)
-class CallRecord:
-  """One intercepted module call: where it is and how it computed.
-
-  Attributes:
-    path: the module's '/'-joined path ("" for the root).
-    module_type: the module's class.
-    method: the method called (``"__call__"``, ``"attend"``, ...).
-    precision: the resolved :class:`~jaxmp.rules.ModulePrecision`.
-    output_dtype: the dtype the call's floating-point output was handed back in.
-
-  Example:
-    >>> import flax.linen as nn
-    >>> model = jaxmp.linen.mixed_precision(nn.Sequential([nn.Dense(4), nn.Dense(2)]),
-    ...                                     "p=f32,c=bf16,o=f32")
-    >>> x = jnp.ones((1, 3))
-    >>> variables = model.init(jax.random.key(0), x)
-    >>> _, calls = model.trace(lambda: model.model.apply(variables, x))
-    >>> [(c.path, c.module_type.__name__, c.output_dtype.name) for c in calls]
-    [('', 'Sequential', 'float32'), ('layers_0', 'Dense', 'bfloat16'),
-     ('layers_1', 'Dense', 'bfloat16')]
-  """
-
-  path: str
-  module_type: type
-  method: str
-  precision: rules_lib.ModulePrecision
-  output_dtype: np.dtype
-
-
-def _params_in(module: nn.Module, dtype: np.dtype):
-  """Makes ``module.param(...)`` return its value cast to ``dtype`` (storage unchanged)."""
-  unbound_param = type(module).param
-
-  def param(*args, **kwargs):
-    return tree_lib.cast_tree(unbound_param(module, *args, **kwargs), dtype)
-
-  return injection.instance_attribute(module, "param", param)
-
-
-class _Interceptor:
-  """Applies resolved precisions to every module call; records what it did."""
-
-  def __init__(self, rules: rules_lib.PolicyRules):
-    self.rules = rules
-    self.records: list[CallRecord] = []
-    self._caller_dtypes: list[np.dtype] = []
-
-  def __call__(self, next_fun: Callable, args, kwargs, context):
-    module, method = context.module, context.method_name
-    # Lifted transforms (nn.scan, nn.remat, ...) call their wrapped module through
-    # anonymous functions on a detached scope; the real call is intercepted inside.
-    # Private helpers run inside a public method that already set the precision up.
-    if (method.startswith("<") or (method.startswith("_") and method != "__call__")
-        or isinstance(module, injection.FP8_MODULE_TYPES)):
-      return next_fun(*args, **kwargs)
-    path = "/".join(module.path)
-    precision = self.rules.resolve(path, type(module))
-    if precision.fp8 is not None and not injection.supports_fp8(type(module)):
-      precision = dataclasses.replace(precision, fp8=None)  # reported by unused_rules
-    compute = precision.policy.compute_dtype
-    if method == "setup":
-      with _params_in(module, compute):
-        return next_fun(*args, **kwargs)
-
-    caller = self._caller_dtypes[-1] if self._caller_dtypes else None
-    output_dtype = precision.output_dtype or caller or self.rules.default.output_dtype
-    self.records.append(CallRecord(path, type(module), method, precision, output_dtype))
-    args, kwargs = tree_lib.cast_tree((args, kwargs), compute)
-    self._caller_dtypes.append(compute)
-    if precision.fp8 is not None and method == "__call__":
-      next_fun = injection.fp8_call(module, precision.fp8, next_fun)
-    try:
-      with _params_in(module, compute):
-        out = next_fun(*args, **kwargs)
-    finally:
-      self._caller_dtypes.pop()
-    return tree_lib.cast_tree(out, output_dtype)
-
-
-def _param_dtypes_by_path(records: list[CallRecord]) -> dict[tuple[str, ...], np.dtype]:
-  return {tuple(r.path.split("/")) if r.path else (): r.precision.policy.param_dtype
-          for r in records}
-
-
-def _cast_params_to_storage(params: Any, dtypes: dict[tuple[str, ...], np.dtype],
-                            default: np.dtype) -> Any:
-  """Casts each param to its owning module's param dtype.
-
-  A param belongs to the nearest enclosing module path that was called; params of
-  modules that were never called keep the default param dtype.
-  """
-
-  def visit(node, path, dtype):
-    dtype = dtypes.get(path, dtype)
-    if isinstance(node, Mapping):
-      return {k: visit(v, path + (k,), dtype) for k, v in node.items()}
-    return tree_lib.cast_tree(node, dtype)
-
-  return visit(params, (), dtypes.get((), default))
-
-
-def _describe_paths(records: list[CallRecord]) -> str:
-  seen = list(dict.fromkeys((r.path or "<root>", r.module_type.__name__) for r in records))
-  lines = [f"  {path} ({cls})" for path, cls in seen[:_MAX_PATHS_IN_WARNING]]
-  if len(seen) > _MAX_PATHS_IN_WARNING:
-    lines.append(f"  ... and {len(seen) - _MAX_PATHS_IN_WARNING} more")
-  return "\n".join(lines)
-
-
-def unused_rules(rules: rules_lib.PolicyRules, records: list[CallRecord]) -> list[str]:
-  """Describes each rule that decided no module's precision in ``records``.
-
-  Example:
-    >>> import flax.linen as nn
-    >>> model = jaxmp.linen.mixed_precision(nn.Dense(2), "float32")
-    >>> _, calls = model.trace(lambda: model.model.init(jax.random.key(0), jnp.ones((1, 3))))
-    >>> rules = jaxmp.PolicyRules("float32", [jaxmp.Rule("encoder", "bf16")])
-    >>> jaxmp.linen.unused_rules(rules, calls)
-    ["rule 0 ('encoder') matches no module"]
-  """
-  problems = []
-  for index, rule in enumerate(rules.rules):
-    decided = [r for r in records if r.precision.rule is rule]
-    if decided and rule.fp8 is not None and not any(r.precision.fp8 for r in decided):
-      names = ", ".join(t.__name__ for t in injection.FP8_LAYER_TYPES)
-      problems.append(f"rule {index} ({rule.describe()}) has an fp8 recipe but matches no "
-                      f"layer fp8 applies to ({names})")
-    if decided:
-      continue
-    if any(rule.matches(r.path, r.module_type) for r in records):
-      problems.append(f"rule {index} ({rule.describe()}) is shadowed by earlier rules for "
-                      f"every module it matches")
-    else:
-      problems.append(f"rule {index} ({rule.describe()}) matches no module")
-  return problems
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class MixedPrecision:
-  """A linen model under per-module precision rules; built by :func:`mixed_precision`.
-
-  ``init``, ``init_with_output`` and ``apply`` take exactly what the wrapped Module's
-  methods of the same names take (rngs, ``mutable=``, ``method=``,
-  ``capture_intermediates=``, extra keyword arguments) and return the same things.
-
-  Attributes:
-    model: the wrapped linen Module, unchanged.
-    rules: the resolved :class:`~jaxmp.PolicyRules`.
-
-  Example:
-    >>> import flax.linen as nn
-    >>> rules = jaxmp.PolicyRules("p=f32,c=bf16,o=f32", [jaxmp.Rule("layers_1", "bf16")])
-    >>> model = jaxmp.linen.mixed_precision(nn.Sequential([nn.Dense(4), nn.Dense(2)]), rules)
-    >>> x = jnp.ones((1, 3))
-    >>> out, variables = model.init_with_output(jax.random.key(0), x)
-    >>> jax.tree.map(lambda p: p.dtype.name, variables["params"])
-    {'layers_0': {'bias': 'float32', 'kernel': 'float32'},
-     'layers_1': {'bias': 'bfloat16', 'kernel': 'bfloat16'}}
-    >>> model.apply(variables, x).dtype
-    dtype('float32')
-  """
-
-  model: nn.Module
-  rules: rules_lib.PolicyRules
-  _warned: set = dataclasses.field(default_factory=set, repr=False)
-
-  def trace(self, fun: Callable[[], Any]) -> tuple[Any, list[CallRecord]]:
-    """Runs ``fun`` under this wrapper's interceptor; returns its result and the calls."""
-    interceptor = _Interceptor(self.rules)
-    with nn.intercept_methods(interceptor):
-      out = fun()
-    self._warn_unused(interceptor.records)
-    return out, interceptor.records
-
-  def init_with_output(self, rngs, *args, **kwargs) -> tuple[Any, Any]:
-    """Like ``Module.init_with_output``; params are stored in their param dtypes."""
-    (out, variables), records = self.trace(
-        lambda: self.model.init_with_output(rngs, *args, **kwargs))
-    return out, self._store_params(variables, records)
-
-  def init(self, rngs, *args, **kwargs) -> Any:
-    """Like ``Module.init``; params are stored in their modules' param dtypes."""
-    variables, records = self.trace(lambda: self.model.init(rngs, *args, **kwargs))
-    return self._store_params(variables, records)
-
-  def apply(self, variables, *args, **kwargs) -> Any:
-    """Like ``Module.apply``, with every module computing in its resolved precision."""
-    out, _ = self.trace(lambda: self.model.apply(variables, *args, **kwargs))
-    return out
-
-  def _store_params(self, variables, records):
-    if "params" not in variables:
-      return variables
-    params = _cast_params_to_storage(variables["params"], _param_dtypes_by_path(records),
-                                     self.rules.default.param_dtype)
-    return {**variables, "params": params}
-
-  def _warn_unused(self, records: list[CallRecord]) -> None:
-    problems = [p for p in unused_rules(self.rules, records) if p not in self._warned]
-    if not problems:
-      return
-    self._warned.update(problems)
-    warnings.warn(
-        f"jaxmp: in {type(self.model).__name__}, " + "; ".join(problems)
-        + ". The model's module paths are:\n" + _describe_paths(records),
-        UserWarning, stacklevel=4)
-
-
-def mixed_precision(model: nn.Module,
-                    policy_or_rules: rules_lib.PolicyOrRules) -> MixedPrecision:
-  """Wraps a linen model so that each module computes in its resolved precision.
-
-  Args:
-    model: an (unbound) ``flax.linen.Module``; its code is not changed.
-    policy_or_rules: a policy for every module (any form :func:`jaxmp.get_policy`
-      takes) or :class:`jaxmp.PolicyRules` with per-module overrides.
-
-  Returns:
-    A :class:`MixedPrecision` with ``init``, ``init_with_output`` and ``apply``.
-
-  Raises:
-    TypeError: if ``model`` is not a linen Module, or ``policy_or_rules`` is neither a
-      policy nor rules.
-
-  Example:
-    >>> import flax.linen as nn
-    >>> rules = jaxmp.PolicyRules("p=f32,c=bf16,o=f32", [jaxmp.Rule(r"layers_2", "f32")])
-    >>> model = jaxmp.linen.mixed_precision(
-    ...     nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(2)]), rules)
-    >>> variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
-    >>> model.apply(variables, jnp.ones((1, 3))).dtype
-    dtype('float32')
-  """
-  if isinstance(model, MixedPrecision):
-    raise TypeError("mixed_precision got a model that is already wrapped; wrap the "
-                    "original linen Module once, with all its rules.")
-  if not isinstance(model, nn.Module):
-    raise TypeError(
-        f"jaxmp.linen.mixed_precision expects a flax.linen.Module, got {model!r} of type "
-        f"{type(model).__name__}. For flax.nnx models use jaxmp.nnx.mixed_precision.")
-  if model.scope is not None:
-    raise TypeError(f"jaxmp.linen.mixed_precision expects an unbound Module; "
-                    f"{type(model).__name__} is bound. Pass the Module before .bind().")
-  return MixedPrecision(model, rules_lib.as_rules(policy_or_rules))
-
-
-__all__ = ("CallRecord", "MixedPrecision", "mixed_precision", "unused_rules")
+__all__ = (
+    "CallRecord",
+    "Fp8DotGeneral",
+    "Fp8Einsum",
+    "Gradients",
+    "MixedPrecision",
+    "TrainState",
+    "accumulate_gradients",
+    "apply_gradients",
+    "join_variables",
+    "mixed_precision",
+    "split_variables",
+    "value_and_grad",
+)

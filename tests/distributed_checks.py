@@ -84,10 +84,10 @@ def make_tx(axis_name=None):
                             axis_name=axis_name)
 
 
-def make_state(policy: str, fp8: bool, axis_name=None) -> jaxmp.train.TrainState:
+def make_state(policy: str, fp8: bool, axis_name=None) -> jaxmp.linen.TrainState:
   model = make_model(policy, fp8)
   x, _ = data()
-  return jaxmp.train.TrainState.create(
+  return jaxmp.linen.TrainState.create(
       apply_fn=model.apply, variables=model.init(jax.random.key(0), x), tx=make_tx(axis_name))
 
 
@@ -388,9 +388,9 @@ def local_loss(state, x, y):
 
 def shard_map_step(state, x, y):
   """Per-device gradients, then psum (params) and max (fp8 state) over the devices."""
-  loss, grads = jaxmp.train.value_and_grad(local_loss(state, x, y))(
+  loss, grads = jaxmp.linen.value_and_grad(local_loss(state, x, y))(
       pvary(state.variables), loss_scale=state.loss_scale)
-  grads = jaxmp.train.Gradients(jax.lax.psum(grads.params, AXIS),
+  grads = jaxmp.linen.Gradients(jax.lax.psum(grads.params, AXIS),
                                 jaxmp.fp8.state.all_reduce(grads.fp8, AXIS))
   return state.apply_gradients(grads), jax.lax.psum(loss, AXIS)
 
@@ -454,10 +454,10 @@ def check_shard_map_device_local_fault() -> str:
   def faulty_step(state, x, y, fault):
     # A fault on one device after the gradients were reduced (a device-local
     # overflow while unscaling, a bad reduction): only that device sees it.
-    loss, grads = jaxmp.train.value_and_grad(local_loss(state, x, y))(
+    loss, grads = jaxmp.linen.value_and_grad(local_loss(state, x, y))(
         pvary(state.variables), loss_scale=state.loss_scale)
     params = jax.tree.map(lambda g: g + fault[0], jax.lax.psum(grads.params, AXIS))
-    grads = jaxmp.train.Gradients(params, jaxmp.fp8.state.all_reduce(grads.fp8, AXIS))
+    grads = jaxmp.linen.Gradients(params, jaxmp.fp8.state.all_reduce(grads.fp8, AXIS))
     new = state.apply_gradients(grads)
     moved = jnp.any(jnp.stack([jnp.any(a != b) for a, b in zip(
         jax.tree.leaves(new.params), jax.tree.leaves(state.params))]))

@@ -23,7 +23,7 @@ X, W = jnp.ones((2, 3)), jnp.ones((3, 2))
 
 
 def _sgd_state():
-  return jaxmp.train.TrainState.create(apply_fn=lambda v, x: x, variables={"params": PARAMS},
+  return jaxmp.linen.TrainState.create(apply_fn=lambda v, x: x, variables={"params": PARAMS},
                                        tx=optax.sgd(1.0))
 
 
@@ -46,11 +46,11 @@ CASES = [
     ("Policy not a dtype", lambda: jaxmp.Policy([1]), TypeError, "got [1] of type list"),
     ("with_compute_dtype int8", lambda: jaxmp.Policy().with_compute_dtype("int8"), ValueError,
      "'int8'"),
-    ("to_jmp not a policy", lambda: jaxmp.to_jmp(5), TypeError, "got 5 of type int"),
-    ("parse_dtype unknown", lambda: jaxmp.parse_dtype("floaty"), ValueError, "'floaty'"),
-    ("parse_dtype fp8 not allowed", lambda: jaxmp.parse_dtype("float8_e4m3fn"), ValueError,
+    ("to_jmp not a policy", lambda: jaxmp.get_policy(5).to_jmp(), TypeError, "got 5 of type int"),
+    ("parse_dtype unknown", lambda: jaxmp.tools.parse_dtype("floaty"), ValueError, "'floaty'"),
+    ("parse_dtype fp8 not allowed", lambda: jaxmp.tools.parse_dtype("float8_e4m3fn"), ValueError,
      "'float8_e4m3fn'"),
-    ("float_format integer", lambda: jaxmp.float_format("int8"), ValueError, "'int8'"),
+    ("float_format integer", lambda: jaxmp.tools.float_format("int8"), ValueError, "'int8'"),
     ("half_dtype not a device", lambda: jaxmp.half_dtype("cpu"), TypeError,
      "got 'cpu' of type str"),
     # Trees.
@@ -128,8 +128,8 @@ CASES = [
      "[Rule(match="),
     ("mixed_precision bad policy", lambda: jaxmp.linen.mixed_precision(nn.Dense(3), "c=f7"),
      ValueError, "'f7'"),
-    ("summary of a string", lambda: jaxmp.summary("model"), TypeError, "got 'model'"),
-    ("summary without rules", lambda: jaxmp.summary(nn.Dense(2), None, jnp.ones((1, 2))),
+    ("summary of a string", lambda: jaxmp.tools.summary("model"), TypeError, "got 'model'"),
+    ("summary without rules", lambda: jaxmp.tools.summary(nn.Dense(2), None, jnp.ones((1, 2))),
      ValueError, "Dense"),
     # fp8.
     ("DelayedScaling history 0", lambda: fp8.DelayedScaling(amax_history_length=0), ValueError,
@@ -169,20 +169,20 @@ CASES = [
     ("for_grad bfloat16 state", lambda: fp8.state.for_grad(
         jax.tree.map(lambda a: a.astype(jnp.bfloat16), STATE)), TypeError, "dtype bfloat16"),
     # Training.
-    ("TrainState tx string", lambda: jaxmp.train.TrainState.create(
+    ("TrainState tx string", lambda: jaxmp.linen.TrainState.create(
         apply_fn=lambda v, x: x, variables={"params": PARAMS}, tx="adam"), TypeError, "got 'adam'"),
-    ("TrainState apply_fn None", lambda: jaxmp.train.TrainState.create(
+    ("TrainState apply_fn None", lambda: jaxmp.linen.TrainState.create(
         apply_fn=None, variables={"params": PARAMS}, tx=optax.sgd(1.0)), TypeError, "got None"),
-    ("TrainState variables list", lambda: jaxmp.train.TrainState.create(
+    ("TrainState variables list", lambda: jaxmp.linen.TrainState.create(
         apply_fn=lambda v, x: x, variables=[PARAMS], tx=optax.sgd(1.0)), TypeError,
      "got list: [{'w'"),
     ("apply_gradients plain dict", lambda: _sgd_state().apply_gradients({"params": PARAMS}),
      TypeError, "got dict"),
-    ("train.value_and_grad not callable", lambda: jaxmp.train.value_and_grad("loss"), TypeError,
+    ("train.value_and_grad not callable", lambda: jaxmp.linen.value_and_grad("loss"), TypeError,
      "got 'loss'"),
     ("accumulate_gradients plain dicts",
-     lambda: jaxmp.train.accumulate_gradients({"a": 1}, {"a": 2}), TypeError,
-     "a must be jaxmp.train.Gradients (from value_and_grad), got dict: {'a': 1}"),
+     lambda: jaxmp.linen.accumulate_gradients({"a": 1}, {"a": 2}), TypeError,
+     "a must be jaxmp Gradients (from jaxmp.linen.value_and_grad or jaxmp.nnx.value_and_grad), got dict: {'a': 1}"),
 ]
 
 

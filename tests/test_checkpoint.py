@@ -49,7 +49,7 @@ TX = make_tx()
 
 
 def create_state(tx=TX):
-  return jaxmp.train.TrainState.create(apply_fn=MODEL.apply,
+  return jaxmp.linen.TrainState.create(apply_fn=MODEL.apply,
                                        variables=MODEL.init(jax.random.key(0), X), tx=tx)
 
 
@@ -147,7 +147,7 @@ def test_the_saved_state_is_mid_run_and_non_trivial(run):
 
 def test_restore_gives_back_every_leaf_bit_for_bit_and_the_hyperparameters(run):
   restored = restore(run["directory"], run["saved"])
-  assert isinstance(restored, jaxmp.train.TrainState)
+  assert isinstance(restored, jaxmp.linen.TrainState)
   assert_identical(restored, run["saved"])
   ls = restored.opt_state.loss_scale
   assert isinstance(restored.opt_state, jaxmp.LossScalingState)

@@ -109,7 +109,7 @@ def test_shard_map_train_step_with_per_device_gradients_matches_plain_jit():
 
   def make(axis_name):
     tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.StaticLossScale(8.0), axis_name=axis_name)
-    return jaxmp.train.TrainState.create(apply_fn=model.apply,
+    return jaxmp.linen.TrainState.create(apply_fn=model.apply,
                                          variables=model.init(jax.random.key(1), x), tx=tx)
 
   def plain(state, x, y):
@@ -118,9 +118,9 @@ def test_shard_map_train_step_with_per_device_gradients_matches_plain_jit():
 
   def per_device(state, x, y):
     loss_fn = lambda v: jnp.mean((model.apply(v, x) - y) ** 2)
-    loss, grads = jaxmp.train.value_and_grad(loss_fn)(_pvary(state.variables),
+    loss, grads = jaxmp.linen.value_and_grad(loss_fn)(_pvary(state.variables),
                                                       loss_scale=state.loss_scale)
-    grads = jaxmp.train.Gradients(jax.lax.pmean(grads.params, "data"),
+    grads = jaxmp.linen.Gradients(jax.lax.pmean(grads.params, "data"),
                                   fp8.state.all_reduce(grads.fp8, "data"))
     return state.apply_gradients(grads), jax.lax.pmean(loss, "data")
 

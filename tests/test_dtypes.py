@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxmp
-from jaxmp import dtypes
+from jaxmp._src import dtypes
 
 
 @pytest.mark.parametrize("name,expected", [
@@ -15,33 +15,33 @@ from jaxmp import dtypes
     ("float32", jnp.float32), ("f64", jnp.float64), ("float64", jnp.float64),
 ])
 def test_parse_names(name, expected):
-  assert jaxmp.parse_dtype(name) == np.dtype(expected)
+  assert jaxmp.tools.parse_dtype(name) == np.dtype(expected)
 
 
 @pytest.mark.parametrize("value", [jnp.bfloat16, np.float16, np.dtype("float32"), "float64"])
 def test_parse_dtype_objects(value):
-  assert jaxmp.parse_dtype(value) == np.dtype(value)
+  assert jaxmp.tools.parse_dtype(value) == np.dtype(value)
 
 
 def test_fp8_only_when_allowed():
-  assert jaxmp.parse_dtype("e4m3", allow_fp8=True) == np.dtype(jnp.float8_e4m3fn)
-  assert jaxmp.parse_dtype("float8_e5m2", allow_fp8=True) == np.dtype(jnp.float8_e5m2)
+  assert jaxmp.tools.parse_dtype("e4m3", allow_fp8=True) == np.dtype(jnp.float8_e4m3fn)
+  assert jaxmp.tools.parse_dtype("float8_e5m2", allow_fp8=True) == np.dtype(jnp.float8_e5m2)
   with pytest.raises(ValueError, match="e4m3"):
-    jaxmp.parse_dtype("e4m3")
+    jaxmp.tools.parse_dtype("e4m3")
   with pytest.raises(ValueError, match="float8_e5m2.*jaxmp.fp8"):
-    jaxmp.parse_dtype(jnp.float8_e5m2)
+    jaxmp.tools.parse_dtype(jnp.float8_e5m2)
 
 
 @pytest.mark.parametrize("bad", [jnp.int8, jnp.uint32, jnp.bool_, jnp.complex64, "int8"])
 def test_parse_rejects_non_float(bad):
   with pytest.raises(ValueError, match="accepted"):
-    jaxmp.parse_dtype(bad, allow_fp8=True)
+    jaxmp.tools.parse_dtype(bad, allow_fp8=True)
 
 
 @pytest.mark.parametrize("bad", [None, 1, 2.0, True, object()])
 def test_parse_rejects_non_dtypes(bad):
   with pytest.raises(TypeError, match="Expected a dtype"):
-    jaxmp.parse_dtype(bad)
+    jaxmp.tools.parse_dtype(bad)
 
 
 def test_half_dtype_on_this_backend_follows_jaxmps_rule():
@@ -51,7 +51,7 @@ def test_half_dtype_on_this_backend_follows_jaxmps_rule():
     capability = dtypes.gpu_compute_capability(jax.local_devices()[0], "test")
     expected = jnp.bfloat16 if capability is None or capability >= (8, 0) else jnp.float16
   assert jaxmp.half_dtype() == np.dtype(expected)
-  assert jaxmp.parse_dtype("half") == jaxmp.half_dtype()
+  assert jaxmp.tools.parse_dtype("half") == jaxmp.half_dtype()
 
 
 class _FakeDevice:
@@ -82,7 +82,7 @@ def test_half_dtype_by_device(device, expected):
     ("float8_e5m2", 57344.0, 2.0**-14, 2, True),
 ])
 def test_float_formats(name, max_, min_normal, mant, has_inf):
-  fmt = jaxmp.float_format(name)
+  fmt = jaxmp.tools.float_format(name)
   assert fmt.dtype == np.dtype(name)
   assert fmt.max == max_
   assert fmt.min_normal == min_normal
@@ -92,9 +92,9 @@ def test_float_formats(name, max_, min_normal, mant, has_inf):
 
 
 def test_float_format_subnormals():
-  assert jaxmp.float_format("f16").min_subnormal == 2.0**-24
-  assert jaxmp.float_format("e4m3").min_subnormal == 2.0**-9
-  assert jaxmp.float_format("e5m2").min_subnormal == 2.0**-16
+  assert jaxmp.tools.float_format("f16").min_subnormal == 2.0**-24
+  assert jaxmp.tools.float_format("e4m3").min_subnormal == 2.0**-9
+  assert jaxmp.tools.float_format("e5m2").min_subnormal == 2.0**-16
 
 
 def test_is_float_dtype():

@@ -86,7 +86,7 @@ def test_every_poisoned_step_and_only_those_is_skipped_over_a_long_run():
   y = jnp.tanh(x[:, :4] * 1.5)
   tx = jaxmp.loss_scaling(optax.adam(3e-3),
                           jaxmp.DynamicLossScale(INITIAL_SCALE, **HPARAMS))
-  state = jaxmp.train.TrainState.create(apply_fn=model.apply,
+  state = jaxmp.linen.TrainState.create(apply_fn=model.apply,
                                         variables=model.init(jax.random.key(0), x), tx=tx)
   traces = []
 

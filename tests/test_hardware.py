@@ -43,10 +43,10 @@ CASES = [
 @pytest.mark.parametrize("device, supports, compute, loss_scale, fp8", CASES,
                          ids=[c[0].device_kind for c in CASES])
 def test_capabilities_and_recommendation(device, supports, compute, loss_scale, fp8):
-  caps = jaxmp.device_capabilities(device)
+  caps = jaxmp.tools.device_capabilities(device)
   assert (caps.supports_bf16, caps.supports_fp16, caps.supports_fp8) == supports
   assert caps.platform == device.platform and caps.device_kind == device.device_kind
-  recommended = jaxmp.recommended_policy(device)
+  recommended = jaxmp.tools.recommended_policy(device)
   assert recommended.policy == jaxmp.Policy("float32", compute, "float32")
   assert type(recommended.loss_scale) is loss_scale
   assert (recommended.fp8 is not None) == fp8
@@ -60,25 +60,25 @@ def test_capabilities_and_recommendation(device, supports, compute, loss_scale, 
 
 
 def test_compute_capability_parsing():
-  assert jaxmp.device_capabilities(_gpu("8.9")).compute_capability == (8, 9)
-  assert jaxmp.device_capabilities(_gpu(9.0)).compute_capability == (9, 0)
-  assert jaxmp.device_capabilities(_gpu("12")).compute_capability == (12, 0)
-  assert jaxmp.device_capabilities(ROCM).compute_capability is None
-  assert jaxmp.device_capabilities(TPU).compute_capability is None
+  assert jaxmp.tools.device_capabilities(_gpu("8.9")).compute_capability == (8, 9)
+  assert jaxmp.tools.device_capabilities(_gpu(9.0)).compute_capability == (9, 0)
+  assert jaxmp.tools.device_capabilities(_gpu("12")).compute_capability == (12, 0)
+  assert jaxmp.tools.device_capabilities(ROCM).compute_capability is None
+  assert jaxmp.tools.device_capabilities(TPU).compute_capability is None
 
 
 def test_explanations():
-  v100 = jaxmp.recommended_policy(_gpu("7.0", "Tesla V100"))
+  v100 = jaxmp.tools.recommended_policy(_gpu("7.0", "Tesla V100"))
   assert "dynamic loss scaling" in v100.reason
   assert "Tesla V100" in v100.reason
-  pascal = jaxmp.recommended_policy(_gpu("6.1", "GTX 1080"))
+  pascal = jaxmp.tools.recommended_policy(_gpu("6.1", "GTX 1080"))
   assert "no float16 tensor cores either" in pascal.reason
-  h100 = jaxmp.recommended_policy(_gpu("9.0", "NVIDIA H100"))
+  h100 = jaxmp.tools.recommended_policy(_gpu("9.0", "NVIDIA H100"))
   assert "fp8" in h100.reason and "no loss scale is needed" in h100.reason
-  cpu = jaxmp.recommended_policy(CPU)
+  cpu = jaxmp.tools.recommended_policy(CPU)
   assert "computes half precision through float32" in cpu.reason
   assert "float32 is faster" in cpu.reason
-  caps = jaxmp.device_capabilities(_gpu("8.6", "NVIDIA RTX 3090"))
+  caps = jaxmp.tools.device_capabilities(_gpu("8.6", "NVIDIA RTX 3090"))
   assert str(caps).splitlines()[0] == (
       "gpu (NVIDIA RTX 3090, compute capability 8.6): bfloat16 yes, float16 yes, fp8 no")
   assert "fp8 tensor cores need >= 8.9" in caps.explanation
@@ -91,15 +91,15 @@ def test_explanations():
 
 def test_default_device_is_the_first_local_device():
   device = jax.local_devices()[0]
-  caps = jaxmp.device_capabilities()
-  assert caps == jaxmp.device_capabilities(device)
+  caps = jaxmp.tools.device_capabilities()
+  assert caps == jaxmp.tools.device_capabilities(device)
   assert caps.platform == device.platform
   assert caps.half_dtype == jaxmp.half_dtype()
-  assert jaxmp.recommended_policy().policy == jaxmp.recommended_policy(device).policy
+  assert jaxmp.tools.recommended_policy().policy == jaxmp.tools.recommended_policy(device).policy
 
 
 def test_recommended_loss_scales_are_fresh_and_usable():
-  a = jaxmp.recommended_policy(_gpu("7.0"))
+  a = jaxmp.tools.recommended_policy(_gpu("7.0"))
   tx = jaxmp.loss_scaling(optax.sgd(1.0), a.loss_scale)
   assert float(jaxmp.get_loss_scale(tx.init(jnp.ones(1))).loss_scale) == 2.0**15
 
@@ -112,6 +112,6 @@ def test_recommended_loss_scales_are_fresh_and_usable():
     (_gpu("8.x"), ValueError, "compute capability '8.x'"),
 ])
 def test_bad_devices(device, error, text):
-  for fun in (jaxmp.device_capabilities, jaxmp.recommended_policy):
+  for fun in (jaxmp.tools.device_capabilities, jaxmp.tools.recommended_policy):
     with pytest.raises(error, match=re.escape(text)):
       fun(device)

@@ -231,7 +231,7 @@ def test_custom_module_reading_value_tied_weights_and_other_methods():
   assert _first(inter, "model", "table").dtype == jnp.float16  # cast by its owner
   encoded = wrapped.encode(ids)
   assert encoded.dtype == jnp.float32 and encoded.shape == (1, 2, 4)
-  rows = [(r.path, r.method) for r in jaxmp.summary(wrapped, None, ids).rows]
+  rows = [(r.path, r.method) for r in jaxmp.tools.summary(wrapped, None, ids).rows]
   assert rows == [("<root>", "__call__"), ("embed", "__call__"), ("embed", "attend")]
   with pytest.raises(AttributeError, match=r"\.model\.scale"):
     wrapped.scale  # pylint: disable=pointless-statement
@@ -602,7 +602,7 @@ def test_linen_and_nnx_give_identical_outputs_and_gradients(rules):
 def test_summary_of_nnx_model_and_wrapper_changes_nothing():
   _, model, ids = twin_models()
   rules = jaxmp.PolicyRules("p=bf16,c=bf16,o=f32", [jaxmp.Rule("head", "p=f32,c=f32,o=f32")])
-  rows = {r.path: r for r in jaxmp.summary(model, rules, ids).rows}
+  rows = {r.path: r for r in jaxmp.tools.summary(model, rules, ids).rows}
   assert list(rows)[:3] == ["<root>", "embed", "ln1"]
   assert rows["attn/query"].compute_dtype == "bfloat16"
   assert rows["ln1"].compute_dtype == "float32" and rows["ln1"].rule == "norm"
@@ -612,16 +612,16 @@ def test_summary_of_nnx_model_and_wrapper_changes_nothing():
   # Nothing was cast or run: the model still stores float32.
   assert model.up.kernel[...].dtype == jnp.float32
   big = jax.ShapeDtypeStruct((4096, 4096), jnp.int32)
-  assert len(jaxmp.summary(model, rules, big).rows) == len(rows)
+  assert len(jaxmp.tools.summary(model, rules, big).rows) == len(rows)
   wrapped = jaxmp.nnx.mixed_precision(model, BF16)
-  assert {r.compute_dtype for r in jaxmp.summary(wrapped, None, ids).rows} >= {"bfloat16"}
-  text = str(jaxmp.summary(wrapped, rules, ids))
+  assert {r.compute_dtype for r in jaxmp.tools.summary(wrapped, None, ids).rows} >= {"bfloat16"}
+  text = str(jaxmp.tools.summary(wrapped, rules, ids))
   head = next(line for line in text.splitlines() if line.startswith("head"))
   assert head.split() == ["head", "Einsum", "float32", "float32", "float32", "-", "0:", "'head'"]
   with pytest.raises(ValueError, match="needs rules"):
-    jaxmp.summary(model, None, ids)
+    jaxmp.tools.summary(model, None, ids)
   with pytest.raises(TypeError, match="variables="):
-    jaxmp.summary(model, rules, ids, variables={})
+    jaxmp.tools.summary(model, rules, ids, variables={})
 
 
 # ---- bad input -------------------------------------------------------------------------------

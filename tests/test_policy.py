@@ -137,7 +137,7 @@ def test_get_policy_accepts_policies():
 
 def test_to_jmp_round_trip():
   policy = jaxmp.get_policy("p=f32,c=f16,o=bf16")
-  as_jmp = jaxmp.to_jmp(policy)
+  as_jmp = jaxmp.get_policy(policy).to_jmp()
   assert isinstance(as_jmp, jmp.Policy)
   assert str(as_jmp) == "p=full,c=f16,o=bf16"
   assert jaxmp.get_policy(as_jmp) == policy

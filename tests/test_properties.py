@@ -186,7 +186,7 @@ mixed_trees = trees(st.one_of(float_arrays(), other_leaves))
 
 
 def _is_float_array(x):
-  return isinstance(x, (jax.Array, np.ndarray)) and jaxmp.dtypes.is_float_dtype(x.dtype)
+  return isinstance(x, (jax.Array, np.ndarray)) and jaxmp._src.dtypes.is_float_dtype(x.dtype)
 
 
 def _assert_cast(out, tree, dtype):
@@ -213,7 +213,7 @@ def _assert_cast(out, tree, dtype):
 def test_cast_tree_casts_float_arrays_only_and_keeps_everything_else(tree, dtype):
   with np.errstate(over="ignore", invalid="ignore"):  # numpy leaves overflow like jax's
     out = jaxmp.cast_tree(tree, dtype)
-  _assert_cast(out, tree, jaxmp.parse_dtype(dtype, allow_fp8=True))
+  _assert_cast(out, tree, jaxmp.tools.parse_dtype(dtype, allow_fp8=True))
 
 
 policy_dtypes = st.sampled_from(["float32", "bfloat16", "float16"])

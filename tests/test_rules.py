@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 import jaxmp
-from jaxmp import rules as rules_lib
+from jaxmp._src import rules as rules_lib
 
 BF16 = jaxmp.get_policy("p=f32,c=bf16,o=f32")
 

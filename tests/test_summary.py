@@ -33,7 +33,7 @@ def _rows(summary):
 
 
 def test_rows_for_init_trace():
-  rows = _rows(jaxmp.summary(Net(), RULES, jnp.ones((2, 3), jnp.int32)))
+  rows = _rows(jaxmp.tools.summary(Net(), RULES, jnp.ones((2, 3), jnp.int32)))
   assert list(rows) == ["<root>", "Embed_0", "block", "block/LayerNorm_0", "block/proj",
                         "head"]
   assert rows["<root>"].output_dtype == "float32"
@@ -52,15 +52,15 @@ def test_apply_trace_with_variables_and_wrapper():
   wrapped = jaxmp.linen.mixed_precision(Net(), RULES)
   ids = jnp.ones((2, 3), jnp.int32)
   variables = wrapped.init(jax.random.key(0), ids)
-  summary = jaxmp.summary(wrapped, None, ids, variables=variables)
+  summary = jaxmp.tools.summary(wrapped, None, ids, variables=variables)
   assert _rows(summary)["head"].compute_dtype == "float32"
   # Other rules for the same model.
-  summary = jaxmp.summary(wrapped, "bf16", ids, variables=variables)
+  summary = jaxmp.tools.summary(wrapped, "bf16", ids, variables=variables)
   assert _rows(summary)["head"].compute_dtype == "bfloat16"
 
 
 def test_table_text():
-  text = str(jaxmp.summary(Net(), RULES, jnp.ones((2, 3), jnp.int32)))
+  text = str(jaxmp.tools.summary(Net(), RULES, jnp.ones((2, 3), jnp.int32)))
   lines = text.splitlines()
   assert lines[0].split() == ["path", "module", "params", "compute", "output", "fp8", "rule"]
   assert set(lines[1]) <= {"-", " "}
@@ -77,20 +77,20 @@ def test_other_methods_are_listed():
       embed = nn.Embed(10, 4, name="embed")
       return embed.attend(embed(ids))
 
-  rows = jaxmp.summary(Tied(), "bf16", jnp.ones((1, 2), jnp.int32)).rows
+  rows = jaxmp.tools.summary(Tied(), "bf16", jnp.ones((1, 2), jnp.int32)).rows
   assert [(r.path, r.method) for r in rows] == [
       ("<root>", "__call__"), ("embed", "__call__"), ("embed", "attend")]
-  assert "embed.attend" in str(jaxmp.summary(Tied(), "bf16", jnp.ones((1, 2), jnp.int32)))
+  assert "embed.attend" in str(jaxmp.tools.summary(Tied(), "bf16", jnp.ones((1, 2), jnp.int32)))
 
 
 def test_summary_computes_nothing():
   # Abstract shapes are enough: nothing is allocated or run.
   ids = jax.ShapeDtypeStruct((4096, 4096), jnp.int32)
-  assert len(jaxmp.summary(Net(), RULES, ids).rows) == 6
+  assert len(jaxmp.tools.summary(Net(), RULES, ids).rows) == 6
 
 
 def test_bad_input():
   with pytest.raises(TypeError, match="linen Module"):
-    jaxmp.summary(lambda x: x, RULES, jnp.ones(2))
+    jaxmp.tools.summary(lambda x: x, RULES, jnp.ones(2))
   with pytest.raises(ValueError, match="needs rules"):
-    jaxmp.summary(Net(), None, jnp.ones((1, 2), jnp.int32))
+    jaxmp.tools.summary(Net(), None, jnp.ones((1, 2), jnp.int32))

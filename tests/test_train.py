@@ -1,4 +1,4 @@
-"""jaxmp.train: params, loss scaling and fp8 state updated together, soundly."""
+"""jaxmp.linen: params, loss scaling and fp8 state updated together, soundly."""
 
 import flax.linen as nn
 import jax
@@ -48,7 +48,7 @@ def _assert_trees_equal(a, b):
 def test_trains_fp8_model_and_updates_its_state():
   x, y = _data()
   model = _fp8_model(default="params=float32,compute=bfloat16,output=float32")
-  state = jaxmp.train.TrainState.create(apply_fn=model.apply,
+  state = jaxmp.linen.TrainState.create(apply_fn=model.apply,
                                         variables=model.init(jax.random.key(0), x),
                                         tx=jaxmp.loss_scaling(optax.adam(3e-2)))
   step = jax.jit(_step)
@@ -69,7 +69,7 @@ def test_skipped_step_leaves_params_fp8_and_optimizer_untouched():
   x, y = _data()
   model = _fp8_model()
   tx = jaxmp.loss_scaling(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**10))
-  state = jaxmp.train.TrainState.create(apply_fn=model.apply,
+  state = jaxmp.linen.TrainState.create(apply_fn=model.apply,
                                         variables=model.init(jax.random.key(0), x), tx=tx)
   state, _ = _step(state, x, y)
   poisoned, _ = _step(state, x.at[0, 0].set(jnp.inf), y)
@@ -96,7 +96,7 @@ def test_unused_output_does_not_zero_the_layer():
 
   x, y = _data()
   model = _fp8_model(Net())
-  state = jaxmp.train.TrainState.create(apply_fn=model.apply,
+  state = jaxmp.linen.TrainState.create(apply_fn=model.apply,
                                         variables=model.init(jax.random.key(0), x),
                                         tx=optax.sgd(1e-2))
   before = state.fp8["side"]["Fp8DotGeneral_0"]
@@ -120,7 +120,7 @@ def test_layer_used_twice_records_the_max_not_the_sum():
 
   x = jnp.full((2, 5), 2.0)
   model = _fp8_model(Twice())
-  state = jaxmp.train.TrainState.create(apply_fn=model.apply,
+  state = jaxmp.linen.TrainState.create(apply_fn=model.apply,
                                         variables=model.init(jax.random.key(0), x),
                                         tx=optax.sgd(0.0))
   _, grads = state.value_and_grad(lambda v: jnp.sum(state.apply_fn(v, x)))()
@@ -131,12 +131,12 @@ def test_layer_used_twice_records_the_max_not_the_sum():
 def test_accumulated_micro_batches_take_the_max():
   x, y = _data()
   model = _fp8_model()
-  state = jaxmp.train.TrainState.create(apply_fn=model.apply,
+  state = jaxmp.linen.TrainState.create(apply_fn=model.apply,
                                         variables=model.init(jax.random.key(0), x),
                                         tx=optax.sgd(1e-2))
   grad = lambda xs, ys: state.value_and_grad(_mse(state.apply_fn, xs, ys))()[1]
   small, large = grad(0.5 * x[:8], y[:8]), grad(4.0 * x[8:], y[8:])
-  total = jaxmp.train.accumulate_gradients(small, large)
+  total = jaxmp.linen.accumulate_gradients(small, large)
   history = lambda g: g.fp8["hidden"]["Fp8DotGeneral_0"]["input_amax_history"][0]
   assert float(history(total)) == max(float(history(small)), float(history(large)))
   assert float(history(total)) == pytest.approx(float(jnp.max(jnp.abs(4.0 * x[8:]))))
@@ -146,11 +146,11 @@ def test_accumulated_micro_batches_take_the_max():
 
 
 def test_accumulating_gradients_of_different_models_is_refused():
-  with_fp8 = jaxmp.train.Gradients({"w": jnp.ones(2)}, fp8.init_state(RECIPE))
-  without = jaxmp.train.Gradients({"w": jnp.ones(2)}, {})
+  with_fp8 = jaxmp.linen.Gradients({"w": jnp.ones(2)}, fp8.init_state(RECIPE))
+  without = jaxmp.linen.Gradients({"w": jnp.ones(2)}, {})
   for a, b in ((with_fp8, without), (without, with_fp8)):
     with pytest.raises(ValueError, match="fp8 states differ"):
-      jaxmp.train.accumulate_gradients(a, b)
+      jaxmp.linen.accumulate_gradients(a, b)
 
 
 def test_train_state_forwards_extra_args_to_the_optimizer():
@@ -158,7 +158,7 @@ def test_train_state_forwards_extra_args_to_the_optimizer():
   model = jaxmp.linen.mixed_precision(TwoDense(), "float32")
   # reduce_on_plateau reads the loss as the extra argument ``value``.
   tx = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=0, factor=0.5))
-  state = jaxmp.train.TrainState.create(apply_fn=model.apply,
+  state = jaxmp.linen.TrainState.create(apply_fn=model.apply,
                                         variables=model.init(jax.random.key(0), x), tx=tx)
   _, grads = state.value_and_grad(_mse(state.apply_fn, x, y))()
   state = state.apply_gradients(grads, extra_args={"value": jnp.asarray(1.0)})
@@ -172,7 +172,7 @@ def test_loss_scale_multiplies_params_gradients_only():
   x, y = _data()
   model = _fp8_model()
   variables = model.init(jax.random.key(0), x)
-  grad_fn = jaxmp.train.value_and_grad(_mse(model.apply, x, y))
+  grad_fn = jaxmp.linen.value_and_grad(_mse(model.apply, x, y))
   loss1, g1 = grad_fn(variables)
   loss8, g8 = grad_fn(variables, loss_scale=jaxmp.StaticLossScale(8.0))
   assert float(loss1) == float(loss8)
@@ -185,7 +185,7 @@ def test_loss_scale_multiplies_params_gradients_only():
 def test_non_finite_step_without_loss_scaling_keeps_fp8_state():
   x, y = _data()
   model = _fp8_model()
-  state = jaxmp.train.TrainState.create(apply_fn=model.apply,
+  state = jaxmp.linen.TrainState.create(apply_fn=model.apply,
                                         variables=model.init(jax.random.key(0), x),
                                         tx=optax.sgd(1e-2))
   state, _ = _step(state, x, y)
@@ -203,7 +203,7 @@ def test_batch_stats_collections():
 
   x, y = _data()
   model = jaxmp.linen.mixed_precision(Net(), "params=float32,compute=bfloat16,output=float32")
-  state = jaxmp.train.TrainState.create(apply_fn=model.apply,
+  state = jaxmp.linen.TrainState.create(apply_fn=model.apply,
                                         variables=model.init(jax.random.key(0), x),
                                         tx=optax.adam(1e-2))
   assert state.fp8 == {} and set(state.collections) == {"batch_stats"}
@@ -223,10 +223,10 @@ def test_loss_scale_property():
   x, _ = _data()
   model = _fp8_model()
   variables = model.init(jax.random.key(0), x)
-  plain = jaxmp.train.TrainState.create(apply_fn=model.apply, variables=variables,
+  plain = jaxmp.linen.TrainState.create(apply_fn=model.apply, variables=variables,
                                         tx=optax.sgd(1.0))
   assert isinstance(plain.loss_scale, jaxmp.NoOpLossScale)
-  scaled = jaxmp.train.TrainState.create(
+  scaled = jaxmp.linen.TrainState.create(
       apply_fn=model.apply, variables=variables,
       tx=jaxmp.loss_scaling(optax.sgd(1.0), jaxmp.StaticLossScale(4.0)))
   assert float(scaled.loss_scale.loss_scale) == 4.0
@@ -237,8 +237,8 @@ def test_bad_input():
   model = _fp8_model()
   variables = model.init(jax.random.key(0), x)
   with pytest.raises(TypeError, match="optax.GradientTransformation"):
-    jaxmp.train.TrainState.create(apply_fn=model.apply, variables=variables, tx="adam")
-  state = jaxmp.train.TrainState.create(apply_fn=model.apply, variables=variables,
+    jaxmp.linen.TrainState.create(apply_fn=model.apply, variables=variables, tx="adam")
+  state = jaxmp.linen.TrainState.create(apply_fn=model.apply, variables=variables,
                                         tx=optax.sgd(1.0))
-  with pytest.raises(TypeError, match="jaxmp.train.Gradients"):
+  with pytest.raises(TypeError, match="jaxmp.linen.Gradients"):
     state.apply_gradients({"params": variables["params"]})

@@ -40,7 +40,7 @@ def test_dense_rule_creates_state_and_matches_explicit_fp8_layer():
 
     @nn.compact
     def __call__(self, x):
-      cls = functools.partial(fp8.Fp8DotGeneral, recipe=DELAYED)
+      cls = functools.partial(jaxmp.linen.Fp8DotGeneral, recipe=DELAYED)
       h = nn.Dense(8, name="hidden", dot_general_cls=cls)(x)
       return nn.Dense(3, name="out", dot_general_cls=cls)(nn.relu(h))
 
@@ -158,7 +158,7 @@ def test_current_scaling_keeps_no_state():
 
 def test_summary_shows_fp8():
   rules = _rules(nn.Dense, extra=[jaxmp.Rule("out")])
-  rows = {r.path: r for r in jaxmp.summary(TwoDense(), rules, jnp.ones((1, 5))).rows}
+  rows = {r.path: r for r in jaxmp.tools.summary(TwoDense(), rules, jnp.ones((1, 5))).rows}
   assert rows["hidden"].fp8 == "DelayedScaling"
   assert rows["out"].fp8 == "-"
   assert "Fp8DotGeneral_0" not in str(rows)

@@ -16,7 +16,7 @@ from jaxmp import fp8
 OWG = fp8.OVERWRITE_WITH_GRADIENT
 L = 4
 RECIPE = fp8.DelayedScaling(amax_history_length=L)
-DG = functools.partial(fp8.Fp8DotGeneral, recipe=RECIPE)
+DG = functools.partial(jaxmp.linen.Fp8DotGeneral, recipe=RECIPE)
 FLAX_DG = functools.partial(nn.Fp8DirectDotGeneralOp, amax_history_length=L)
 STATE_SHAPES = {"input_amax_history": (L,), "input_scale": (1,), "kernel_amax_history": (L,),
                 "kernel_scale": (1,), "output_grad_amax_history": (L,), "output_grad_scale": (1,)}
@@ -38,7 +38,7 @@ class TestInjection:
       assert y.shape[0] == 2
 
   def test_default_class_and_partial_recipe(self):
-    v = nn.Dense(3, dot_general_cls=fp8.Fp8DotGeneral).init(jax.random.key(0), jnp.ones((1, 2)))
+    v = nn.Dense(3, dot_general_cls=jaxmp.linen.Fp8DotGeneral).init(jax.random.key(0), jnp.ones((1, 2)))
     assert v[OWG]["Fp8DotGeneral_0"]["input_amax_history"].shape == (1024,)
 
   def test_attention_projections(self):
@@ -51,22 +51,22 @@ class TestInjection:
 
   def test_current_scaling_creates_no_variables(self):
     layer = nn.Dense(3, dot_general_cls=functools.partial(
-        fp8.Fp8DotGeneral, recipe=fp8.CurrentScaling()))
+        jaxmp.linen.Fp8DotGeneral, recipe=fp8.CurrentScaling()))
     v = layer.init(jax.random.key(0), jnp.ones((1, 2)))
     assert set(v) == {"params"}
 
   def test_wrong_recipe_type(self):
     with pytest.raises(TypeError, match="Fp8DotGeneral: recipe must be .* got 'delayed'"):
-      fp8.Fp8DotGeneral(recipe="delayed")
+      jaxmp.linen.Fp8DotGeneral(recipe="delayed")
     with pytest.raises(TypeError, match=r"Pass an instance, e.g. CurrentScaling\(\)"):
-      fp8.Fp8Einsum(recipe=fp8.CurrentScaling)
-    layer = nn.Dense(3, dot_general_cls=functools.partial(fp8.Fp8DotGeneral, recipe=16))
+      jaxmp.linen.Fp8Einsum(recipe=fp8.CurrentScaling)
+    layer = nn.Dense(3, dot_general_cls=functools.partial(jaxmp.linen.Fp8DotGeneral, recipe=16))
     with pytest.raises(TypeError, match="got 16 of type int"):
       layer.init(jax.random.key(0), jnp.ones((1, 2)))
 
   def test_fp8_einsum_module(self):
     x, w = _normal(0, (2, 3, 4)), _normal(1, (4, 5))
-    layer = fp8.Fp8Einsum(recipe=RECIPE)
+    layer = jaxmp.linen.Fp8Einsum(recipe=RECIPE)
     y, v = layer.init_with_output(jax.random.key(0), "btd,dh->bth", x, w)
     assert jax.tree_util.tree_map(jnp.shape, v[OWG]) == STATE_SHAPES
     expected = fp8.fp8_einsum("btd,dh->bth", x, w, state=fp8.init_state(RECIPE), recipe=RECIPE)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmp.fp8 import maxgrad
+from jaxmp._src.fp8 import maxgrad
 
 W = jnp.array([[1.0, 5.0], [3.0, 2.0], [0.0, 9.0]])
 

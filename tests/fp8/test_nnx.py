@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import jaxmp
-import jaxmp.fp8.nnx  # pylint: disable=unused-import
+from jaxmp._src.fp8 import maxgrad
 from jaxmp import fp8
 from tests.test_nnx import build
 from tests.test_nnx import LinenBlock
@@ -49,7 +49,7 @@ def _mse(model, x, y):
 
 
 def _state(wrapped, path):
-  return {k: v[...] for k, v in nnx.state(wrapped.fp8[path], fp8.nnx.Fp8State).items()}
+  return {k: v[...] for k, v in nnx.state(wrapped.fp8[path], jaxmp.nnx.Fp8State).items()}
 
 
 def _assert_trees_equal(a, b):
@@ -59,7 +59,7 @@ def _assert_trees_equal(a, b):
 
 def _step(wrapped, optimizer, x, y):
   loss, grads = jaxmp.nnx.value_and_grad(_mse)(
-      wrapped, x, y, loss_scale=jaxmp.train.find_loss_scale(optimizer.opt_state))
+      wrapped, x, y, loss_scale=jaxmp._src.step.loss_scale_of(optimizer.opt_state))
   jaxmp.nnx.apply_gradients(optimizer, wrapped, grads)
   return loss
 
@@ -69,23 +69,23 @@ def _step(wrapped, optimizer, x, y):
 
 def test_explicit_layers_match_the_pure_functions():
   x, w = jax.random.normal(jax.random.key(1), (4, 3)), jax.random.normal(jax.random.key(2), (3, 2))
-  op = fp8.nnx.Fp8DotGeneral(RECIPE)
+  op = jaxmp.nnx.Fp8DotGeneral(RECIPE)
   expected = fp8.fp8_dot_general(x, w, DIMS, state=fp8.init_state(RECIPE), recipe=RECIPE)
   np.testing.assert_array_equal(op(x, w, DIMS), expected)
   assert op.input_scale[...].dtype == jnp.float32 and op.input_amax_history.shape == (4,)
-  assert nnx.state(fp8.nnx.Fp8DotGeneral(fp8.CurrentScaling())) == nnx.State({})
-  einsum = fp8.nnx.Fp8Einsum(RECIPE)
+  assert nnx.state(jaxmp.nnx.Fp8DotGeneral(fp8.CurrentScaling())) == nnx.State({})
+  einsum = jaxmp.nnx.Fp8Einsum(RECIPE)
   np.testing.assert_array_equal(
       einsum("bd,dh->bh", x, w),
       fp8.fp8_einsum("bd,dh->bh", x, w, state=fp8.init_state(RECIPE), recipe=RECIPE))
   with pytest.raises(ValueError, match="out_sharding"):
     einsum("bd,dh->bh", x, w, out_sharding=jax.sharding.PartitionSpec())
   with pytest.raises(TypeError, match="recipe"):
-    fp8.nnx.Fp8DotGeneral(fp8.DelayedScaling)
+    jaxmp.nnx.Fp8DotGeneral(fp8.DelayedScaling)
 
 
 def test_fp8_state_is_linens_fp8_collection_for_nnx_bridge():
-  assert nnx.variablelib.variable_type_from_name(fp8.OVERWRITE_WITH_GRADIENT) is fp8.nnx.Fp8State
+  assert nnx.variablelib.variable_type_from_name(fp8.OVERWRITE_WITH_GRADIENT) is jaxmp.nnx.Fp8State
 
 
 # ---- fp8 by rule -----------------------------------------------------------------------------
@@ -96,8 +96,8 @@ def test_linear_rule_creates_state_and_matches_explicit_fp8_layers():
   model = _two_linear()
   explicit = nnx.clone(model)
   # NNX 0.12 refuses a module in a static attribute after construction without nnx.data.
-  explicit.hidden.dot_general = nnx.data(fp8.nnx.Fp8DotGeneral(RECIPE))
-  explicit.out.dot_general = nnx.data(fp8.nnx.Fp8DotGeneral(RECIPE))
+  explicit.hidden.dot_general = nnx.data(jaxmp.nnx.Fp8DotGeneral(RECIPE))
+  explicit.out.dot_general = nnx.data(jaxmp.nnx.Fp8DotGeneral(RECIPE))
   wrapped = _wrap(model)
   assert list(wrapped.fp8) == ["hidden", "out"]
   assert _state(wrapped, "hidden")["input_amax_history"].shape == (4,)
@@ -112,7 +112,7 @@ def test_linear_rule_creates_state_and_matches_explicit_fp8_layers():
 def test_first_match_wins_keeps_a_layer_out_of_fp8_and_output_follows_compute():
   wrapped = _wrap(_two_linear(), default=BF16, extra=[jaxmp.Rule("out")])
   assert list(wrapped.fp8) == ["hidden"]
-  rows = {r.path: r for r in jaxmp.summary(wrapped, None, jnp.ones((1, 5))).rows}
+  rows = {r.path: r for r in jaxmp.tools.summary(wrapped, None, jnp.ones((1, 5))).rows}
   assert rows["hidden"].fp8 == "DelayedScaling" and rows["out"].fp8 == "-"
   assert rows["hidden"].output_dtype == "bfloat16"
   assert wrapped(jnp.ones((2, 5))).dtype == jnp.float32
@@ -136,7 +136,7 @@ def test_linear_general_einsum_and_attention_projections():
   expected = call(model, x)
   wrapped = _wrap(model, match=(nnx.LinearGeneral, nnx.Einsum, nnx.MultiHeadAttention))
   assert set(wrapped.fp8) == {"proj", "mix", "attn/query", "attn/key", "attn/value", "attn/out"}
-  assert isinstance(wrapped.fp8["mix"], fp8.nnx.Fp8Einsum)
+  assert isinstance(wrapped.fp8["mix"], jaxmp.nnx.Fp8Einsum)
   np.testing.assert_allclose(call(wrapped, x), expected, rtol=0.2, atol=0.2)
   _, grads = nnx.jit(jaxmp.nnx.value_and_grad(lambda m, x: jnp.sum(m(x) ** 2)))(wrapped, x)
   for path in wrapped.fp8:
@@ -145,7 +145,7 @@ def test_linear_general_einsum_and_attention_projections():
 
 def test_current_scaling_keeps_no_state():
   wrapped = _wrap(_two_linear(), recipe=fp8.CurrentScaling())
-  assert len(nnx.state(wrapped, fp8.nnx.Fp8State)) == 0
+  assert len(nnx.state(wrapped, jaxmp.nnx.Fp8State)) == 0
   assert wrapped(jnp.ones((2, 5))).shape == (2, 3)
 
 
@@ -164,7 +164,7 @@ def test_fp8_rule_on_layer_without_matmul_warns_with_nnx_names():
   assert list(wrapped.fp8) == []
 
 
-# ---- sound training of the state (same guarantees as jaxmp.train for linen) ------------------
+# ---- sound training of the state (same guarantees as jaxmp.linen for linen) ------------------
 
 
 def test_trains_under_nnx_jit_with_loss_scaling():
@@ -180,7 +180,7 @@ def test_trains_under_nnx_jit_with_loss_scaling():
                              np.max(hidden["input_amax_history"]) / 448, rtol=0.02)
   assert float(hidden["output_grad_scale"][0]) != 1.0
   for leaf in jax.tree.leaves(nnx.state(wrapped)):
-    assert not isinstance(leaf, jax.core.Tracer) and leaf.dtype != fp8.maxgrad.max_float32
+    assert not isinstance(leaf, jax.core.Tracer) and leaf.dtype != maxgrad.max_float32
 
 
 def test_zero_cotangent_keeps_the_state():
@@ -259,10 +259,10 @@ def test_non_finite_step_without_loss_scaling_never_enters_the_history():
   wrapped = _wrap(_two_linear())
   optimizer = nnx.Optimizer(wrapped, optax.sgd(1e-2), wrt=nnx.Param)
   _step(wrapped, optimizer, x, y)
-  before = nnx.clone(nnx.state(wrapped, fp8.nnx.Fp8State))
+  before = nnx.clone(nnx.state(wrapped, jaxmp.nnx.Fp8State))
   _step(wrapped, optimizer, x.at[0, 0].set(jnp.nan), y)
-  _assert_trees_equal(nnx.state(wrapped, fp8.nnx.Fp8State), before)
-  for leaf in jax.tree.leaves(nnx.state(wrapped, fp8.nnx.Fp8State)):
+  _assert_trees_equal(nnx.state(wrapped, jaxmp.nnx.Fp8State), before)
+  for leaf in jax.tree.leaves(nnx.state(wrapped, jaxmp.nnx.Fp8State)):
     assert np.all(np.isfinite(leaf))
 
 
@@ -281,12 +281,12 @@ def test_loss_scale_multiplies_params_gradients_only():
 
 def test_for_grad_puts_the_float32_values_back():
   wrapped = _wrap(_two_linear())
-  before = nnx.clone(nnx.state(wrapped, fp8.nnx.Fp8State))
+  before = nnx.clone(nnx.state(wrapped, jaxmp.nnx.Fp8State))
   with pytest.raises(RuntimeError, match="inside"):
-    with fp8.nnx.for_grad(wrapped):
-      assert wrapped.fp8["hidden"].input_scale.get_raw_value().dtype == fp8.maxgrad.max_float32
+    with jaxmp.nnx.fp8_for_grad(wrapped):
+      assert wrapped.fp8["hidden"].input_scale.get_raw_value().dtype == maxgrad.max_float32
       raise RuntimeError("inside")
-  _assert_trees_equal(nnx.state(wrapped, fp8.nnx.Fp8State), before)
+  _assert_trees_equal(nnx.state(wrapped, jaxmp.nnx.Fp8State), before)
   assert wrapped.fp8["hidden"].input_scale[...].dtype == jnp.float32
 
 
@@ -334,8 +334,8 @@ def _linen_fp8_collection(wrapped):
     node = collection
     for key in path.split("/"):
       node = node.setdefault(key, {})
-    name = "Fp8Einsum_0" if isinstance(module, fp8.nnx.Fp8Einsum) else "Fp8DotGeneral_0"
-    node[name] = {k: v[...] for k, v in nnx.state(module, fp8.nnx.Fp8State).items()}
+    name = "Fp8Einsum_0" if isinstance(module, jaxmp.nnx.Fp8Einsum) else "Fp8DotGeneral_0"
+    node[name] = {k: v[...] for k, v in nnx.state(module, jaxmp.nnx.Fp8State).items()}
   return collection
 
 
@@ -357,8 +357,8 @@ def test_linen_and_nnx_fp8_give_identical_gradients_and_state_after_a_step():
   @jax.jit
   def linen_grads(params, fp8_state):
     loss_fn = lambda v: jnp.mean((linen.apply(v, ids) - target) ** 2)
-    return jaxmp.train.value_and_grad(loss_fn)(
-        jaxmp.train.join_variables(params, fp8_state), loss_scale=loss_scale)
+    return jaxmp.linen.value_and_grad(loss_fn)(
+        jaxmp.linen.join_variables(params, fp8_state), loss_scale=loss_scale)
 
   nnx_grads = nnx.jit(lambda m: jaxmp.nnx.value_and_grad(lambda m: _mse(m, ids, target))(
       m, loss_scale=loss_scale))
@@ -370,7 +370,7 @@ def test_linen_and_nnx_fp8_give_identical_gradients_and_state_after_a_step():
     np.testing.assert_array_equal(grad[...], _at(g_linen.params, path[1:]), err_msg=str(path))
 
   # One optimizer step on each side: params through sgd, fp8 state merged.
-  params, fp8_state, _ = jaxmp.train.apply_gradients(
+  params, fp8_state, _ = jaxmp.linen.apply_gradients(
       jaxmp.loss_scaling(tx, loss_scale), params, fp8_state,
       jaxmp.loss_scaling(tx, loss_scale).init(params), g_linen)
   optimizer = nnx.Optimizer(wrapped, jaxmp.loss_scaling(tx, loss_scale), wrt=nnx.Param)

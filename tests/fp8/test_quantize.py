@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax.linen import fp8_ops
 
-from jaxmp.fp8 import quantize as q
+from jaxmp._src.fp8 import quantize as q
 
 
 def test_formats():

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxmp import fp8
+from jaxmp._src.fp8 import recipes as recipes_lib
 
 
 def test_defaults_match_transformer_engine_and_flax():
@@ -60,4 +61,4 @@ def test_unknown_recipe_option_is_a_clear_error():
 ])
 def test_check_recipe_names_the_bad_value(bad, match):
   with pytest.raises(TypeError, match=match):
-    fp8.recipes.check_recipe(bad)
+    recipes_lib.check_recipe(bad)

@@ -50,12 +50,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp import dtypes as dtypes_lib
-from jaxmp import tree as tree_lib
+from jaxmp._src import checks
+from jaxmp._src import dtypes as dtypes_lib
+from jaxmp._src import tree as tree_lib
 
 T = TypeVar("T")
 
 _F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).smallest_normal)
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
@@ -63,84 +65,57 @@ _INT32_MAX = int(np.iinfo(np.int32).max)
 # Argument checking.
 
 
-def _is_traced(value: Any) -> bool:
-  return isinstance(value, jax.core.Tracer)
+def check_scale(scale: Any, *, where: str, name: str = "scale") -> jax.Array:
+  """The one definition of a valid loss scale value, as a float32 scalar array.
 
+  A real scalar (Python, NumPy or JAX; any float or integer dtype, float16 included)
+  that is positive, finite and normal in float32, where scaling arithmetic happens
+  (XLA flushes float32 subnormals to zero). A traced value is checked for its shape
+  and dtype only (jnp functions do not check traced values either).
 
-def _real_number(value: Any, name: str, *, owner: str) -> float:
-  """``value`` as a Python float, for a concrete real scalar; TypeError otherwise."""
-  if isinstance(value, (bool, np.bool_)) or value is None or isinstance(value, str):
-    raise TypeError(f"{owner}: {name} must be a real number, got {value!r}.")
-  if _is_traced(value):
-    raise TypeError(
-        f"{owner}: {name} must be a concrete number (it is a static hyperparameter), "
-        f"got a traced value {value!r}.")
-  try:
-    array = np.asarray(value)
-  except (TypeError, ValueError) as e:
-    raise TypeError(f"{owner}: {name} must be a real number, got {value!r}.") from e
-  if array.shape != ():
-    raise ValueError(f"{owner}: {name} must be a scalar, got an array of shape {array.shape}.")
-  if not (dtypes_lib.is_float_dtype(array.dtype) or np.issubdtype(array.dtype, np.integer)):
-    raise TypeError(f"{owner}: {name} must be a real number, got {value!r} of dtype {array.dtype}.")
-  return float(array)
-
-
-def _check_scale(scale: Any, *, owner: str) -> jax.Array:
-  """The scale as a float32 scalar array; checked to be positive and finite when concrete."""
-  if _is_traced(scale):
-    # Building a loss scale inside jit from a traced value (e.g. in a scan) is fine:
-    # it cannot be checked, as jnp functions do not check traced values either.
-    if np.shape(scale) != ():
-      raise ValueError(f"{owner}: scale must be a scalar, got shape {np.shape(scale)}.")
-    if not (dtypes_lib.is_float_dtype(scale.dtype) or jnp.issubdtype(scale.dtype, jnp.integer)):
-      raise TypeError(f"{owner}: scale must be a real number, got dtype {scale.dtype}.")
+  Raises:
+    TypeError: for a value that is not a real number.
+    ValueError: for an array that is not a scalar, or a value out of that range.
+  """
+  if checks.is_traced(scale):
+    checks.scalar_shape(scale, name, where=where)
+    if not checks.is_real_dtype(scale.dtype):
+      raise TypeError(f"{where}: {name} must be a real number, got dtype {scale.dtype}.")
     return jnp.asarray(scale, jnp.float32)
-  value = _real_number(scale, "scale", owner=owner)
-  if not (0.0 < value <= _F32_MAX):
+  value = checks.real_number(scale, name, where=where)
+  # Compared before rounding to float32, so that 1e39 is not an overflow warning;
+  # a value that rounds into the range but lies below it is a subnormal here.
+  if not _F32_TINY <= value <= _F32_MAX:  # nan fails too
     raise ValueError(
-        f"{owner}: scale must be positive and finite in float32 (0 < scale <= {_F32_MAX:g}), "
-        f"got {scale!r}.")
+        f"{where}: {name} must be positive and finite in float32 (values are scaled in "
+        f"float32), got {scale!r}; accepted: a normal float32 in [{_F32_TINY:g}, "
+        f"{_F32_MAX:g}].")
   return jnp.asarray(value, jnp.float32)
 
 
-def _check_grads_finite(grads_finite: Any, *, owner: str = "adjust") -> jax.Array:
-  """Checks that ``grads_finite`` is a scalar boolean and returns it as an array.
-
-  Args:
-    grads_finite: a Python ``bool``, ``np.bool_`` or ``bool[]`` array (traced or not).
-    owner: who is asking, for the error message.
-
-  Returns:
-    A ``bool[]`` array.
+def loss_scale_array(loss_scale: Any, *, where: str, allow_traced: bool = True) -> jax.Array:
+  """A :class:`LossScale`'s scale, or a number or scalar array checked as one.
 
   Raises:
-    TypeError: if it is not boolean (an integer 0/1 or a float is refused: say
-      ``jnp.asarray(x, bool)`` if that is what you mean).
-    ValueError: if it is not a scalar.
+    TypeError: for anything that is not a loss scale or a real scalar, or a traced
+      value where ``allow_traced`` is False.
+    ValueError: as :func:`check_scale`.
   """
-  if isinstance(grads_finite, (bool, np.bool_)):
-    return jnp.asarray(grads_finite)
-  dtype = getattr(grads_finite, "dtype", None)
-  if dtype is None or np.dtype(dtype) != np.dtype(bool):
-    described = f"dtype {dtype}" if dtype is not None else f"type {type(grads_finite).__name__}"
-    raise TypeError(
-        f"{owner}: grads_finite must be a scalar bool (e.g. jaxmp.all_finite(grads)), got "
-        f"{described}.")
-  if np.shape(grads_finite) != ():
-    raise ValueError(
-        f"{owner}: grads_finite must be a scalar bool, got an array of shape "
-        f"{np.shape(grads_finite)}; reduce it first, e.g. with jnp.all.")
-  return jnp.asarray(grads_finite)
+  if isinstance(loss_scale, LossScale):
+    return loss_scale.loss_scale
+  checks.real_scalar_array(loss_scale, "loss_scale", where=where)
+  if checks.is_traced(loss_scale) and not allow_traced:
+    raise TypeError(f"{where}: loss_scale must be concrete here (call it outside jit), got a "
+                    f"traced value.")
+  return check_scale(loss_scale, where=where, name="loss_scale")
+
+
+def _check_grads_finite(grads_finite: Any, *, owner: str = "adjust") -> jax.Array:
+  return jnp.asarray(checks.bool_scalar(grads_finite, "grads_finite", where=owner))
 
 
 # --------------------------------------------------------------------------------------
 # Scaling arithmetic.
-
-
-def _compute_dtype(dtype: Any) -> np.dtype:
-  # float32 for every float of 32 bits or fewer, float64 for float64 leaves.
-  return np.dtype(np.float64) if np.dtype(dtype).itemsize > 4 else np.dtype(np.float32)
 
 
 def _multiply_tree(tree: T, factor: jax.Array) -> T:
@@ -149,10 +124,19 @@ def _multiply_tree(tree: T, factor: jax.Array) -> T:
   def multiply(x):
     if not tree_lib.is_float_array(x):
       return x
-    wide = _compute_dtype(x.dtype)
+    wide = dtypes_lib.arithmetic_dtype(x.dtype)
     return (jnp.asarray(x, wide) * factor.astype(wide)).astype(x.dtype)
 
   return jax.tree_util.tree_map(multiply, tree)
+
+
+def _loss_and_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
+  if not has_aux:
+    return out, None
+  if not (isinstance(out, tuple) and len(out) == 2):
+    raise TypeError("value_and_grad(has_aux=True): fun must return a pair (loss, aux), got "
+                    f"{type(out).__name__}.")
+  return out
 
 
 # --------------------------------------------------------------------------------------
@@ -208,6 +192,31 @@ class LossScale:
     """The loss scale for the next step, given whether this step's grads were finite."""
     raise NotImplementedError
 
+  def scaled_fun(self, fun: Callable[..., Any], *,
+                 has_aux: bool = False) -> Callable[..., tuple[jax.Array, tuple[Any, Any]]]:
+    """``fun`` made to return ``(loss * loss_scale, (loss, aux))``, for ``jax.grad(has_aux=True)``.
+
+    The loss is cast to float32 (float64 kept) before it is multiplied; ``aux`` is
+    ``None`` without ``has_aux``. Every jaxmp ``value_and_grad`` differentiates this.
+
+    Raises:
+      TypeError: if ``fun`` is not callable, or returns no ``(loss, aux)`` pair with
+        ``has_aux``.
+    """
+    if not callable(fun):
+      raise TypeError(f"value_and_grad: fun must be callable, got {fun!r}.")
+
+    def scaled(*args, **kwargs):
+      loss, aux = _loss_and_aux(fun(*args, **kwargs), has_aux)
+      loss_array = jnp.asarray(loss)
+      wide = dtypes_lib.arithmetic_dtype(loss_array.dtype)
+      return self._scale_loss(loss_array.astype(wide)), (loss, aux)
+
+    return scaled
+
+  def _scale_loss(self, loss: jax.Array) -> jax.Array:
+    return loss * self.loss_scale.astype(loss.dtype)
+
   def value_and_grad(self, fun: Callable[..., Any], *, has_aux: bool = False,
                      argnums: Union[int, Sequence[int]] = 0) -> Callable[..., Any]:
     """Like ``jax.value_and_grad``, but differentiates the scaled loss.
@@ -232,25 +241,7 @@ class LossScale:
       >>> loss, grads
       (Array(5., dtype=float32), Array([16., 32.], dtype=float32))
     """
-    if not callable(fun):
-      raise TypeError(f"value_and_grad: fun must be callable, got {fun!r}.")
-    scale = self.loss_scale
-
-    def scaled_fun(*args, **kwargs):
-      out = fun(*args, **kwargs)
-      if has_aux:
-        if not (isinstance(out, tuple) and len(out) == 2):
-          raise TypeError(
-              "value_and_grad(has_aux=True): fun must return a pair (loss, aux), got "
-              f"{type(out).__name__}.")
-        loss, aux = out
-      else:
-        loss, aux = out, None
-      loss_array = jnp.asarray(loss)
-      wide = _compute_dtype(loss_array.dtype)
-      return loss_array.astype(wide) * scale.astype(wide), (loss, aux)
-
-    grad_fn = jax.grad(scaled_fun, argnums=argnums, has_aux=True)
+    grad_fn = jax.grad(self.scaled_fun(fun, has_aux=has_aux), argnums=argnums, has_aux=True)
 
     def value_and_scaled_grad(*args, **kwargs):
       grads, (loss, aux) = grad_fn(*args, **kwargs)
@@ -290,6 +281,9 @@ class NoOpLossScale(LossScale):
     _check_grads_finite(grads_finite, owner="NoOpLossScale.adjust")
     return self
 
+  def _scale_loss(self, loss: jax.Array) -> jax.Array:
+    return loss
+
   def value_and_grad(self, fun, *, has_aux=False, argnums=0):
     """``jax.value_and_grad(fun, argnums, has_aux)``: there is nothing to scale."""
     if not callable(fun):
@@ -321,7 +315,7 @@ class StaticLossScale(LossScale):
   __slots__ = ("_loss_scale",)
 
   def __init__(self, scale: Any):
-    object.__setattr__(self, "_loss_scale", _check_scale(scale, owner="StaticLossScale"))
+    object.__setattr__(self, "_loss_scale", check_scale(scale, where="StaticLossScale"))
 
   @property
   def loss_scale(self) -> jax.Array:
@@ -427,38 +421,38 @@ class DynamicLossScale(LossScale):
       raise ValueError(
           f"{owner}: growth_interval must be an integer in [1, {_INT32_MAX}], got "
           f"{growth_interval}.")
-    growth_factor = _real_number(growth_factor, "growth_factor", owner=owner)
+    growth_factor = checks.real_number(growth_factor, "growth_factor", where=owner)
     if not (1.0 < growth_factor < math.inf):
       raise ValueError(
           f"{owner}: growth_factor must be finite and > 1 (the scale grows by it), got "
           f"{growth_factor}.")
-    backoff_factor = _real_number(backoff_factor, "backoff_factor", owner=owner)
+    backoff_factor = checks.real_number(backoff_factor, "backoff_factor", where=owner)
     if not (0.0 < backoff_factor < 1.0):
       raise ValueError(
           f"{owner}: backoff_factor must be in the open interval (0, 1) (the scale "
           f"shrinks by it), got {backoff_factor}.")
-    min_scale = _real_number(min_scale, "min_scale", owner=owner)
+    min_scale = checks.real_number(min_scale, "min_scale", where=owner)
     if not (0.0 <= min_scale <= _F32_MAX):
       raise ValueError(
           f"{owner}: min_scale must be >= 0 and finite in float32 (0: no lower bound), "
           f"got {min_scale}.")
-    max_scale = _real_number(max_scale, "max_scale", owner=owner)
+    max_scale = checks.real_number(max_scale, "max_scale", where=owner)
     if not (max_scale > 0.0):
       raise ValueError(f"{owner}: max_scale must be > 0 (inf: no upper bound), got {max_scale}.")
     if min_scale > max_scale:
       raise ValueError(
           f"{owner}: min_scale must be <= max_scale, got min_scale={min_scale} > "
           f"max_scale={max_scale}.")
-    loss_scale = _check_scale(scale, owner=owner)
-    if not _is_traced(scale):
+    loss_scale = check_scale(scale, where=owner)
+    if not checks.is_traced(scale):
       # From the concrete argument, not from ``loss_scale``: under ``jax.eval_shape`` or
       # ``jit`` (building a restore target, say) that array is a tracer.
-      value = float(np.float32(_real_number(scale, "scale", owner=owner)))
+      value = float(np.float32(checks.real_number(scale, "scale", where=owner)))
       if not min_scale <= value <= max_scale:
         raise ValueError(
             f"{owner}: scale must be in [min_scale, max_scale] = [{min_scale}, {max_scale}], "
             f"got {scale!r}; widen the bounds or change the scale.")
-    if _is_traced(counter):
+    if checks.is_traced(counter):
       if np.shape(counter) != () or not jnp.issubdtype(counter.dtype, jnp.integer):
         raise TypeError(f"{owner}: counter must be an integer scalar, got {counter!r}.")
     else:
@@ -572,3 +566,13 @@ for _cls in (StaticLossScale, DynamicLossScale):
   jax.tree_util.register_pytree_with_keys(
       _cls, _cls._tree_flatten_with_keys, _cls._tree_unflatten, _cls._tree_flatten)
 del _cls
+
+
+__all__ = (
+    "DynamicLossScale",
+    "LossScale",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "check_scale",
+    "loss_scale_array",
+)

@@ -1,27 +1,19 @@
-"""Train steps that keep params, loss scaling and fp8 state consistent.
-
-A mixed-precision step has three kinds of state that must move together:
-
-* the parameters, updated by an Optax optimizer (usually wrapped in
-  :func:`jaxmp.loss_scaling`, which skips non-finite steps);
-* the fp8 delayed-scaling state (Flax's ``_overwrite_with_gradient`` collection),
-  whose new value arrives as its "gradient" and must be *merged*, not applied: kept
-  on a skipped step, kept where a layer got no cotangent, max-combined (never summed)
-  over repeated uses and micro-batches;
-* other collections (``batch_stats``), returned by the model's ``apply``.
+"""Train steps for linen models that keep params, loss scaling and fp8 state together.
 
 :func:`value_and_grad` differentiates a loss with respect to the params and the fp8
-state together, scaling the loss by the optimizer's current loss scale and making
-repeated uses of a layer take the max of their amaxes. :func:`apply_gradients` then
-updates the params through the optimizer and merges the fp8 state with the step's
-finiteness. :class:`TrainState` packages both for a Flax-style loop.
+state (the ``_overwrite_with_gradient`` collection) together, scaling the loss by the
+optimizer's current loss scale and making repeated uses of a layer take the max of
+their amaxes. :func:`apply_gradients` then updates the params through the optimizer
+and merges the fp8 state with the step's finiteness. :class:`TrainState` packages
+both for a Flax-style loop. The framework-neutral pieces live in
+:mod:`jaxmp._src.step`.
 
 Example:
   >>> import flax.linen as nn, optax
   >>> model = jaxmp.linen.mixed_precision(nn.Dense(2), jaxmp.PolicyRules(
   ...     "p=f32,c=bf16,o=f32", [jaxmp.Rule(nn.Dense, fp8=jaxmp.fp8.DelayedScaling())]))
   >>> x, y = jnp.ones((4, 3)), jnp.zeros((4, 2))
-  >>> state = jaxmp.train.TrainState.create(
+  >>> state = jaxmp.linen.TrainState.create(
   ...     apply_fn=model.apply, variables=model.init(jax.random.key(0), x),
   ...     tx=jaxmp.loss_scaling(optax.adam(1e-3)))
   >>> loss_fn = lambda variables: jnp.mean((state.apply_fn(variables, x) - y) ** 2)
@@ -34,42 +26,25 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Optional
 
 import flax
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmp import loss_scale as loss_scale_lib
-from jaxmp import transforms
-from jaxmp import tree as tree_lib
-from jaxmp.fp8 import state as fp8_state_lib
+from jaxmp._src import loss_scale as loss_scale_lib
+from jaxmp._src import step as step_lib
+from jaxmp._src.fp8 import state as fp8_state_lib
 
 FP8_COLLECTION = fp8_state_lib.OVERWRITE_WITH_GRADIENT
 PARAMS = "params"
+Gradients = step_lib.Gradients
 
 
-class Gradients(NamedTuple):
-  """What :func:`value_and_grad` returns besides the loss.
-
-  Attributes:
-    params: gradients of the params, multiplied by the loss scale the loss was scaled
-      with (what :func:`jaxmp.loss_scaling`'s ``update`` expects).
-    fp8: the fp8 state's cotangent: the proposed new fp8 state, float32, to be
-      merged by :func:`apply_gradients` (``{}`` for a model without fp8 layers).
-
-  Example:
-    >>> import flax.linen as nn
-    >>> model, x = nn.Dense(2), jnp.ones((1, 3))
-    >>> variables = model.init(jax.random.key(0), x)
-    >>> _, grads = jaxmp.train.value_and_grad(lambda v: model.apply(v, x).sum())(variables)
-    >>> grads.params["bias"], grads.fp8
-    (Array([1., 1.], dtype=float32), {})
-  """
-
-  params: Any
-  fp8: Any
+def _short_repr(x: Any, limit: int = 80) -> str:
+  text = repr(x)
+  return text if len(text) <= limit else text[:limit] + "..."
 
 
 def split_variables(variables: Any) -> tuple[Any, Any, dict]:
@@ -79,7 +54,7 @@ def split_variables(variables: Any) -> tuple[Any, Any, dict]:
     TypeError: if ``variables`` is not a mapping of collection names to trees.
 
   Example:
-    >>> jaxmp.train.split_variables({"params": {"w": 1.0}, "batch_stats": {"mean": 0.0},
+    >>> jaxmp.linen.split_variables({"params": {"w": 1.0}, "batch_stats": {"mean": 0.0},
     ...                              "_overwrite_with_gradient": {"input_scale": 1.0}})
     ({'w': 1.0}, {'input_scale': 1.0}, {'batch_stats': {'mean': 0.0}})
   """
@@ -93,16 +68,11 @@ def split_variables(variables: Any) -> tuple[Any, Any, dict]:
   return params, fp8, variables
 
 
-def _short_repr(x: Any, limit: int = 80) -> str:
-  text = repr(x)
-  return text if len(text) <= limit else text[:limit] + "..."
-
-
 def join_variables(params: Any, fp8: Any, collections: Optional[dict] = None) -> dict:
   """The inverse of :func:`split_variables`; an empty fp8 state is left out.
 
   Example:
-    >>> jaxmp.train.join_variables({"w": 1.0}, {}, {"batch_stats": {"mean": 0.0}})
+    >>> jaxmp.linen.join_variables({"w": 1.0}, {}, {"batch_stats": {"mean": 0.0}})
     {'batch_stats': {'mean': 0.0}, 'params': {'w': 1.0}}
   """
   variables = dict(collections or {})
@@ -110,24 +80,6 @@ def join_variables(params: Any, fp8: Any, collections: Optional[dict] = None) ->
   if fp8:
     variables[FP8_COLLECTION] = fp8
   return variables
-
-
-def find_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
-  """The loss scale in ``opt_state``, or :class:`jaxmp.NoOpLossScale` if it has none.
-
-  Example:
-    >>> import optax
-    >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.StaticLossScale(4.0))
-    >>> jaxmp.train.find_loss_scale(tx.init({}))
-    StaticLossScale(scale=Array(4., dtype=float32))
-    >>> jaxmp.train.find_loss_scale(optax.sgd(0.1).init({}))
-    NoOpLossScale()
-  """
-  found: list = []
-  transforms._find_states(opt_state, found)  # pylint: disable=protected-access
-  if not found:
-    return loss_scale_lib.NoOpLossScale()
-  return transforms.get_loss_scale(opt_state)
 
 
 def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
@@ -157,7 +109,7 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callabl
     >>> x = jnp.full((4, 3), 2.0)
     >>> variables = model.init(jax.random.key(0), x)
     >>> loss_fn = lambda variables, x: jnp.mean(model.apply(variables, x))
-    >>> loss, grads = jaxmp.train.value_and_grad(loss_fn)(
+    >>> loss, grads = jaxmp.linen.value_and_grad(loss_fn)(
     ...     variables, x, loss_scale=jaxmp.StaticLossScale(8.0))
     >>> grads.params["bias"]  # gradients of 8 * loss
     Array([4., 4.], dtype=float32)
@@ -172,56 +124,13 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callabl
     return fun(variables, *args)
 
   def value_and_grads(variables, *args, loss_scale: Optional[loss_scale_lib.LossScale] = None):
-    loss_scale = loss_scale_lib.NoOpLossScale() if loss_scale is None else loss_scale
+    loss_scale = step_lib.check_loss_scale(loss_scale, "value_and_grad")
     params, fp8, collections = split_variables(variables)
     out, (g_params, g_fp8) = loss_scale.value_and_grad(
         differentiable, has_aux=has_aux, argnums=(0, 1))(params, fp8, collections, *args)
     return out, Gradients(g_params, g_fp8)
 
   return value_and_grads
-
-
-def accumulate_gradients(a: Gradients, b: Gradients) -> Gradients:
-  """Combines two micro-batches' gradients: params summed, fp8 state max-combined.
-
-  Divide the params part by the number of micro-batches for a mean; the loss scale is
-  the same for every micro-batch of a step, so sums of scaled gradients unscale
-  correctly.
-
-  Raises:
-    TypeError: if ``a`` or ``b`` is not a :class:`Gradients`.
-    ValueError: if their fp8 states differ in structure (one has fp8 state and the
-      other none, say): they are not gradients of the same model.
-
-  Example:
-    >>> s = jaxmp.fp8.init_state(jaxmp.fp8.DelayedScaling(amax_history_length=2))
-    >>> a = jaxmp.train.Gradients({"w": jnp.array([1.0])},
-    ...                           s._replace(input_amax_history=jnp.array([3.0, 0.0])))
-    >>> b = jaxmp.train.Gradients({"w": jnp.array([3.0])},
-    ...                           s._replace(input_amax_history=jnp.array([5.0, 0.0])))
-    >>> total = jaxmp.train.accumulate_gradients(a, b)
-    >>> total.params["w"], total.fp8.input_amax_history  # sum, max
-    (Array([4.], dtype=float32), Array([5., 0.], dtype=float32))
-  """
-  for name, g in (("a", a), ("b", b)):
-    if not isinstance(g, Gradients):
-      raise TypeError(f"accumulate_gradients: {name} must be jaxmp.train.Gradients (from "
-                      f"value_and_grad), got {type(g).__name__}: {_short_repr(g)}.")
-  fp8_structures = [jax.tree_util.tree_structure(g.fp8) for g in (a, b)]
-  if fp8_structures[0] != fp8_structures[1]:
-    raise ValueError(
-        "accumulate_gradients: a and b must be gradients of the same model, but their fp8 "
-        f"states differ: {fp8_structures[0]} vs {fp8_structures[1]}.")
-  params = jax.tree_util.tree_map(jnp.add, a.params, b.params)
-  return Gradients(params, fp8_state_lib.accumulate(a.fp8, b.fp8) if a.fp8 else a.fp8)
-
-
-def _step_was_finite(opt_state: Any, scaled_grads: Any) -> jax.Array:
-  found: list = []
-  transforms._find_states(opt_state, found)  # pylint: disable=protected-access
-  if found:
-    return jnp.asarray(transforms.loss_scaling_metrics(opt_state)["last_step_finite"])
-  return tree_lib.all_finite(scaled_grads)
 
 
 def apply_gradients(tx: optax.GradientTransformation, params: Any, fp8: Any, opt_state: Any,
@@ -248,13 +157,13 @@ def apply_gradients(tx: optax.GradientTransformation, params: Any, fp8: Any, opt
   Example:
     >>> import flax.linen as nn, optax
     >>> model, x = nn.Dense(2), jnp.ones((4, 3))
-    >>> params, fp8, _ = jaxmp.train.split_variables(model.init(jax.random.key(0), x))
+    >>> params, fp8, _ = jaxmp.linen.split_variables(model.init(jax.random.key(0), x))
     >>> tx = jaxmp.loss_scaling(optax.sgd(0.1))
     >>> opt_state = tx.init(params)
     >>> loss_fn = lambda variables: jnp.mean(model.apply(variables, x))
-    >>> _, grads = jaxmp.train.value_and_grad(loss_fn)(
-    ...     jaxmp.train.join_variables(params, fp8), loss_scale=jaxmp.get_loss_scale(opt_state))
-    >>> params, fp8, opt_state = jaxmp.train.apply_gradients(tx, params, fp8, opt_state, grads)
+    >>> _, grads = jaxmp.linen.value_and_grad(loss_fn)(
+    ...     jaxmp.linen.join_variables(params, fp8), loss_scale=jaxmp.get_loss_scale(opt_state))
+    >>> params, fp8, opt_state = jaxmp.linen.apply_gradients(tx, params, fp8, opt_state, grads)
     >>> params["bias"]  # -0.1 * the unscaled gradient 0.5
     Array([-0.05, -0.05], dtype=float32)
   """
@@ -263,8 +172,7 @@ def apply_gradients(tx: optax.GradientTransformation, params: Any, fp8: Any, opt
   else:
     updates, opt_state = tx.update(grads.params, opt_state, params)
   params = optax.apply_updates(params, updates)
-  if fp8:
-    fp8 = fp8_state_lib.merge(fp8, grads.fp8, _step_was_finite(opt_state, grads.params))
+  fp8 = step_lib.merge_fp8(fp8, grads.fp8, step_lib.step_was_finite(opt_state, grads.params))
   return params, fp8, opt_state
 
 
@@ -285,7 +193,7 @@ class TrainState(flax.struct.PyTreeNode):
   Example:
     >>> import flax.linen as nn, optax
     >>> model, y = nn.Dense(1), jnp.ones((4, 1))
-    >>> state = jaxmp.train.TrainState.create(
+    >>> state = jaxmp.linen.TrainState.create(
     ...     apply_fn=model.apply, variables=model.init(jax.random.key(0), jnp.ones((4, 3))),
     ...     tx=jaxmp.loss_scaling(optax.adam(1e-2)))
     >>> @jax.jit
@@ -329,7 +237,7 @@ class TrainState(flax.struct.PyTreeNode):
   @property
   def loss_scale(self) -> loss_scale_lib.LossScale:
     """The loss scale the next loss is multiplied by (NoOp without loss scaling)."""
-    return find_loss_scale(self.opt_state)
+    return step_lib.loss_scale_of(self.opt_state)
 
   def value_and_grad(self, fun: Callable[..., Any], *,
                      has_aux: bool = False) -> Callable[..., Any]:
@@ -349,9 +257,19 @@ class TrainState(flax.struct.PyTreeNode):
     ``value=loss`` for ``optax.contrib.reduce_on_plateau``) as ``extra_args={...}``.
     """
     if not isinstance(grads, Gradients):
-      raise TypeError(f"apply_gradients expects jaxmp.train.Gradients (from "
+      raise TypeError(f"apply_gradients expects jaxmp.linen.Gradients (from "
                       f"value_and_grad), got {type(grads).__name__}.")
     params, fp8, opt_state = apply_gradients(self.tx, self.params, self.fp8,
                                              self.opt_state, grads, **(extra_args or {}))
     return self.replace(step=self.step + 1, params=params, fp8=fp8, opt_state=opt_state,
                         **changes)
+
+
+__all__ = (
+    "Gradients",
+    "TrainState",
+    "apply_gradients",
+    "join_variables",
+    "split_variables",
+    "value_and_grad",
+)

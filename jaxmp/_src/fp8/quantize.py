@@ -23,7 +23,7 @@ Soundness rules that every function here keeps:
   as 0 (neutral for ``max``), and such entries in an incoming history read as 0.
 
 Example:
-  >>> from jaxmp.fp8 import quantize as q
+  >>> from jaxmp._src.fp8 import quantize as q
   >>> s = q.scale_from_amax(jnp.float32(10.0), jnp.float32(1.0), q.E4M3)
   >>> bool(s == jnp.float32(10) / 448)
   True
@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp import dtypes as dtypes_lib
+from jaxmp._src import dtypes as dtypes_lib
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 """float8_e4m3fn: forward operands (inputs and kernels). Max 448, no infinities."""
@@ -55,7 +55,7 @@ def fp8_max(fp8_dtype: Any) -> float:
   """The largest finite value of an fp8 dtype (448 for E4M3, 57344 for E5M2).
 
   Example:
-    >>> from jaxmp.fp8 import quantize as q
+    >>> from jaxmp._src.fp8 import quantize as q
     >>> q.fp8_max(q.E4M3), q.fp8_max("e5m2")
     (448.0, 57344.0)
   """
@@ -84,7 +84,7 @@ def quantize(x: jax.Array, fp8_dtype: Any, scale: jax.Array) -> jax.Array:
     An array of ``x``'s shape in ``fp8_dtype``.
 
   Example:
-    >>> from jaxmp.fp8 import quantize as q
+    >>> from jaxmp._src.fp8 import quantize as q
     >>> q.quantize(jnp.array([1.0, 500.0, -1000.0, jnp.inf]), q.E4M3, jnp.float32(1.0))
     Array([1, 448, -448, nan], dtype=float8_e4m3fn)
   """
@@ -103,7 +103,7 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype: Any = F32) -> jax.Array:
   """``float32(q) * scale``, cast to ``dtype``.
 
   Example:
-    >>> from jaxmp.fp8 import quantize as q
+    >>> from jaxmp._src.fp8 import quantize as q
     >>> x = q.quantize(jnp.array([0.3, 100.0]), q.E4M3, jnp.float32(0.5))
     >>> x
     Array([0.625, 192], dtype=float8_e4m3fn)
@@ -117,7 +117,7 @@ def amax(x: jax.Array) -> jax.Array:
   """``max|x|`` as a float32 scalar (0 for an empty array).
 
   Example:
-    >>> from jaxmp.fp8 import quantize as q
+    >>> from jaxmp._src.fp8 import quantize as q
     >>> q.amax(jnp.array([[1.0, -3.0], [2.0, 0.5]], jnp.bfloat16)), q.amax(jnp.zeros((0,)))
     (Array(3., dtype=float32), Array(0., dtype=float32))
   """
@@ -134,7 +134,7 @@ def valid_scale(scale: jax.Array) -> jax.Array:
   """``scale`` where it is finite and > 0, else 1: the scale an fp8 op may trust.
 
   Example:
-    >>> from jaxmp.fp8 import quantize as q
+    >>> from jaxmp._src.fp8 import quantize as q
     >>> q.valid_scale(jnp.array([0.5, 0.0, jnp.inf, -1.0, jnp.nan]))
     Array([0.5, 1. , 1. , 1. , 1. ], dtype=float32)
   """
@@ -146,7 +146,7 @@ def valid_history(history: jax.Array) -> jax.Array:
   """``history`` with every inf, NaN or negative entry read as 0.
 
   Example:
-    >>> from jaxmp.fp8 import quantize as q
+    >>> from jaxmp._src.fp8 import quantize as q
     >>> q.valid_history(jnp.array([3.0, jnp.inf, -1.0, jnp.nan]))
     Array([3., 0., 0., 0.], dtype=float32)
   """
@@ -174,7 +174,7 @@ def scale_from_amax(amax_value: jax.Array, previous_scale: jax.Array, fp8_dtype:
     A finite, positive float32 scalar.
 
   Example:
-    >>> from jaxmp.fp8 import quantize as q
+    >>> from jaxmp._src.fp8 import quantize as q
     >>> float(q.scale_from_amax(jnp.float32(0.0), jnp.float32(0.0), q.E4M3))
     1.0
   """
@@ -205,7 +205,7 @@ def amax_from_history(history: jax.Array, amax_compute: str = "max") -> jax.Arra
     ValueError: for another ``amax_compute``.
 
   Example:
-    >>> from jaxmp.fp8 import quantize as q
+    >>> from jaxmp._src.fp8 import quantize as q
     >>> history = jnp.array([1.0, 4.0, 2.0])
     >>> q.amax_from_history(history), q.amax_from_history(history, "most_recent")
     (Array(4., dtype=float32), Array(1., dtype=float32))
@@ -235,7 +235,7 @@ def record_amax(history: jax.Array, amax_value: jax.Array) -> jax.Array:
     The new history.
 
   Example:
-    >>> from jaxmp.fp8 import quantize as q
+    >>> from jaxmp._src.fp8 import quantize as q
     >>> history = jnp.array([1.0, 4.0, 2.0])
     >>> q.record_amax(history, jnp.float32(3.0))
     Array([3., 2., 1.], dtype=float32)
@@ -270,7 +270,7 @@ def shared_amax(x: jax.Array, history: jax.Array) -> jax.Array:
     A float32 scalar.
 
   Example:
-    >>> from jaxmp.fp8 import quantize as q
+    >>> from jaxmp._src.fp8 import quantize as q
     >>> xs = jnp.array([[1.0, -2.0], [5.0, 0.5]])
     >>> jax.vmap(q.shared_amax, in_axes=(0, None))(xs, jnp.zeros(2))  # one shared state
     Array([5., 5.], dtype=float32)
@@ -296,3 +296,19 @@ def _shared_amax_vmap(axis_size, in_batched, x, history):
   else:
     per_member = jnp.broadcast_to(amax(x), (axis_size,))
   return jax.lax.map(lambda args: shared_amax(*args), (per_member, history)), True
+
+
+__all__ = (
+    "E4M3",
+    "E5M2",
+    "amax",
+    "amax_from_history",
+    "dequantize",
+    "fp8_max",
+    "quantize",
+    "record_amax",
+    "scale_from_amax",
+    "shared_amax",
+    "valid_history",
+    "valid_scale",
+)

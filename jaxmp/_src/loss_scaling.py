@@ -51,8 +51,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmp import loss_scale as loss_scale_lib
-from jaxmp import tree as tree_lib
+from jaxmp._src import loss_scale as loss_scale_lib
+from jaxmp._src import sharding
+from jaxmp._src import tree as tree_lib
 
 
 class LossScalingState(NamedTuple):
@@ -126,28 +127,8 @@ def _check_axis_name(axis_name: Any) -> Optional[Hashable]:
   return axis_name
 
 
-def _varying_axes(x: Any) -> frozenset:
-  """The shard_map mesh axes ``x`` (an array, tracer or ShapeDtypeStruct) varies over."""
-  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.9
-  if manual is not None:
-    return frozenset(getattr(manual, "varying", ()))
-  return frozenset(getattr(aval, "vma", ()) or ())  # older jax
-
-
 def _make_varying(tree: Any, axes: Any) -> Any:
-  """Marks each leaf of ``tree`` as varying over its entry in ``axes`` (a no-op outside
-  shard_map, where every set is empty)."""
-
-  def cast(x, want):
-    missing = tuple(sorted(want - _varying_axes(x), key=str))
-    if not missing:
-      return x
-    if hasattr(jax.lax, "pcast"):
-      return jax.lax.pcast(x, missing, to="varying")
-    return jax.lax.pvary(x, missing)  # jax < 0.9
-
-  return jax.tree_util.tree_map(cast, tree, axes)
+  return jax.tree_util.tree_map(sharding.make_varying, tree, axes)
 
 
 def loss_scaling(
@@ -233,7 +214,7 @@ def loss_scaling(
         lambda s: jnp.zeros(s.shape, s.dtype), update_shapes)
     # Inside shard_map both branches must also vary over the same mesh axes.
     varying = jax.tree_util.tree_map(
-        lambda a, b: _varying_axes(a) | _varying_axes(b),
+        lambda a, b: sharding.varying_axes(a) | sharding.varying_axes(b),
         (update_shapes, state_shapes), (update_shapes, state.inner_state))
 
     new_updates, new_inner_state = jax.lax.cond(
@@ -271,18 +252,32 @@ def _find_states(tree: Any, found: list) -> None:
       _find_states(leaf.inner_state, found)  # a wrapper inside a wrapper is ambiguous
 
 
-def _find_state(opt_state: Any, caller: str) -> LossScalingState:
+def find_state(opt_state: Any, caller: str) -> Optional[LossScalingState]:
+  """The one :class:`LossScalingState` in ``opt_state``, or ``None`` if there is none.
+
+  NNX variable wrappers (``nnx.Optimizer``'s ``opt_state``) are removed.
+
+  Raises:
+    ValueError: if ``opt_state`` holds more than one (``caller`` names who asked).
+  """
   found: list = []
   _find_states(opt_state, found)
   if not found:
-    raise ValueError(
-        f"{caller}: no LossScalingState in the optimizer state of type "
-        f"{type(opt_state).__name__}; was the optimizer wrapped in jaxmp.loss_scaling?")
+    return None
   if len(found) > 1:
     raise ValueError(
         f"{caller}: the optimizer state holds {len(found)} LossScalingStates, expected "
         "exactly one; wrap the optimizer in jaxmp.loss_scaling once.")
   return _unwrap_nnx_variables(found[0])
+
+
+def _require_state(opt_state: Any, caller: str) -> LossScalingState:
+  state = find_state(opt_state, caller)
+  if state is None:
+    raise ValueError(
+        f"{caller}: no LossScalingState in the optimizer state of type "
+        f"{type(opt_state).__name__}; was the optimizer wrapped in jaxmp.loss_scaling?")
+  return state
 
 
 def get_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
@@ -309,7 +304,7 @@ def get_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
     >>> jaxmp.get_loss_scale(tx.init(jnp.zeros(2))).loss_scale
     Array(8., dtype=float32)
   """
-  return _find_state(opt_state, "get_loss_scale").loss_scale
+  return _require_state(opt_state, "get_loss_scale").loss_scale
 
 
 def loss_scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
@@ -333,9 +328,18 @@ def loss_scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
     >>> jax.jit(jaxmp.loss_scaling_metrics)(state)["loss_scale"]
     Array(32768., dtype=float32)
   """
-  state = _find_state(opt_state, "loss_scaling_metrics")
+  state = _require_state(opt_state, "loss_scaling_metrics")
   return {
       "loss_scale": jnp.asarray(state.loss_scale.loss_scale, jnp.float32),
       "skipped_steps": jnp.asarray(state.skipped_steps),
       "last_step_finite": jnp.asarray(state.last_step_finite),
   }
+
+
+__all__ = (
+    "LossScalingState",
+    "find_state",
+    "get_loss_scale",
+    "loss_scaling",
+    "loss_scaling_metrics",
+)

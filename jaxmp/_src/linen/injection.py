@@ -4,14 +4,14 @@
 rule carries an fp8 recipe. What "fp8" means depends on the layer:
 
 * ``nn.Dense`` and ``nn.DenseGeneral``: their ``dot_general_cls`` is set, for this call
-  only, to :class:`~jaxmp.fp8.Fp8DotGeneral` with the rule's recipe; the layer creates
+  only, to :class:`~jaxmp.linen.Fp8DotGeneral` with the rule's recipe; the layer creates
   it as a child (``Fp8DotGeneral_0``) whose state lives in ``_overwrite_with_gradient``.
 * ``nn.MultiHeadDotProductAttention`` (and ``nn.SelfAttention``): its
   ``qkv_dot_general_cls`` and ``out_dot_general_cls`` are set the same way, so the
   four projections run in fp8; the attention-score einsums keep the compute dtype.
 * ``nn.Einsum``: it has no dot_general hook, so its computation is done here instead,
   exactly as ``nn.Einsum.__call__`` does it but with the product computed by a child
-  :class:`~jaxmp.fp8.Fp8Einsum` (``Fp8Einsum_0``).
+  :class:`~jaxmp.linen.Fp8Einsum` (``Fp8Einsum_0``).
 
 Any other layer has no matmul jaxmp can put in fp8; :func:`supports_fp8` says which.
 A layer the user already gave a custom dot_general is not overridden: that is an error.
@@ -27,8 +27,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 from flax.linen import module as linen_module
 
-from jaxmp.fp8 import linen as fp8_linen
-from jaxmp.fp8 import recipes as recipes_lib
+from jaxmp._src.linen import fp8 as fp8_linen
+from jaxmp._src.fp8 import recipes as recipes_lib
 
 _MISSING = object()
 
@@ -149,3 +149,12 @@ def fp8_call(module: nn.Module, recipe: recipes_lib.Recipe,
       return next_fun(*args, **kwargs)
 
   return call
+
+
+__all__ = (
+    "FP8_LAYER_TYPES",
+    "FP8_MODULE_TYPES",
+    "fp8_call",
+    "instance_attribute",
+    "supports_fp8",
+)

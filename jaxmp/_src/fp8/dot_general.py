@@ -36,10 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp.fp8 import maxgrad
-from jaxmp.fp8 import quantize as q
-from jaxmp.fp8 import recipes as recipes_lib
-from jaxmp.fp8 import state as state_lib
+from jaxmp._src import sharding
+from jaxmp._src.fp8 import maxgrad
+from jaxmp._src.fp8 import quantize as q
+from jaxmp._src.fp8 import recipes as recipes_lib
+from jaxmp._src.fp8 import state as state_lib
 
 F32 = np.dtype(np.float32)
 
@@ -133,18 +134,9 @@ def _write(x: jax.Array, aval: tuple) -> jax.Array:
   """A float32 value in the shape and dtype of the state leaf it replaces."""
   shape, dtype = aval
   x = jnp.reshape(x, shape)
-  if dtype == maxgrad.max_float32:
-    return jax.lax.convert_element_type(x, maxgrad.max_float32)
+  if maxgrad.is_max_float32(dtype):
+    return jax.lax.convert_element_type(x, dtype)
   return x.astype(dtype)
-
-
-def _varying_axes(x: Any) -> frozenset:
-  """The shard_map mesh axes ``x`` varies over (empty outside shard_map)."""
-  aval = jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.9
-  if manual is not None:
-    return frozenset(getattr(manual, "varying", ()))
-  return frozenset(getattr(aval, "vma", ()) or ())  # older jax
 
 
 def _like_primal(ct: jax.Array, primal_axes: frozenset, reduce: Any) -> jax.Array:
@@ -158,16 +150,10 @@ def _like_primal(ct: jax.Array, primal_axes: frozenset, reduce: Any) -> jax.Arra
   new amaxes are maxima (the amax of the whole global batch). Axes the primal varies
   over and the cotangent does not are added with ``pcast``.
   """
-  extra = tuple(sorted(_varying_axes(ct) - primal_axes, key=str))
+  extra = tuple(sorted(sharding.varying_axes(ct) - primal_axes, key=str))
   if extra:
     ct = reduce(ct, extra)
-  missing = tuple(sorted(primal_axes - _varying_axes(ct), key=str))
-  if missing:
-    if hasattr(jax.lax, "pcast"):
-      ct = jax.lax.pcast(ct, missing, to="varying")
-    else:  # jax < 0.9
-      ct = jax.lax.pvary(ct, missing)
-  return ct
+  return sharding.make_varying(ct, primal_axes)
 
 
 def _remaining(ndim: int, *removed: Sequence[int]) -> list:
@@ -344,7 +330,7 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, prec
   if isinstance(recipe, recipes_lib.DelayedScaling):
     state = _as_state(state, recipe)
     state_avals = tuple((x.shape, x.dtype) for x in state)
-    state_varying = tuple(_varying_axes(x) for x in state)
+    state_varying = tuple(sharding.varying_axes(x) for x in state)
   else:
     if state is not None:
       raise ValueError(
@@ -352,7 +338,7 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, prec
           "state=None, or use DelayedScaling for stateful scaling.")
     state_avals = state_varying = None
   cfg = _Config(dimension_numbers, recipe, np.dtype(lhs.dtype), np.dtype(rhs.dtype),
-                out_dtype, out_sharding, state_avals, _varying_axes(lhs), _varying_axes(rhs),
+                out_dtype, out_sharding, state_avals, sharding.varying_axes(lhs), sharding.varying_axes(rhs),
                 state_varying)
   return _fp8_dot_jit(lhs, rhs, state, cfg)
 
@@ -467,3 +453,9 @@ def fp8_einsum(eqn: str, lhs: jax.Array, rhs: jax.Array, *, state: Any = None,
             + "".join(c for c in rhs_spec if c not in lhs_spec))
   perm = tuple(y_spec.index(c) for c in out)
   return y if perm == tuple(range(len(perm))) else jnp.transpose(y, perm)
+
+
+__all__ = (
+    "fp8_dot_general",
+    "fp8_einsum",
+)

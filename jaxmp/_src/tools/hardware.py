@@ -29,10 +29,10 @@ and is reported as :attr:`DeviceCapabilities.half_dtype`.
 
 Example:
   >>> cpu = jax.devices("cpu")[0]
-  >>> caps = jaxmp.device_capabilities(cpu)
+  >>> caps = jaxmp.tools.device_capabilities(cpu)
   >>> caps.platform, caps.supports_bf16, caps.supports_fp8
   ('cpu', False, False)
-  >>> print(jaxmp.recommended_policy(cpu).policy)
+  >>> print(jaxmp.tools.recommended_policy(cpu).policy)
   params=float32,compute=float32,output=float32
 """
 
@@ -44,9 +44,9 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
-from jaxmp import dtypes as dtypes_lib
-from jaxmp import loss_scale as loss_scale_lib
-from jaxmp import policy as policy_lib
+from jaxmp._src import dtypes as dtypes_lib
+from jaxmp._src import loss_scale as loss_scale_lib
+from jaxmp._src import policy as policy_lib
 
 BF16_MIN_COMPUTE_CAPABILITY = dtypes_lib.BF16_MIN_COMPUTE_CAPABILITY  # Ampere
 FP16_MIN_COMPUTE_CAPABILITY = (7, 0)   # Volta: float16 tensor cores
@@ -113,7 +113,7 @@ def device_capabilities(device: Any = None) -> DeviceCapabilities:
     >>> import types
     >>> a100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA A100",
     ...                              compute_capability="8.0")
-    >>> caps = jaxmp.device_capabilities(a100)
+    >>> caps = jaxmp.tools.device_capabilities(a100)
     >>> caps.supports_bf16, caps.supports_fp8, caps.compute_capability
     (True, False, (8, 0))
   """
@@ -209,7 +209,7 @@ def recommended_policy(device: Any = None) -> RecommendedPolicy:
     >>> import types
     >>> v100 = types.SimpleNamespace(platform="gpu", device_kind="Tesla V100",
     ...                              compute_capability="7.0")
-    >>> recommended = jaxmp.recommended_policy(v100)
+    >>> recommended = jaxmp.tools.recommended_policy(v100)
     >>> print(recommended.policy)
     params=float32,compute=float16,output=float32
     >>> type(recommended.loss_scale).__name__

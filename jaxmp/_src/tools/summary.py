@@ -8,7 +8,7 @@ the rule that decided it. Use it to check that a regex matches what you meant.
 Example:
   >>> import flax.linen as nn
   >>> model = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(2)])
-  >>> print(jaxmp.summary(model, "p=f32,c=bf16,o=f32", jnp.ones((1, 3))))
+  >>> print(jaxmp.tools.summary(model, "p=f32,c=bf16,o=f32", jnp.ones((1, 3))))
   path      module      params   compute   output    fp8  rule
   --------  ----------  -------  --------  --------  ---  -------
   <root>    Sequential  float32  bfloat16  float32   -    default
@@ -26,9 +26,11 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from jaxmp import linen as linen_lib
-from jaxmp import nnx as nnx_lib
-from jaxmp import rules as rules_lib
+from jaxmp._src import engine
+from jaxmp._src import rules as rules_lib
+from jaxmp._src.linen import wrapper as linen_lib
+from jaxmp._src.nnx import wrapper as nnx_lib
+from jaxmp._src.tools import table
 
 _COLUMNS = ("path", "module", "params", "compute", "output", "fp8", "rule")
 
@@ -50,33 +52,13 @@ def _rule_label(rules: rules_lib.PolicyRules, precision: rules_lib.ModulePrecisi
                 module_type: type) -> str:
   if precision.rule is not None:
     return f"{rules.rules.index(precision.rule)}: {precision.rule.describe()}"
-  if rules.float32_normalization and issubclass(module_type, rules_lib.NORMALIZATION_CLASSES):
+  if rules.float32_normalization and rules_lib.is_normalization(module_type):
     return "norm"
   return "default"
 
 
 def _recipe_label(recipe: Any) -> str:
   return "-" if recipe is None else type(recipe).__name__
-
-
-def text_table(header: Sequence[str], body: Sequence[Sequence[str]],
-               right: Optional[Sequence[bool]] = None) -> str:
-  """A plain-text table: the header, a rule of dashes, then the rows.
-
-  Columns are two spaces apart and as wide as their widest cell; a column whose
-  ``right`` flag is set is right-aligned (numbers), the others left-aligned.
-  """
-  cells = [list(header)] + [list(row) for row in body]
-  right = right or [False] * len(header)
-  widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-
-  def line(row):
-    return "  ".join(c.rjust(w) if r else c.ljust(w)
-                     for c, w, r in zip(row, widths, right)).rstrip()
-
-  lines = [line(row) for row in cells]
-  lines.insert(1, "  ".join("-" * w for w in widths))
-  return "\n".join(lines)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +71,7 @@ class PrecisionSummary:
     body = [
         (r.path if r.method == "__call__" else f"{r.path}.{r.method}", r.module, r.param_dtype,
          r.compute_dtype, r.output_dtype, r.fp8, r.rule) for r in self.rows]
-    return text_table(_COLUMNS, body)
+    return table.text_table(_COLUMNS, body)
 
 
 def rows_from_records(rules: rules_lib.PolicyRules,
@@ -102,7 +84,7 @@ def rows_from_records(rules: rules_lib.PolicyRules,
       continue
     policy = r.precision.policy
     rows[key] = SummaryRow(
-        path=r.path or "<root>", module=r.module_type.__name__, method=r.method,
+        path=engine.describe_path(r.path), module=r.module_type.__name__, method=r.method,
         param_dtype=policy.param_dtype.name, compute_dtype=policy.compute_dtype.name,
         output_dtype=r.output_dtype.name, fp8=_recipe_label(r.precision.fp8),
         rule=_rule_label(rules, r.precision, r.module_type))
@@ -113,7 +95,7 @@ def _linen_wrapper(model: Any, rules: Optional[rules_lib.PolicyOrRules]):
   if isinstance(model, linen_lib.MixedPrecision):
     return model if rules is None else linen_lib.mixed_precision(model.model, rules)
   if rules is None:
-    raise ValueError("jaxmp.summary needs rules (a policy or jaxmp.PolicyRules) when given "
+    raise ValueError("jaxmp.tools.summary needs rules (a policy or jaxmp.PolicyRules) when given "
                      f"an unwrapped model {type(model).__name__}.")
   return linen_lib.mixed_precision(model, rules)
 
@@ -149,22 +131,33 @@ def summary(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRules] = No
     >>> rules = jaxmp.PolicyRules("p=f32,c=bf16,o=f32", [
     ...     jaxmp.Rule("layers_1", fp8=jaxmp.fp8.DelayedScaling())])
     >>> model = nn.Sequential([nn.Dense(4), nn.Dense(2)])
-    >>> print(jaxmp.summary(model, rules, jnp.ones((1, 3))))
+    >>> print(jaxmp.tools.summary(model, rules, jnp.ones((1, 3))))
     path      module      params   compute   output    fp8             rule
     --------  ----------  -------  --------  --------  --------------  -------------
     <root>    Sequential  float32  bfloat16  float32   -               default
     layers_0  Dense       float32  bfloat16  bfloat16  -               default
     layers_1  Dense       float32  bfloat16  bfloat16  DelayedScaling  0: 'layers_1'
   """
+  used, records = trace_calls(model_or_wrapper, rules, *args, variables=variables, rngs=rngs,
+                              **kwargs)
+  return PrecisionSummary(rows_from_records(used, records))
+
+
+def trace_calls(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRules] = None,
+                *args, variables: Any = None, rngs: Any = None,
+                **kwargs) -> tuple[rules_lib.PolicyRules, list[engine.CallRecord]]:
+  """Traces one call abstractly, as :func:`summary` does; returns the rules and records.
+
+  Takes what :func:`summary` takes.
+  """
   if isinstance(model_or_wrapper, nnx.Module):
     if variables is not None or rngs is not None:
-      raise TypeError("jaxmp.summary: an NNX model holds its own variables and RNGs; "
+      raise TypeError("jaxmp.tools.summary: an NNX model holds its own variables and RNGs; "
                       "variables= and rngs= are for linen models.")
     method = kwargs.pop("method", "__call__")
-    used, records = nnx_lib.trace_abstract(model_or_wrapper, rules, method, args, kwargs)
-    return PrecisionSummary(rows_from_records(used, records))
+    return nnx_lib.trace_abstract(model_or_wrapper, rules, method, args, kwargs)
   if not isinstance(model_or_wrapper, (nn.Module, linen_lib.MixedPrecision)):
-    raise TypeError(f"jaxmp.summary expects a flax linen Module, an NNX Module or a jaxmp "
+    raise TypeError(f"jaxmp.tools.summary expects a flax linen Module, an NNX Module or a jaxmp "
                     f"wrapper, got {model_or_wrapper!r} of type "
                     f"{type(model_or_wrapper).__name__}.")
   wrapper = _linen_wrapper(model_or_wrapper, rules)
@@ -180,4 +173,7 @@ def summary(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRules] = No
     records.extend(calls)
 
   jax.eval_shape(call)
-  return PrecisionSummary(rows_from_records(wrapper.rules, records))
+  return wrapper.rules, records
+
+
+__all__ = ("PrecisionSummary", "SummaryRow", "summary", "trace_calls")

@@ -16,7 +16,7 @@ update the collection with :mod:`jaxmp.fp8.state` (``for_grad`` inside the loss,
 Example:
   >>> import flax.linen as nn
   >>> from jaxmp import fp8
-  >>> dense = nn.Dense(4, dot_general_cls=fp8.Fp8DotGeneral)
+  >>> dense = nn.Dense(4, dot_general_cls=jaxmp.linen.Fp8DotGeneral)
   >>> variables = dense.init(jax.random.key(0), jnp.ones((2, 3)))
   >>> sorted(variables["_overwrite_with_gradient"]["Fp8DotGeneral_0"])
   ['input_amax_history', 'input_scale', 'kernel_amax_history', 'kernel_scale', 'output_grad_amax_history', 'output_grad_scale']
@@ -30,9 +30,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxmp.fp8 import dot_general as dot_general_lib
-from jaxmp.fp8 import recipes as recipes_lib
-from jaxmp.fp8 import state as state_lib
+from jaxmp._src.fp8 import dot_general as dot_general_lib
+from jaxmp._src.fp8 import recipes as recipes_lib
+from jaxmp._src.fp8 import state as state_lib
 
 
 def _read_state(module: nn.Module, recipe: recipes_lib.Recipe
@@ -72,7 +72,7 @@ class Fp8DotGeneral(nn.Module):
     >>> import flax.linen as nn
     >>> from jaxmp import fp8
     >>> layer = nn.Dense(2, dot_general_cls=functools.partial(
-    ...     fp8.Fp8DotGeneral, recipe=fp8.DelayedScaling(amax_history_length=16)))
+    ...     jaxmp.linen.Fp8DotGeneral, recipe=fp8.DelayedScaling(amax_history_length=16)))
     >>> v = layer.init(jax.random.key(0), jnp.ones((1, 3)))
     >>> v["_overwrite_with_gradient"]["Fp8DotGeneral_0"]["input_amax_history"].shape
     (16,)
@@ -113,7 +113,7 @@ class Fp8Einsum(nn.Module):
 
   Example:
     >>> from jaxmp import fp8
-    >>> layer = fp8.Fp8Einsum(recipe=fp8.CurrentScaling())
+    >>> layer = jaxmp.linen.Fp8Einsum(recipe=fp8.CurrentScaling())
     >>> x, w = jnp.ones((2, 3, 4)), jnp.ones((4, 5))
     >>> y, variables = layer.init_with_output(jax.random.key(0), "btd,dh->bth", x, w)
     >>> y.shape, variables
@@ -134,3 +134,9 @@ class Fp8Einsum(nn.Module):
     return dot_general_lib.fp8_einsum(
         eqn, lhs, rhs, state=state, recipe=self.recipe,
         preferred_element_type=preferred_element_type, precision=precision)
+
+
+__all__ = (
+    "Fp8DotGeneral",
+    "Fp8Einsum",
+)

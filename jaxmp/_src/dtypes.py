@@ -12,9 +12,9 @@ which is what jmp picks on CPUs and older GPUs.
 
 Example:
   >>> import jaxmp
-  >>> jaxmp.parse_dtype("bf16")
+  >>> jaxmp.tools.parse_dtype("bf16")
   dtype(bfloat16)
-  >>> jaxmp.float_format("float8_e4m3fn").max
+  >>> jaxmp.tools.float_format("float8_e4m3fn").max
   448.0
 """
 
@@ -150,11 +150,11 @@ def parse_dtype(value: DTypeLike, *, allow_fp8: bool = False) -> np.dtype:
     TypeError: for a value that is neither a string nor a dtype.
 
   Example:
-    >>> jaxmp.parse_dtype("f32"), jaxmp.parse_dtype(jnp.bfloat16)
+    >>> jaxmp.tools.parse_dtype("f32"), jaxmp.tools.parse_dtype(jnp.bfloat16)
     (dtype('float32'), dtype(bfloat16))
-    >>> jaxmp.parse_dtype("e4m3", allow_fp8=True)
+    >>> jaxmp.tools.parse_dtype("e4m3", allow_fp8=True)
     dtype(float8_e4m3fn)
-    >>> jaxmp.parse_dtype("half") == jaxmp.half_dtype()
+    >>> jaxmp.tools.parse_dtype("half") == jaxmp.half_dtype()
     True
   """
   if isinstance(value, str):
@@ -200,6 +200,22 @@ def is_float_dtype(dtype: Any) -> bool:
     return False
 
 
+def arithmetic_dtype(*dtypes: Any) -> np.dtype:
+  """The dtype jaxmp does scaling and statistics arithmetic in: float32, or float64.
+
+  float32 holds every float16, bfloat16 and fp8 value exactly, so half-precision
+  values are widened to it; float64 values (with ``jax_enable_x64``) stay float64.
+
+  Example:
+    >>> from jaxmp._src import dtypes
+    >>> dtypes.arithmetic_dtype(jnp.bfloat16), dtypes.arithmetic_dtype("float16", "float32")
+    (dtype('float32'), dtype('float32'))
+  """
+  if any(np.dtype(d) == np.dtype(np.float64) for d in dtypes):
+    return np.dtype(jax.dtypes.canonicalize_dtype(np.float64))
+  return np.dtype(np.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class FloatFormat:
   """The numbers that describe a floating-point format.
@@ -217,7 +233,7 @@ class FloatFormat:
       to NaN instead).
 
   Example:
-    >>> fmt = jaxmp.float_format("bf16")
+    >>> fmt = jaxmp.tools.float_format("bf16")
     >>> fmt.mantissa_bits, fmt.exponent_bits, fmt.eps, fmt.has_inf
     (7, 8, 0.0078125, True)
   """
@@ -242,7 +258,7 @@ def float_format(dtype: DTypeLike) -> FloatFormat:
     A :class:`FloatFormat`.
 
   Example:
-    >>> fmt = jaxmp.float_format("f16")
+    >>> fmt = jaxmp.tools.float_format("f16")
     >>> fmt.max, fmt.min_normal
     (65504.0, 6.103515625e-05)
   """
@@ -258,3 +274,15 @@ def float_format(dtype: DTypeLike) -> FloatFormat:
       exponent_bits=int(info.nexp),
       has_inf=dtype != np.dtype(jnp.float8_e4m3fn),
   )
+
+
+__all__ = (
+    "DTypeLike",
+    "FloatFormat",
+    "arithmetic_dtype",
+    "dtype_name",
+    "float_format",
+    "half_dtype",
+    "is_float_dtype",
+    "parse_dtype",
+)

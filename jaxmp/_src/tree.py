@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp import dtypes as dtypes_lib
+from jaxmp._src import dtypes as dtypes_lib
 
 T = TypeVar("T")
 
@@ -163,3 +163,11 @@ def select_tree(pred: Any, on_true: T, on_false: T) -> T:
 
   selected = [select(path, a, b) for (path, a), b in zip(true_paths, false_leaves)]
   return jax.tree_util.tree_unflatten(true_def, selected)
+
+
+__all__ = (
+    "all_finite",
+    "cast_tree",
+    "is_float_array",
+    "select_tree",
+)

@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import jmp
 import numpy as np
 
-from jaxmp import dtypes as dtypes_lib
-from jaxmp import tree as tree_lib
+from jaxmp._src import dtypes as dtypes_lib
+from jaxmp._src import tree as tree_lib
 
 T = TypeVar("T")
 
@@ -124,6 +124,18 @@ class Policy:
   def with_output_dtype(self, dtype: dtypes_lib.DTypeLike) -> "Policy":
     """A copy of this policy with another output dtype (the others unchanged)."""
     return dataclasses.replace(self, output_dtype=dtype)
+
+  def to_jmp(self) -> jmp.Policy:
+    """The ``jmp.Policy`` with the same dtypes, for code written against jmp.
+
+    Example:
+      >>> print(jaxmp.get_policy("p=f32,c=bf16").to_jmp())
+      p=full,c=bf16,o=bf16
+    """
+    # jmp keys its names by the jnp scalar types, not by np.dtype objects.
+    return jmp.Policy(getattr(jnp, self.param_dtype.name),
+                      getattr(jnp, self.compute_dtype.name),
+                      getattr(jnp, self.output_dtype.name))
 
   def __str__(self) -> str:
     return (f"params={self.param_dtype.name},compute={self.compute_dtype.name},"
@@ -211,15 +223,8 @@ def get_policy(spec: PolicyLike) -> Policy:
       f"of type {type(spec).__name__}.")
 
 
-def to_jmp(policy: PolicyLike) -> jmp.Policy:
-  """The ``jmp.Policy`` with the same dtypes, for code written against jmp.
-
-  Example:
-    >>> print(jaxmp.to_jmp("p=f32,c=bf16"))
-    p=full,c=bf16,o=bf16
-  """
-  policy = get_policy(policy)
-  # jmp keys its names by the jnp scalar types, not by np.dtype objects.
-  return jmp.Policy(getattr(jnp, policy.param_dtype.name),
-                    getattr(jnp, policy.compute_dtype.name),
-                    getattr(jnp, policy.output_dtype.name))
+__all__ = (
+    "Policy",
+    "PolicyLike",
+    "get_policy",
+)

@@ -27,11 +27,10 @@ state "gradient" with :func:`jaxmp.fp8.state.merge` rather than applying it;
 Example:
   >>> from flax import nnx
   >>> from jaxmp import fp8
-  >>> import jaxmp.fp8.nnx
-  >>> layer = nnx.Linear(3, 2, dot_general=fp8.nnx.Fp8DotGeneral(), rngs=nnx.Rngs(0))
+  >>> layer = nnx.Linear(3, 2, dot_general=jaxmp.nnx.Fp8DotGeneral(), rngs=nnx.Rngs(0))
   >>> layer(jnp.ones((4, 3))).shape
   (4, 2)
-  >>> sorted(nnx.state(layer, fp8.nnx.Fp8State)["dot_general"])
+  >>> sorted(nnx.state(layer, jaxmp.nnx.Fp8State)["dot_general"])
   ['input_amax_history', 'input_scale', 'kernel_amax_history', 'kernel_scale', 'output_grad_amax_history', 'output_grad_scale']
 """
 
@@ -45,9 +44,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmp.fp8 import dot_general as dot_general_lib
-from jaxmp.fp8 import recipes as recipes_lib
-from jaxmp.fp8 import state as state_lib
+from jaxmp._src.fp8 import dot_general as dot_general_lib
+from jaxmp._src.fp8 import recipes as recipes_lib
+from jaxmp._src.fp8 import state as state_lib
 
 
 class Fp8State(nnx.Variable):
@@ -99,8 +98,7 @@ class Fp8DotGeneral(nnx.Module):
 
   Example:
     >>> from jaxmp import fp8
-    >>> import jaxmp.fp8.nnx
-    >>> op = fp8.nnx.Fp8DotGeneral(fp8.DelayedScaling(amax_history_length=4))
+    >>> op = jaxmp.nnx.Fp8DotGeneral(fp8.DelayedScaling(amax_history_length=4))
     >>> op(jnp.ones((2, 3)), jnp.ones((3, 1)), (((1,), (0,)), ((), ()))).ravel()
     Array([3., 3.], dtype=float32)
     >>> op.input_amax_history.shape
@@ -136,8 +134,7 @@ class Fp8Einsum(nnx.Module):
 
   Example:
     >>> from jaxmp import fp8
-    >>> import jaxmp.fp8.nnx
-    >>> op = fp8.nnx.Fp8Einsum(fp8.CurrentScaling())
+    >>> op = jaxmp.nnx.Fp8Einsum(fp8.CurrentScaling())
     >>> op("btd,dh->bth", jnp.ones((2, 3, 4)), jnp.ones((4, 5))).shape
     (2, 3, 5)
   """
@@ -260,7 +257,7 @@ def for_grad(model: Any) -> Iterator[None]:
 
   Use it *inside* the function ``nnx.grad`` differentiates, around everything that
   calls the model: for its duration every :class:`Fp8State` in ``model`` holds its
-  value converted to :data:`~jaxmp.fp8.maxgrad.max_float32` (see
+  value converted to :data:`~jaxmp._src.maxgrad.max_float32` (see
   :func:`jaxmp.fp8.state.for_grad`), so a layer called several times, or inside
   ``nnx.scan``, gets the max of its uses' new states, not their sum. The float32
   values are put back in ``finally``; the state's gradient comes back as float32.
@@ -271,13 +268,12 @@ def for_grad(model: Any) -> Iterator[None]:
   Example:
     >>> from flax import nnx
     >>> from jaxmp import fp8
-    >>> import jaxmp.fp8.nnx
-    >>> op = fp8.nnx.Fp8DotGeneral(fp8.DelayedScaling(amax_history_length=2))
+    >>> op = jaxmp.nnx.Fp8DotGeneral(fp8.DelayedScaling(amax_history_length=2))
     >>> def loss(op, x):
-    ...   with fp8.nnx.for_grad(op):
+    ...   with jaxmp.nnx.fp8_for_grad(op):
     ...     dot = lambda a: op(a, jnp.ones((1, 1)), (((1,), (0,)), ((), ())))
     ...     return jnp.sum(dot(dot(x)))   # used twice
-    >>> grads = nnx.grad(loss, argnums=nnx.DiffState(0, fp8.nnx.Fp8State))(
+    >>> grads = nnx.grad(loss, argnums=nnx.DiffState(0, jaxmp.nnx.Fp8State))(
     ...     op, jnp.full((1, 1), 2.0))
     >>> grads["input_amax_history"][...]   # max of [2, 0] and [2, 0], not the sum
     Array([2., 0.], dtype=float32)

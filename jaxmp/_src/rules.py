@@ -31,20 +31,32 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any, Optional, Sequence, Union
 
-import flax.linen as nn
 import numpy as np
-from flax import nnx
 
-from jaxmp import dtypes as dtypes_lib
-from jaxmp import policy as policy_lib
+from jaxmp._src import dtypes as dtypes_lib
+from jaxmp._src import policy as policy_lib
+from jaxmp._src.fp8 import recipes as recipes_lib
 
-NORMALIZATION_CLASSES: tuple[type, ...] = (
-    nn.BatchNorm, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.InstanceNorm,
-    nnx.BatchNorm, nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, nnx.InstanceNorm,
-)
+
+@functools.cache
+def normalization_classes() -> tuple[type, ...]:
+  """The linen and NNX normalization layers, which compute in float32 by default.
+
+  Imported on first use, so that importing jaxmp does not import Flax.
+  """
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  return (nn.BatchNorm, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.InstanceNorm,
+          nnx.BatchNorm, nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, nnx.InstanceNorm)
+
+
+def is_normalization(module_type: type) -> bool:
+  """Whether ``module_type`` is one of :func:`normalization_classes`."""
+  return issubclass(module_type, normalization_classes())
 
 Match = Union[type, tuple, str]
 
@@ -68,8 +80,7 @@ def _check_match(match: Any) -> Optional[re.Pattern]:
 
 def _check_fp8(recipe: Any) -> None:
   if recipe is not None:
-    from jaxmp.fp8 import recipes  # pylint: disable=g-import-not-at-top
-    recipes.check_recipe(recipe, where="Rule fp8")
+    recipes_lib.check_recipe(recipe, where="Rule fp8")
 
 
 def _named_output(policy: Any, parsed: policy_lib.Policy) -> Optional[np.dtype]:
@@ -217,7 +228,7 @@ class PolicyRules:
       if rule.matches(path, module_type):
         policy = self.default if rule.policy is None else rule.policy
         return ModulePrecision(policy, rule.output_dtype, rule.fp8, rule)
-    if self.float32_normalization and issubclass(module_type, NORMALIZATION_CLASSES):
+    if self.float32_normalization and is_normalization(module_type):
       return ModulePrecision(_normalization_policy(self.default), None, None, None)
     return ModulePrecision(self.default, None, None, None)
 
@@ -239,3 +250,14 @@ def as_rules(policy_or_rules: PolicyOrRules) -> PolicyRules:
         f"Expected a policy or jaxmp.PolicyRules, got {policy_or_rules!r}; wrap rules as "
         f"jaxmp.PolicyRules(default_policy, rules).")
   return PolicyRules(policy_lib.get_policy(policy_or_rules))
+
+
+__all__ = (
+    "ModulePrecision",
+    "PolicyOrRules",
+    "PolicyRules",
+    "Rule",
+    "as_rules",
+    "is_normalization",
+    "normalization_classes",
+)

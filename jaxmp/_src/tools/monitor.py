@@ -29,10 +29,10 @@ Example:
   >>> opt_state = tx.init({"w": jnp.ones(2)})
   >>> grads = {"w": jnp.array([jnp.inf, 1.0])}
   >>> _, opt_state = tx.update(grads, opt_state)
-  >>> metrics = jax.jit(jaxmp.training_metrics)(grads, opt_state)
+  >>> metrics = jax.jit(jaxmp.tools.training_metrics)(grads, opt_state)
   >>> {k: v.tolist() for k, v in metrics["nonfinite"].items()}, metrics["skipped_steps"].item()
   ({'w': 1}, 1)
-  >>> monitor = jaxmp.Monitor(skip_window=1, max_skip_rate=0.5)
+  >>> monitor = jaxmp.tools.Monitor(skip_window=1, max_skip_rate=0.5)
   >>> [a.kind for a in monitor.update(metrics, loss=2.3)]
   ['skip_rate']
 """
@@ -49,9 +49,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp import diagnostics
-from jaxmp import loss_scale as loss_scale_lib
-from jaxmp import transforms
+from jaxmp._src import dtypes as dtypes_lib
+from jaxmp._src import loss_scale as loss_scale_lib
+from jaxmp._src import loss_scaling as loss_scaling_lib
+from jaxmp._src.tools import leaves as leaves_lib
 
 # ---- in-jit metrics ------------------------------------------------------------------------
 
@@ -59,21 +60,7 @@ from jaxmp import transforms
 def _inverse_scale(loss_scale: Any) -> Any:
   if loss_scale is None:
     return None
-  if isinstance(loss_scale, loss_scale_lib.LossScale):
-    loss_scale = loss_scale.loss_scale
-  if isinstance(loss_scale, (bool, np.bool_, str)) or not (
-      isinstance(loss_scale, (int, float, np.number)) or hasattr(loss_scale, "dtype")):
-    raise TypeError(f"training_metrics: loss_scale must be a jaxmp.LossScale, a number or a "
-                    f"scalar array, got {loss_scale!r} of type {type(loss_scale).__name__}.")
-  if np.shape(loss_scale) != ():
-    raise TypeError(f"training_metrics: loss_scale must be a scalar, got shape "
-                    f"{np.shape(loss_scale)}.")
-  if not isinstance(loss_scale, jax.core.Tracer):
-    value = float(np.asarray(loss_scale))
-    if not (math.isfinite(value) and value > 0):
-      raise ValueError(f"training_metrics: loss_scale must be positive and finite, got "
-                       f"{loss_scale!r}.")
-  return 1.0 / jnp.asarray(loss_scale, jnp.float32)
+  return 1.0 / loss_scale_lib.loss_scale_array(loss_scale, where="training_metrics")
 
 
 def training_metrics(grads: Any, opt_state: Any = None, *,
@@ -83,7 +70,7 @@ def training_metrics(grads: Any, opt_state: Any = None, *,
   Args:
     grads: the gradients to measure, any pytree (an ``nnx.State`` too). Counts are
       grouped by the first element of each leaf's path: pass the params' gradients
-      (``grads.params`` from :func:`jaxmp.train.value_and_grad`, or
+      (``grads.params`` from :func:`jaxmp.linen.value_and_grad`, or
       ``grads["params"]``) to group by top-level module. The norm is of what you pass:
       gradients of a scaled loss are scaled, unless ``loss_scale`` says by how much.
     opt_state: an optimizer state holding one :class:`jaxmp.LossScalingState`, for
@@ -110,23 +97,23 @@ def training_metrics(grads: Any, opt_state: Any = None, *,
     TypeError: for a ``loss_scale`` that is not a number, scalar array or loss scale.
 
   Example:
-    >>> metrics = jaxmp.training_metrics({"a": {"w": jnp.array([3.0, jnp.nan])},
+    >>> metrics = jaxmp.tools.training_metrics({"a": {"w": jnp.array([3.0, jnp.nan])},
     ...                                   "b": jnp.array([8.0])}, loss_scale=2.0)
     >>> {k: int(v) for k, v in metrics["nonfinite"].items()}
     {'a': 1, 'b': 0}
-    >>> float(jaxmp.training_metrics({"w": jnp.array([6.0, 8.0])}, loss_scale=2.0)["grad_norm"])
+    >>> float(jaxmp.tools.training_metrics({"w": jnp.array([6.0, 8.0])}, loss_scale=2.0)["grad_norm"])
     5.0
   """
   inverse = _inverse_scale(loss_scale)
-  leaves = diagnostics.float_leaves(grads)
+  leaves = leaves_lib.float_leaves(grads)
   squares = []
   nonfinite: dict[str, Any] = {}
   for path, x in leaves:
-    x = jnp.asarray(x).astype(jnp.promote_types(x.dtype, jnp.float32))
+    x = jnp.asarray(x).astype(dtypes_lib.arithmetic_dtype(x.dtype))
     if inverse is not None:
       x = x * inverse.astype(x.dtype)
     squares.append(jnp.sum(jnp.square(x), dtype=jnp.float32))
-    key = path[0] if path else diagnostics.ROOT
+    key = path[0] if path else leaves_lib.ROOT
     count = jnp.sum(~jnp.isfinite(x), dtype=jnp.int32)
     nonfinite[key] = nonfinite[key] + count if key in nonfinite else count
   metrics: dict[str, Any] = {
@@ -134,7 +121,7 @@ def training_metrics(grads: Any, opt_state: Any = None, *,
       "nonfinite": nonfinite,
   }
   if opt_state is not None:
-    metrics.update(transforms.loss_scaling_metrics(opt_state))
+    metrics.update(loss_scaling_lib.loss_scaling_metrics(opt_state))
   return metrics
 
 
@@ -227,7 +214,7 @@ class Monitor:
     TypeError, ValueError: for a bad argument, naming it.
 
   Example:
-    >>> monitor = jaxmp.Monitor(spike_window=3, spike_factor=2.0)
+    >>> monitor = jaxmp.tools.Monitor(spike_window=3, spike_factor=2.0)
     >>> for step, loss in enumerate([2.0, 2.1, 1.9, 2.0, 9.0, 2.0]):
     ...   for anomaly in monitor.update({}, loss=loss):
     ...     print(anomaly)

@@ -155,7 +155,7 @@ def check_recipe(recipe: Any, where: str = "fp8") -> Recipe:
 
   Example:
     >>> from jaxmp import fp8
-    >>> fp8.recipes.check_recipe(fp8.CurrentScaling())
+    >>> jaxmp._src.fp8.recipes.check_recipe(fp8.CurrentScaling())
     CurrentScaling(margin=0)
   """
   if isinstance(recipe, RECIPE_TYPES):
@@ -166,3 +166,11 @@ def check_recipe(recipe: Any, where: str = "fp8") -> Recipe:
   raise TypeError(
       f"{where}: recipe must be a jaxmp.fp8.DelayedScaling or jaxmp.fp8.CurrentScaling "
       f"instance, got {recipe!r} of type {type(recipe).__name__}.{hint}")
+
+
+__all__ = (
+    "CurrentScaling",
+    "DelayedScaling",
+    "Recipe",
+    "check_recipe",
+)

@@ -20,7 +20,7 @@ Only :func:`_define_max_float32` touches JAX internals; everything else goes thr
 public ``jax.lax`` calls.
 
 Example:
-  >>> from jaxmp.fp8 import maxgrad
+  >>> from jaxmp._src.fp8 import maxgrad
   >>> def f(h):
   ...   h = maxgrad.to_max_float32(h)
   ...   # Two reads whose cotangents are [1, 5] and [3, 2]: JAX would add them.
@@ -156,26 +156,41 @@ def _define_max_float32() -> Any:
   return MaxFloat32()
 
 
-try:
-  max_float32 = _define_max_float32()
-  """The max-accumulating float32 extended dtype (``None`` if this JAX cannot build it)."""
-  _UNAVAILABLE = None
-except ImportError as _error:  # jaxmp still imports; only for_grad needs the dtype.
-  max_float32 = None
-  _UNAVAILABLE = _error
+# Built on first use, not at import: importing jaxmp leaves JAX's tables as they were.
+_DTYPE: Any = None
+
+
+def max_float32_dtype() -> Any:
+  """The max-accumulating float32 dtype, built (and registered with JAX) on first call.
+
+  Raises:
+    ImportError: if this JAX version lacks the internals the dtype needs.
+  """
+  global _DTYPE
+  if _DTYPE is None:
+    _DTYPE = _define_max_float32()
+  return _DTYPE
+
+
+def __getattr__(name: str) -> Any:
+  # ``maxgrad.max_float32`` reads as a constant but is only built when asked for.
+  if name == "max_float32":
+    return max_float32_dtype()
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def is_max_float32(x: Any) -> bool:
   """Whether ``x`` (an array or a dtype) is of the :data:`max_float32` dtype.
 
   Example:
-    >>> from jaxmp.fp8 import maxgrad
+    >>> from jaxmp._src.fp8 import maxgrad
     >>> x = jnp.ones(2)
     >>> maxgrad.is_max_float32(maxgrad.to_max_float32(x)), maxgrad.is_max_float32(x)
     (True, False)
   """
   dtype = getattr(x, "dtype", x)
-  return max_float32 is not None and dtype == max_float32
+  # Nothing can have the dtype before it is built, so asking does not build it.
+  return _DTYPE is not None and dtype == _DTYPE
 
 
 def to_max_float32(x: jax.Array) -> jax.Array:
@@ -193,19 +208,17 @@ def to_max_float32(x: jax.Array) -> jax.Array:
     ImportError: if this JAX version lacks the internals :data:`max_float32` needs.
 
   Example:
-    >>> from jaxmp.fp8 import maxgrad
+    >>> from jaxmp._src.fp8 import maxgrad
     >>> maxgrad.to_max_float32(jnp.array([1.0, 2.0])).dtype == maxgrad.max_float32
     True
   """
-  if _UNAVAILABLE is not None:
-    raise ImportError(str(_UNAVAILABLE)) from _UNAVAILABLE
   if is_max_float32(x):
     return x
   x = jnp.asarray(x)
   if x.dtype != np.float32:
     raise TypeError(
         f"fp8 state must be float32 to accumulate by max, got an array of dtype {x.dtype}.")
-  return jax.lax.convert_element_type(x, max_float32)
+  return jax.lax.convert_element_type(x, max_float32_dtype())
 
 
 def from_max_float32(x: jax.Array) -> jax.Array:
@@ -214,7 +227,7 @@ def from_max_float32(x: jax.Array) -> jax.Array:
   Differentiable: the cotangent of the float32 result goes back as ``max_float32``.
 
   Example:
-    >>> from jaxmp.fp8 import maxgrad
+    >>> from jaxmp._src.fp8 import maxgrad
     >>> maxgrad.from_max_float32(maxgrad.to_max_float32(jnp.array([1.0, 2.0])))
     Array([1., 2.], dtype=float32)
   """
@@ -236,7 +249,15 @@ def _from_max_float32_fwd(x):
 
 
 def _from_max_float32_bwd(_, ct):
-  return (jax.lax.convert_element_type(ct, max_float32),)
+  return (jax.lax.convert_element_type(ct, max_float32_dtype()),)
 
 
 _from_max_float32.defvjp(_from_max_float32_fwd, _from_max_float32_bwd)
+
+
+__all__ = (
+    "from_max_float32",
+    "is_max_float32",
+    "max_float32_dtype",
+    "to_max_float32",
+)

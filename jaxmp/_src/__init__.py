@@ -1,0 +1,1 @@
+"""jaxmp implementation; the public API is re-exported from the jaxmp package."""

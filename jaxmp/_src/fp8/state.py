@@ -1,0 +1,380 @@
+"""fp8 delayed-scaling state: its layout, its creation, and how a trainer updates it.
+
+A delayed-scaling matmul keeps, per operand (input, kernel, output gradient), a scale
+and an amax history. The op cannot write state (it is a pure function), so, as in
+Flax and TransformerEngine, its custom VJP returns the *new* scale and history as the
+cotangent ("gradient") of the old ones, and the trainer replaces the state with that
+cotangent. Done naively that has four known failure modes; the functions here are
+the sound replacements:
+
+1. **Zero cotangent.** A layer whose output is unused or behind ``stop_gradient``
+   gets a symbolic-zero cotangent, its backward pass never runs, and its state
+   "gradient" is all zeros (or ``-inf`` under :func:`for_grad`). Overwriting writes
+   scale 0, and Flax's layer then outputs 0/NaN forever. :func:`merge` recognises
+   such a cotangent (a scale that is not finite and > 0, a history that is all zero
+   or not finite) and keeps the old state. The op itself also reads a scale that is
+   not finite and > 0 as 1 and inf/NaN history entries as 0, so even state that was
+   overwritten with zeros by Flax's ``TrainState.apply_gradients`` recovers: the
+   layer behaves as freshly initialised (scale 1) for a step and then scales from
+   the amaxes it records again.
+2. **Max, not sum.** State read several times in one step (a layer called twice,
+   ``lax.scan``/``nn.scan`` over shared weights) gets the *sum* of the per-read
+   cotangents from JAX's reverse mode. Call :func:`for_grad` on the state inside the
+   differentiated function: it converts the state to
+   :data:`~jaxmp._src.maxgrad.max_float32`, whose autodiff accumulation is ``max``,
+   and the cotangent comes back as float32.
+3. **Gradient accumulation.** Micro-batches of one step all start from the same
+   state; combine their state cotangents with :func:`accumulate` (element-wise max),
+   never with the ``+`` or mean used for parameter gradients. Likewise across
+   data-parallel replicas under ``shard_map``/``pmap``: :func:`all_reduce` (``pmax``),
+   not ``pmean``.
+4. **Skipped steps.** On a step whose gradients are not finite (and that loss scaling
+   therefore skips), :func:`merge` with ``grads_finite=False`` returns the old state
+   unchanged. Independently, a non-finite amax is never recorded in a history.
+
+All functions work leaf by leaf on any pytree of fp8 state: a
+:class:`DelayedScalingState`, one module's variables, or a model's whole
+``_overwrite_with_gradient`` collection. They are pure and jit-safe.
+
+Example:
+  A training step over a Flax model with fp8 layers, where ``loss_fn(params,
+  fp8_state, batch)`` applies the model to ``{"params": params,
+  "_overwrite_with_gradient": fp8_state}``:
+
+  >>> from jaxmp import fp8
+  >>> old = fp8.init_state(fp8.DelayedScaling(amax_history_length=4))
+  >>> stale = jax.tree_util.tree_map(jnp.zeros_like, old)  # a zero cotangent
+  >>> fp8.state.merge(old, stale, grads_finite=True).input_scale
+  Array([1.], dtype=float32)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp._src.fp8 import maxgrad
+from jaxmp._src.fp8 import recipes as recipes_lib
+
+T = TypeVar("T")
+
+OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
+"""The Flax collection fp8 state lives in; Flax's ``TrainState`` overwrites it."""
+
+TENSORS = ("input", "kernel", "output_grad")
+
+F32 = np.dtype(np.float32)
+
+
+class DelayedScalingState(NamedTuple):
+  """The delayed-scaling state of one fp8 matmul.
+
+  Field names are the variable names of Flax's ``nn.Fp8DotGeneral``, and shapes are
+  Flax's (scales ``(1,)``, histories ``(amax_history_length,)``, float32), so state
+  moves between the two with ``DelayedScalingState(**variables)`` and
+  ``state._asdict()``.
+
+  Attributes:
+    input_scale: dequantization multiplier of the input (lhs), ``(1,)``.
+    input_amax_history: amax history of the input, most recent first.
+    kernel_scale: scale of the kernel (rhs).
+    kernel_amax_history: amax history of the kernel.
+    output_grad_scale: scale of the output gradient.
+    output_grad_amax_history: amax history of the output gradient.
+
+  Example:
+    >>> import flax.linen as nn
+    >>> from jaxmp import fp8
+    >>> flax_layer = nn.Dense(2, dot_general_cls=nn.Fp8DotGeneral)  # Flax's own fp8
+    >>> variables = flax_layer.init(jax.random.key(0), jnp.ones((1, 3)))
+    >>> (flax_state,) = variables[fp8.OVERWRITE_WITH_GRADIENT].values()
+    >>> state = fp8.DelayedScalingState.from_variables(flax_state)
+    >>> state.input_scale, state.input_amax_history.shape
+    (Array([1.], dtype=float32), (1024,))
+    >>> sorted(state._asdict()) == sorted(flax_state)
+    True
+  """
+
+  input_scale: Any
+  input_amax_history: Any
+  kernel_scale: Any
+  kernel_amax_history: Any
+  output_grad_scale: Any
+  output_grad_amax_history: Any
+
+  @classmethod
+  def from_variables(cls, variables: Any) -> "DelayedScalingState":
+    """Builds the state from a mapping with Flax's six variable names.
+
+    Raises:
+      ValueError: naming the missing or unexpected keys.
+    """
+    names = set(cls._fields)
+    given = set(variables)
+    if given != names:
+      raise ValueError(
+          f"fp8 state needs exactly the variables {sorted(names)}; missing "
+          f"{sorted(names - given)}, unexpected {sorted(given - names)}.")
+    return cls(**{name: variables[name] for name in cls._fields})
+
+
+def init_state(recipe: recipes_lib.Recipe) -> Optional[DelayedScalingState]:
+  """The initial state of one fp8 matmul under ``recipe``.
+
+  Scales start at 1 and histories at 0, as in Flax and TransformerEngine: the first
+  step quantizes with scale 1 and records the first amaxes.
+
+  Args:
+    recipe: a :class:`~jaxmp.fp8.DelayedScaling` or :class:`~jaxmp.fp8.CurrentScaling`.
+
+  Returns:
+    A :class:`DelayedScalingState` for delayed scaling; ``None`` for current scaling,
+    which has no state.
+
+  Raises:
+    TypeError: if ``recipe`` is not a jaxmp fp8 recipe.
+
+  Example:
+    >>> from jaxmp import fp8
+    >>> s = fp8.init_state(fp8.DelayedScaling(amax_history_length=3))
+    >>> s.input_scale, s.input_amax_history
+    (Array([1.], dtype=float32), Array([0., 0., 0.], dtype=float32))
+  """
+  recipe = recipes_lib.check_recipe(recipe, "init_state")
+  if isinstance(recipe, recipes_lib.CurrentScaling):
+    return None
+  scale = jnp.ones((1,), F32)
+  history = jnp.zeros((recipe.amax_history_length,), F32)
+  return DelayedScalingState(scale, history, scale, history, scale, history)
+
+
+def for_grad(state: T) -> T:
+  """Converts fp8 state so that repeated reads accumulate cotangents by ``max``.
+
+  Call it *inside* the function you differentiate, on the state argument, before the
+  model reads it. Every cotangent accumulation JAX inserts downstream of the
+  conversion (repeated calls, ``lax.scan``/``nn.scan`` over shared weights, remat)
+  is then an element-wise max, and the cotangent of the state argument comes back as
+  ordinary float32. (Calling it outside ``jax.grad`` does not work: ``jax.grad``
+  only differentiates float inputs.)
+
+  Args:
+    state: a pytree of float32 fp8 state (a :class:`DelayedScalingState`, or a
+      model's ``_overwrite_with_gradient`` collection). Not the parameters.
+
+  Returns:
+    The same tree with :data:`~jaxmp._src.maxgrad.max_float32` leaves.
+
+  Raises:
+    TypeError: if a leaf is not float32.
+
+  Example:
+    >>> from jaxmp import fp8
+    >>> recipe = fp8.DelayedScaling(amax_history_length=3)
+    >>> def loss(fp8_state, x):
+    ...   fp8_state = fp8.state.for_grad(fp8_state)
+    ...   dot = lambda a: fp8.fp8_dot_general(
+    ...       a, jnp.ones((1, 1)), (((1,), (0,)), ((), ())), state=fp8_state, recipe=recipe)
+    ...   return jnp.sum(dot(dot(x)))  # the layer is used twice
+    >>> new = jax.grad(loss)(fp8.init_state(recipe), jnp.full((1, 1), 2.0))
+    >>> new.input_amax_history  # max of the two uses' [2, 0, 0], not their sum
+    Array([2., 0., 0.], dtype=float32)
+  """
+  return jax.tree_util.tree_map(maxgrad.to_max_float32, state)
+
+
+def from_grad(tree: T) -> T:
+  """Converts :data:`~jaxmp._src.maxgrad.max_float32` leaves back to float32.
+
+  Not needed after the pattern :func:`for_grad` documents (the cotangent already
+  comes back as float32); useful when ``max_float32`` values were differentiated
+  directly with ``jax.vjp``. Other leaves come back unchanged.
+
+  Example:
+    >>> from jaxmp._src.fp8 import maxgrad
+    >>> def f(h):  # two reads, whose cotangents [3, 1] and [1, 4] combine by max
+    ...   a = maxgrad.from_max_float32(h) * jnp.array([3.0, 1.0])
+    ...   b = maxgrad.from_max_float32(h) * jnp.array([1.0, 4.0])
+    ...   return jnp.sum(a) + jnp.sum(b)
+    >>> _, f_vjp = jax.vjp(f, maxgrad.to_max_float32(jnp.ones(2)))
+    >>> (ct,) = f_vjp(jnp.float32(1.0))
+    >>> maxgrad.is_max_float32(ct)
+    True
+    >>> jaxmp.fp8.state.from_grad({"history": ct, "step": 3})
+    {'history': Array([3., 4.], dtype=float32), 'step': 3}
+  """
+  return jax.tree_util.tree_map(maxgrad.from_max_float32, tree)
+
+
+def _informative(cotangent: jax.Array) -> jax.Array:
+  # A real scale or history is finite, >= 0, and (scales always, histories unless
+  # every amax so far was 0) somewhere > 0. A zero or -inf cotangent fails this.
+  # An all-zero history that was real is the old history rolled with amax 0, which
+  # only happens when the old history was all zero too: keeping the old one is then
+  # the same thing.
+  finite = jnp.all(jnp.isfinite(cotangent))
+  non_negative = jnp.all(cotangent >= 0)
+  positive = jnp.any(cotangent > 0)
+  return finite & non_negative & positive
+
+
+def _check_predicate(grads_finite: Any) -> jax.Array:
+  if np.shape(grads_finite) != ():
+    raise ValueError(
+        f"merge needs a scalar grads_finite, got one of shape {np.shape(grads_finite)}.")
+  dtype = grads_finite.dtype if hasattr(grads_finite, "dtype") else np.result_type(grads_finite)
+  if dtype != np.dtype(bool):
+    raise TypeError(f"merge needs a boolean grads_finite, got dtype {dtype}.")
+  return jnp.asarray(grads_finite)
+
+
+def merge(old_state: T, state_cotangent: T, grads_finite: Any = True) -> T:
+  """The next fp8 state from the old one and the state cotangent of a step.
+
+  Leaf by leaf: the cotangent where the step was finite and the cotangent carries
+  information, the old value otherwise. A cotangent carries no information when it
+  is not finite, has a negative entry, or is all zero: what an unused or
+  ``stop_gradient``-ed layer (a symbolic-zero cotangent: 0, or ``-inf`` under
+  :func:`for_grad`) gets.
+
+  Args:
+    old_state: the state the step read.
+    state_cotangent: its cotangent from ``jax.grad`` (after :func:`accumulate` when
+      there were micro-batches); same structure and shapes.
+    grads_finite: a scalar bool, e.g. ``jaxmp.all_finite(grads)``; ``False`` (a step
+      loss scaling skips) keeps the whole old state.
+
+  Returns:
+    The new state, same structure and dtypes as ``old_state``.
+
+  Raises:
+    ValueError: if the trees differ in structure or a pair of leaves in shape, or
+      ``grads_finite`` is not a scalar.
+    TypeError: if ``grads_finite`` is not boolean.
+
+  Example:
+    >>> from jaxmp import fp8
+    >>> old = fp8.init_state(fp8.DelayedScaling(amax_history_length=2))
+    >>> ct = old._replace(input_scale=jnp.array([0.5]))
+    >>> fp8.state.merge(old, ct, grads_finite=jnp.array(True)).input_scale
+    Array([0.5], dtype=float32)
+    >>> fp8.state.merge(old, ct, grads_finite=jnp.array(False)).input_scale
+    Array([1.], dtype=float32)
+  """
+  ok_step = _check_predicate(grads_finite)
+  state_cotangent = from_grad(state_cotangent)
+  old_paths, old_def = jax.tree_util.tree_flatten_with_path(old_state)
+  ct_leaves, ct_def = jax.tree_util.tree_flatten(state_cotangent)
+  if old_def != ct_def:
+    raise ValueError(
+        "merge needs the state and its cotangent to have the same structure, got\n"
+        f"  old_state:       {old_def}\n  state_cotangent: {ct_def}")
+
+  def merge_leaf(path, old, ct):
+    old, ct = jnp.asarray(old), jnp.asarray(ct)
+    if old.shape != ct.shape:
+      raise ValueError(
+          f"merge: leaf {jax.tree_util.keystr(path)} has shape {old.shape} in the state "
+          f"and {ct.shape} in the cotangent.")
+    take = ok_step & _informative(ct.astype(F32))
+    return jnp.where(take, ct.astype(old.dtype), old)
+
+  merged = [merge_leaf(p, o, c) for (p, o), c in zip(old_paths, ct_leaves)]
+  return jax.tree_util.tree_unflatten(old_def, merged)
+
+
+def accumulate(a: T, b: T) -> T:
+  """Combines the state cotangents of two micro-batches of one step: element-wise max.
+
+  Every micro-batch of a step reads the same old state, so their cotangents agree
+  everywhere except in the amaxes they recorded; the max of those is the amax of the
+  whole batch, which is what one step over the whole batch would have recorded. A
+  micro-batch that carried no information (zeros, ``-inf``: see :func:`merge`) or
+  recorded nothing finite does not change the result; NaN is ignored.
+
+  Args:
+    a: a state cotangent, or :func:`empty_like` to start an accumulation.
+    b: another one, same structure and shapes.
+
+  Returns:
+    The combined cotangent, float32.
+
+  Example:
+    >>> from jaxmp import fp8
+    >>> s = fp8.init_state(fp8.DelayedScaling(amax_history_length=2))
+    >>> a = s._replace(input_amax_history=jnp.array([3.0, 1.0]))
+    >>> b = s._replace(input_amax_history=jnp.array([5.0, 1.0]))
+    >>> fp8.state.accumulate(a, b).input_amax_history
+    Array([5., 1.], dtype=float32)
+  """
+  a, b = from_grad(a), from_grad(b)
+  return jax.tree_util.tree_map(lambda x, y: jnp.fmax(jnp.asarray(x, F32), jnp.asarray(y, F32)), a, b)
+
+
+def all_reduce(state_cotangent: T, axis_name: Any) -> T:
+  """Combines the state cotangents of data-parallel replicas: max over ``axis_name``.
+
+  Under ``jit`` with sharded arrays nothing is needed (the amax of a sharded tensor is
+  already global). Under ``shard_map`` or ``pmap`` each replica records the amaxes of
+  its own shard; take their max here, where parameter gradients take a mean, so that
+  every replica continues with the same state. Same rules as :func:`accumulate`.
+
+  Args:
+    state_cotangent: this replica's state cotangent.
+    axis_name: the mapped axis (or tuple of axes) the replicas run over.
+
+  Returns:
+    The combined cotangent, float32, equal on every replica.
+
+  Example:
+    >>> from jaxmp import fp8
+    >>> s = fp8.init_state(fp8.DelayedScaling(amax_history_length=2))
+    >>> per_replica = s._replace(input_amax_history=jnp.array([[3.0, 1.0], [5.0, 1.0]]))
+    >>> per_replica = jax.tree_util.tree_map(
+    ...     lambda x: x if x.ndim == 2 else jnp.stack([x, x]), per_replica)
+    >>> out = jax.vmap(lambda c: fp8.state.all_reduce(c, "replicas"),
+    ...                axis_name="replicas")(per_replica)
+    >>> out.input_amax_history
+    Array([[5., 1.],
+           [5., 1.]], dtype=float32)
+  """
+  def reduce(x):
+    x = jnp.asarray(x, F32)
+    # NaN never comes out of the fp8 ops; read one as "no information" like -inf.
+    x = jnp.where(jnp.isnan(x), -jnp.inf, x)
+    return jax.lax.pmax(x, axis_name)
+
+  return jax.tree_util.tree_map(reduce, from_grad(state_cotangent))
+
+
+def empty_like(state: T) -> T:
+  """A cotangent that carries no information: the identity of :func:`accumulate`.
+
+  ``-inf`` everywhere, which :func:`merge` never takes. Start a gradient-accumulation
+  carry with it.
+
+  Example:
+    >>> from jaxmp import fp8
+    >>> s = fp8.init_state(fp8.DelayedScaling(amax_history_length=2))
+    >>> fp8.state.merge(s, fp8.state.empty_like(s)).kernel_scale
+    Array([1.], dtype=float32)
+  """
+  return jax.tree_util.tree_map(
+      lambda x: jnp.full(jnp.shape(x), -jnp.inf, F32), from_grad(state))
+
+
+__all__ = (
+    "OVERWRITE_WITH_GRADIENT",
+    "TENSORS",
+    "DelayedScalingState",
+    "accumulate",
+    "all_reduce",
+    "empty_like",
+    "for_grad",
+    "from_grad",
+    "init_state",
+    "merge",
+)

@@ -1,0 +1,146 @@
+"""Train steps for NNX models: params, loss scaling, fp8 state and other state together.
+
+The NNX counterparts of :mod:`jaxmp.linen`'s steps, over the same framework-neutral
+core (:mod:`jaxmp._src.step`): :func:`value_and_grad` differentiates the loss with
+respect to the params and the fp8 state together, scaled by the loss scale, and
+:func:`apply_gradients` steps an ``nnx.Optimizer`` on the params and merges the fp8
+state (kept on a skipped step or where a layer got no cotangent).
+``nnx.Optimizer.step`` counts every update, skipped ones included; the inner Optax
+state (Adam's ``count``, and so its bias correction and any schedule) does not
+advance on a step :func:`jaxmp.loss_scaling` skips.
+
+Example:
+  >>> from flax import nnx
+  >>> import optax
+  >>> model = jaxmp.nnx.mixed_precision(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), "float32")
+  >>> optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.sgd(0.1)), wrt=nnx.Param)
+  >>> loss, grads = jaxmp.nnx.value_and_grad(lambda m, x: jnp.mean(m(x) ** 2))(
+  ...     model, jnp.ones((4, 3)), loss_scale=jaxmp.get_loss_scale(optimizer.opt_state))
+  >>> _ = jaxmp.nnx.apply_gradients(optimizer, model, grads)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import optax
+from flax import nnx
+
+from jaxmp._src import step as step_lib
+from jaxmp._src.nnx import fp8 as fp8_nnx
+
+Gradients = step_lib.Gradients
+
+
+def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False,
+                   wrt: Any = nnx.Param) -> Callable[..., Any]:
+  """Differentiates ``fun(model, *args)`` w.r.t. the params and the fp8 state.
+
+  The NNX counterpart of :func:`jaxmp.linen.value_and_grad`. The returned function
+  takes ``(model, *args, loss_scale=None, **kwargs)``: it calls ``fun`` inside
+  ``nnx.grad`` with the model's fp8 state read through
+  :func:`jaxmp.fp8.nnx.for_grad` (a layer used several times, or inside ``nnx.scan``,
+  records the max of its uses), and differentiates ``loss * loss_scale``. State the
+  model updates during the call (batch statistics, RNG counts) is kept, as with
+  ``nnx.grad``.
+
+  Args:
+    fun: ``fun(model, *args, **kwargs) -> loss`` (or ``(loss, aux)`` with
+      ``has_aux``). Keyword arguments are passed through, not differentiated; graph
+      nodes (``nnx.Rngs``) go in ``args``.
+    has_aux: whether ``fun`` returns ``(loss, aux)``.
+    wrt: the filter of the variables to differentiate besides the fp8 state; the same
+      as the optimizer's ``wrt``.
+
+  Returns:
+    A function returning ``(loss, Gradients)`` or ``((loss, aux), Gradients)``: the
+    loss unscaled, ``Gradients.params`` (an ``nnx.State``) scaled by ``loss_scale``,
+    ``Gradients.fp8`` the proposed next fp8 state (empty without fp8 layers).
+
+  Raises:
+    TypeError: if ``fun`` is not callable or ``loss_scale`` not a jaxmp loss scale.
+
+  Example:
+    >>> from flax import nnx
+    >>> model = jaxmp.nnx.mixed_precision(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), jaxmp.PolicyRules(
+    ...     "float32", [jaxmp.Rule(nnx.Linear, fp8=jaxmp.fp8.DelayedScaling(16))]))
+    >>> loss_fn = lambda model, x: jnp.sum(model(x) ** 2)
+    >>> loss, grads = jaxmp.nnx.value_and_grad(loss_fn)(
+    ...     model, jnp.ones((4, 3)), loss_scale=jaxmp.StaticLossScale(8.0))
+    >>> grads.fp8["fp8"][""]["input_amax_history"][...][0]   # the root layer's next state
+    Array(1., dtype=float32)
+  """
+  if not callable(fun):
+    raise TypeError(f"value_and_grad: fun must be callable, got {fun!r}.")
+  differentiable = nnx.Any(wrt, fp8_nnx.Fp8State)
+
+  def value_and_grads(model, *args, loss_scale=None, **kwargs):
+    scale = step_lib.check_loss_scale(loss_scale, "jaxmp.nnx.value_and_grad")
+
+    def with_fp8_for_grad(model, *args):
+      with fp8_nnx.for_grad(model):
+        return fun(model, *args, **kwargs)
+
+    scaled = scale.scaled_fun(with_fp8_for_grad, has_aux=has_aux)
+
+    grads, (loss, aux) = nnx.grad(
+        scaled, argnums=nnx.DiffState(0, differentiable), has_aux=True)(model, *args)
+    gradients = Gradients(nnx.filter_state(grads, wrt),
+                          nnx.filter_state(grads, fp8_nnx.Fp8State))
+    return ((loss, aux) if has_aux else loss), gradients
+
+  return value_and_grads
+
+
+def apply_gradients(optimizer: nnx.Optimizer, model: nnx.Module, grads: Gradients,
+                    **kwargs) -> optax.Updates:
+  """One step of an ``nnx.Optimizer`` on the params, and the fp8 state merged.
+
+  The params go through ``optimizer.update(model, grads.params)`` (which, with
+  :func:`jaxmp.loss_scaling` inside, unscales and skips a non-finite step). The fp8
+  state is merged with :func:`jaxmp.fp8.state.merge`: it keeps its old value on a
+  skipped step (the loss scaling state's ``last_step_finite``, or the finiteness of the
+  gradients without loss scaling) and wherever a layer got no cotangent.
+  ``optimizer.step`` advances on every call, a skipped step included; the inner Optax
+  state (e.g. Adam's ``count``) advances only on applied steps.
+
+  Args:
+    optimizer: an ``nnx.Optimizer`` over ``model`` (``wrt=nnx.Param``).
+    model: the model (or wrapper) the gradients are of.
+    grads: from :func:`value_and_grad`.
+    **kwargs: passed on to ``optimizer.update``.
+
+  Returns:
+    The param updates ``optimizer.update`` returned.
+
+  Raises:
+    TypeError: if ``optimizer`` is not an ``nnx.Optimizer`` or ``grads`` not
+      :class:`~jaxmp.linen.Gradients`.
+
+  Example:
+    >>> from flax import nnx
+    >>> import optax
+    >>> model = jaxmp.nnx.mixed_precision(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), "float32")
+    >>> optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.sgd(0.1)), wrt=nnx.Param)
+    >>> loss_fn = lambda model, x: jnp.mean(model(x) ** 2)
+    >>> loss, grads = jaxmp.nnx.value_and_grad(loss_fn)(
+    ...     model, jnp.ones((4, 3)), loss_scale=jaxmp.get_loss_scale(optimizer.opt_state))
+    >>> _ = jaxmp.nnx.apply_gradients(optimizer, model, grads)
+    >>> int(optimizer.step[...])
+    1
+  """
+  if not isinstance(optimizer, nnx.Optimizer):
+    raise TypeError(f"apply_gradients expects an nnx.Optimizer, got {optimizer!r} of type "
+                    f"{type(optimizer).__name__}.")
+  if not isinstance(grads, Gradients):
+    raise TypeError(f"apply_gradients expects jaxmp.nnx.Gradients (from "
+                    f"jaxmp.nnx.value_and_grad), got {type(grads).__name__}.")
+  updates = optimizer.update(model, grads.params, **kwargs)
+  old = nnx.state(model, fp8_nnx.Fp8State)
+  if len(old):
+    finite = step_lib.step_was_finite(optimizer.opt_state, grads.params)
+    nnx.update(model, step_lib.merge_fp8(nnx.as_pure(old), nnx.as_pure(grads.fp8), finite))
+  return updates
+
+
+__all__ = ("Gradients", "apply_gradients", "value_and_grad")

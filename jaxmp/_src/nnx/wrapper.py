@@ -1,0 +1,493 @@
+"""Flax NNX integration: run any NNX model, unchanged, under per-module policies.
+
+:func:`mixed_precision` wraps an ``nnx.Module`` with a policy or
+:class:`~jaxmp.PolicyRules` and returns a :class:`MixedPrecision`, itself an
+``nnx.Module`` called like the model. Its ``model`` attribute *is* the model: the
+parameters are the model's own ``nnx.Param`` variables, stored in their param dtype,
+so ``nnx.state``, ``nnx.split``/``merge``, ``nnx.jit``, ``nnx.grad`` and
+``nnx.Optimizer`` see them as usual. Rules resolve exactly as for linen, by class
+and by path; a module's path is its attribute path joined with '/'
+(``"blocks/0/attn/query"``; the root is ``""``).
+
+How a call works. NNX has no method interceptor, so each call of the wrapper runs the
+model on a private copy, the way ``nnx.jit`` runs a function on a merged copy of its
+inputs:
+
+1. the model (and any graph nodes among the arguments, such as an ``nnx.Rngs``) is
+   split and merged again with fresh variables (``nnx.merge(..., copy=True)``);
+2. in the copy, every ``nnx.Param`` holds its value cast to the compute dtype of the
+   module that owns it (the nearest enclosing module), and every module's class is
+   swapped for a generated subclass whose ``__call__`` and public methods cast
+   floating-point inputs to the module's compute dtype and the output to the
+   caller's compute dtype (an override is local), to the dtype the rule names, or,
+   for the outermost call, to the default output dtype. Integer inputs, bools, PRNG
+   keys and graph nodes (``nnx.Rngs``, variables, modules) are never cast; neither
+   are non-param variables (``BatchStat``, ``Cache``, fp8 state). The module's path
+   and precision ride on the copy as a static attribute, so modules that NNX
+   transforms inside the model (``nnx.scan``, ``nnx.vmap``, ``nnx.remat``) split and
+   merge again keep them;
+3. layers an fp8 rule matches (``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``
+   and the projections of ``nnx.MultiHeadAttention``) compute their product with the
+   :class:`~jaxmp.nnx.Fp8DotGeneral`/:class:`~jaxmp.nnx.Fp8Einsum` the
+   wrapper created for them, whose :class:`~jaxmp.nnx.Fp8State` lives in the
+   wrapper's ``fp8`` dict, keyed by layer path;
+4. after the call, the variables the model changed (batch statistics, RNG counts,
+   caches, ``sow``-n intermediates) are written back to the model's own variables;
+   a param the model itself overwrote is written back in its param dtype. Nothing
+   else of the model is touched: the casts, class swaps and traced values live and
+   die with the copy, even when the call raises.
+
+Gradients flow through the casts to the stored params, so they come back in the param
+dtype. Params are cast to their param dtype once, by :func:`mixed_precision`.
+
+Training with fp8 state or loss scaling: :func:`value_and_grad` differentiates with
+respect to the params and the fp8 state together (repeated uses take the max), scaled
+by the loss scale, and :func:`apply_gradients` steps an ``nnx.Optimizer`` on the
+params and merges the fp8 state (kept on a skipped step or where a layer got no
+cotangent), mirroring :mod:`jaxmp.linen` for linen. ``nnx.Optimizer.step`` counts
+every update, skipped ones included; the inner Optax state (Adam's ``count``, and so
+its bias correction and any schedule) does not advance on a step
+:func:`jaxmp.loss_scaling` skips, so read the number of applied steps from there.
+
+What it cannot do: a module called directly through its class's unbound function
+(``nnx.remat(Block.__call__)(block, x)``) runs unwrapped itself (its children are
+still wrapped); variables in NNX's ``ref``/``hijax`` modes are not supported; fp8
+layers inside ``nnx.scan``/``nnx.vmap`` stacks share one fp8 state per path (the max
+over the stack).
+
+Example:
+  >>> from flax import nnx
+  >>> model = nnx.Sequential(nnx.Linear(3, 8, rngs=nnx.Rngs(0)), nnx.LayerNorm(8, rngs=nnx.Rngs(0)),
+  ...                        nnx.Linear(8, 2, rngs=nnx.Rngs(0)))
+  >>> wrapped = jaxmp.nnx.mixed_precision(model, "params=float32,compute=bfloat16,output=float32")
+  >>> wrapped(jnp.ones((4, 3))).dtype
+  dtype('float32')
+  >>> wrapped.model.layers[0].kernel[...].dtype   # stored in the param dtype
+  dtype('float32')
+  >>> grads = nnx.grad(lambda m, x: m(x).sum())(wrapped, jnp.ones((4, 3)))
+  >>> grads["model"]["layers"][0]["kernel"][...].dtype
+  dtype('float32')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import types
+from typing import Any, Callable, Optional
+
+import flax.linen as linen
+import jax
+import numpy as np
+from flax import nnx
+from flax.nnx import graphlib
+
+from jaxmp._src import engine
+from jaxmp._src import rules as rules_lib
+from jaxmp._src import tree as tree_lib
+from jaxmp._src.linen import wrapper as linen_wrapper
+from jaxmp._src.nnx import fp8 as fp8_nnx
+
+CallRecord = engine.CallRecord
+
+_CONTAINER_TYPES = (nnx.List, nnx.Dict)
+_CALL_ATTRIBUTE = "_jaxmp_call"
+# Names nnx.Module itself defines (sow, iter_modules, train, eval, ...): NNX
+# machinery, never intercepted.
+_MODULE_NAMES = frozenset(dir(nnx.Module))
+
+
+def _is_node(x: Any) -> bool:
+  return graphlib.is_graph_node(x) or isinstance(x, nnx.Variable)
+
+
+def _path_str(path: tuple) -> str:
+  return "/".join(str(k) for k in path)
+
+
+def _path_order(path: tuple) -> tuple:
+  return tuple((0, k, "") if isinstance(k, int) else (1, 0, str(k)) for k in path)
+
+
+# ---- interception ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ModuleCall:
+  """What a module of the private copy needs to know; hashed by identity.
+
+  Stored on the copy as a static attribute, so it survives NNX transforms inside the
+  model, which put static attributes in their graphdefs.
+  """
+
+  path: str
+  module_type: type
+  precision: rules_lib.ModulePrecision
+  call: engine.Call
+
+
+def _intercepted(name: str, attribute: Any) -> Callable[..., Any]:
+  def method(self, *args, **kwargs):
+    # Looked up at call time in the model's class (the generated class is always the
+    # instance's own), so that later changes to it, such as
+    # nnx.capture(method_outputs=...), are seen.
+    bound = getattr(super(type(self), self), name)
+    module_call = vars(self).get(_CALL_ATTRIBUTE)
+    if module_call is None:
+      return bound(*args, **kwargs)
+    return module_call.call.run(module_call.path, module_call.module_type, name,
+                                module_call.precision, bound, args, kwargs)
+
+  if isinstance(attribute, types.FunctionType):
+    functools.update_wrapper(method, attribute)
+  else:
+    method.__name__ = name
+  return method
+
+
+def _public_methods(cls: type) -> dict[str, Any]:
+  methods = {}
+  for name in dir(cls):
+    if name != "__call__" and (name.startswith("_") or name in _MODULE_NAMES):
+      continue
+    attribute = inspect.getattr_static(cls, name)
+    if isinstance(attribute, (staticmethod, classmethod, property, type)):
+      continue
+    if callable(attribute) and hasattr(attribute, "__get__"):
+      methods[name] = attribute
+  return methods
+
+
+# Generated subclasses, one per module class; a memo of derived classes, not state.
+# (Each generated class registers itself with NNX's graph, so it must not be rebuilt
+# per call.)
+_INTERCEPTING: dict[type, type] = {}
+_ORIGINAL: dict[type, type] = {}
+
+
+def _intercepting_class(cls: type) -> type:
+  cls = _ORIGINAL.get(cls, cls)
+  sub = _INTERCEPTING.get(cls)
+  if sub is None:
+    namespace = {name: _intercepted(name, attribute)
+                 for name, attribute in _public_methods(cls).items()}
+    namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__,
+                     __doc__=cls.__doc__)
+    sub = types.new_class(cls.__name__, (cls,), {"pytree": cls._pytree__is_pytree},
+                          lambda ns: ns.update(namespace))
+    _INTERCEPTING[cls] = sub
+    _ORIGINAL[sub] = cls
+  return sub
+
+
+# ---- resolution ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resolved:
+  path: str
+  module: nnx.Module
+  precision: rules_lib.ModulePrecision
+
+
+def _resolve(model: nnx.Module, rules: rules_lib.PolicyRules) -> dict[tuple, _Resolved]:
+  """Every module of ``model`` that gets a precision, by path, parents first."""
+  resolved = {}
+  found = sorted(nnx.iter_modules(model), key=lambda item: _path_order(item[0]))
+  for path, module in found:
+    if isinstance(module, _CONTAINER_TYPES + fp8_nnx.FP8_MODULE_TYPES):
+      continue
+    module_type = _ORIGINAL.get(type(module), type(module))
+    precision = engine.resolve(rules, _path_str(path), module_type, fp8_nnx.supports_fp8)
+    resolved[path] = _Resolved(_path_str(path), module, precision)
+  return resolved
+
+
+def _params(model: nnx.Module) -> list[tuple[tuple, nnx.Variable]]:
+  return list(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+
+
+def _fp8_layer_names() -> str:
+  return ", ".join(f"nnx.{t.__name__}" for t in fp8_nnx.FP8_LAYER_TYPES)
+
+
+# ---- the wrapper -----------------------------------------------------------------------------
+
+
+class MixedPrecision(nnx.Module):
+  """An NNX model under per-module precision rules; built by :func:`mixed_precision`.
+
+  Call it like the model (``wrapped(x)``, ``wrapped.encode(x)`` for another public
+  method). It is an ``nnx.Module``: pass it to ``nnx.jit``, ``nnx.grad``,
+  ``nnx.Optimizer(wrapped, tx, wrt=nnx.Param)``, ``nnx.split``.
+
+  Attributes:
+    model: the wrapped model; its variables are the wrapper's.
+    rules: the resolved :class:`~jaxmp.PolicyRules` (static).
+    fp8: an ``nnx.Dict`` from layer path to the fp8 module (and state) that layer
+      computes with; empty without fp8 rules.
+
+  Example:
+    >>> from flax import nnx
+    >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    >>> wrapped = jaxmp.nnx.mixed_precision(model, "p=bf16,c=bf16,o=f32")
+    >>> wrapped.model is model, model.kernel[...].dtype  # params cast in place
+    (True, dtype(bfloat16))
+    >>> nnx.jit(lambda m, x: m(x))(wrapped, jnp.ones((1, 3))).dtype
+    dtype('float32')
+  """
+
+  def __init__(self, model: nnx.Module, rules: rules_lib.PolicyRules,
+               fp8_modules: Optional[dict[str, nnx.Module]] = None):
+    self.model = model
+    self.rules = rules
+    self.fp8 = nnx.Dict(fp8_modules or {})
+
+  def __call__(self, *args, **kwargs) -> Any:
+    """Calls the model with every module computing in its resolved precision."""
+    return self._trace("__call__", args, kwargs)[0]
+
+  def __getattr__(self, name: str) -> Any:
+    # Only reached for names the wrapper lacks: public methods of the model run
+    # wrapped. vars() rather than self.model, which would recurse while NNX builds
+    # the wrapper attribute by attribute.
+    model = vars(self).get("model")
+    if name.startswith("_") or model is None:
+      raise AttributeError(name)
+    if inspect.ismethod(getattr(model, name, None)):
+      return functools.partial(self._call_method, name)
+    raise AttributeError(
+        f"{type(self).__name__} has no attribute {name!r}; the model's methods are "
+        f"forwarded, its other attributes are at .model.{name}.")
+
+  def _call_method(self, name: str, *args, **kwargs) -> Any:
+    return self._trace(name, args, kwargs)[0]
+
+  def _trace(self, method: str, args: tuple, kwargs: dict) -> tuple[Any, list[CallRecord]]:
+    """Calls ``model.<method>(*args, **kwargs)`` under the rules.
+
+    Returns:
+      The output and the :class:`~jaxmp.linen.CallRecord` of every module call, in
+      call order.
+
+    Raises:
+      AttributeError: if the model has no public method ``method``.
+    """
+    if method != "__call__" and (method.startswith("_") or not inspect.ismethod(
+        getattr(self.model, method, None))):
+      raise AttributeError(f"{type(self.model).__name__} has no public method {method!r}.")
+    call = engine.Call(self.rules, fp8_nnx.supports_fp8, is_node=_is_node)
+    nodes = tuple(x for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_node)
+                  if _is_node(x))
+    graph = (self.model, nodes)
+    graphdef, state = nnx.split(graph)
+    originals = dict(nnx.to_flat_state(state))
+    copy = nnx.merge(graphdef, state, copy=True)
+    self._prepare(copy[0], call)
+    before = {path: _Snapshot(v.get_raw_value())
+              for path, v in nnx.to_flat_state(nnx.state(copy))}
+    substitutes = {id(node): twin for node, twin in zip(nodes, copy[1])}
+    args, kwargs = jax.tree_util.tree_map(
+        lambda x: substitutes.get(id(x), x) if _is_node(x) else x, (args, kwargs),
+        is_leaf=_is_node)
+    out = getattr(copy[0], method)(*args, **kwargs)
+    _write_back(graph, originals, copy, before)
+    return out, call.records
+
+  def _prepare(self, model: nnx.Module, call: engine.Call) -> None:
+    """Casts the copy's params, installs fp8, and swaps in the intercepting classes."""
+    modules = _resolve(model, self.rules)
+    for path, variable in _params(model):
+      owner = engine.owner(path, modules)
+      dtype = (owner.precision.policy if owner else self.rules.default).compute_dtype
+      variable.set_raw_value(tree_lib.cast_tree(variable.get_raw_value(), dtype))
+    fp8_modules = dict(self.fp8.items())
+    for r in modules.values():
+      precision = r.precision
+      if r.path in fp8_modules:
+        fp8_nnx.install(r.module, fp8_modules[r.path])
+        precision = dataclasses.replace(precision, fp8=fp8_modules[r.path].recipe)
+      module_type = _ORIGINAL.get(type(r.module), type(r.module))
+      object.__setattr__(r.module, "__class__", _intercepting_class(module_type))
+      object.__setattr__(r.module, _CALL_ATTRIBUTE,
+                         _ModuleCall(r.path, module_type, precision, call))
+
+
+class _Snapshot:
+  """A variable's value before the call: its tree structure and leaves, by identity.
+
+  A container value (``nnx.capture``'s dict of intermediates) changes in place, so the
+  value object alone does not tell.
+  """
+
+  def __init__(self, value: Any):
+    self.leaves, self.treedef = jax.tree_util.tree_flatten(value)
+
+  def unchanged(self, value: Any) -> bool:
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    return treedef == self.treedef and all(a is b for a, b in zip(leaves, self.leaves))
+
+
+def _write_back(graph: Any, originals: dict, copy: Any, before: dict) -> None:
+  """Writes the variables the call changed in ``copy`` back to ``graph``'s own."""
+  new = []
+  for path, variable in nnx.to_flat_state(nnx.state(copy)):
+    value = variable.get_raw_value()
+    if path not in before:
+      new.append((path, variable))
+    elif not before[path].unchanged(value):
+      original = originals[path]
+      if isinstance(original, nnx.Param):
+        value = tree_lib.cast_tree(value, original.get_raw_value().dtype)
+      original.set_raw_value(value)
+  if new:
+    nnx.update(graph, nnx.from_flat_state(new))
+
+
+def mixed_precision(model: nnx.Module,
+                    policy_or_rules: rules_lib.PolicyOrRules) -> MixedPrecision:
+  """Wraps an NNX model so that each module computes in its resolved precision.
+
+  Casts every ``nnx.Param`` of the model, in place, to the param dtype of the module
+  that owns it, and creates the fp8 state of the layers that fp8 rules match. Warns,
+  listing the model's module paths, about rules that match no module.
+
+  Args:
+    model: an ``nnx.Module``; its code is not changed.
+    policy_or_rules: a policy for every module (any form :func:`jaxmp.get_policy`
+      takes) or :class:`jaxmp.PolicyRules` with per-module overrides.
+
+  Returns:
+    A :class:`MixedPrecision` module holding ``model``.
+
+  Raises:
+    TypeError: if ``model`` is not an NNX Module (a linen Module points to
+      :func:`jaxmp.linen.mixed_precision`), is or contains a wrapper already, or
+      ``policy_or_rules`` is neither a policy nor rules.
+    ValueError: for a bad policy, or an fp8 rule on a layer that already has a
+      custom dot_general or einsum_op.
+
+  Example:
+    >>> from flax import nnx
+    >>> class Net(nnx.Module):
+    ...   def __init__(self, rngs):
+    ...     self.body = nnx.Linear(3, 8, rngs=rngs)
+    ...     self.head = nnx.Linear(8, 2, rngs=rngs)
+    ...   def __call__(self, x):
+    ...     return self.head(nnx.relu(self.body(x)))
+    >>> rules = jaxmp.PolicyRules("p=f32,c=bf16,o=f32", [
+    ...     jaxmp.Rule("head", "float32"),
+    ...     jaxmp.Rule(nnx.Linear, fp8=jaxmp.fp8.DelayedScaling(amax_history_length=16))])
+    >>> wrapped = jaxmp.nnx.mixed_precision(Net(nnx.Rngs(0)), rules)
+    >>> wrapped(jnp.ones((4, 3))).dtype
+    dtype('float32')
+    >>> list(wrapped.fp8)   # "head" is decided by the first rule: no fp8
+    ['body']
+  """
+  if isinstance(model, MixedPrecision):
+    raise TypeError("mixed_precision got a model that is already wrapped; wrap the "
+                    "original NNX Module once, with all its rules.")
+  if not isinstance(model, nnx.Module):
+    hint = ""
+    if isinstance(model, (linen.Module, linen_wrapper.MixedPrecision)):
+      hint = " For flax.linen models use jaxmp.linen.mixed_precision."
+    raise TypeError(f"jaxmp.nnx.mixed_precision expects a flax.nnx.Module, got {model!r} "
+                    f"of type {type(model).__name__}.{hint}")
+  for path, module in nnx.iter_modules(model):
+    if isinstance(module, MixedPrecision):
+      raise TypeError(f"jaxmp.nnx.mixed_precision got a model that contains a jaxmp wrapper "
+                      f"at {_path_str(path)!r}; wrap the whole model once instead.")
+  rules = rules_lib.as_rules(policy_or_rules)
+  modules = _resolve(model, rules)
+
+  for path, variable in _params(model):
+    owner = engine.owner(path, modules)
+    dtype = (owner.precision.policy if owner else rules.default).param_dtype
+    value = variable.get_raw_value()
+    cast = tree_lib.cast_tree(value, dtype)
+    if cast is not value:
+      variable.set_raw_value(cast)
+
+  fp8_modules: dict[str, nnx.Module] = {}
+  for r in modules.values():  # parents first: an attention rule decides its projections
+    if r.precision.fp8 is None:
+      continue
+    for layer_path, layer in fp8_nnx.fp8_layers(r.path, r.module):
+      if layer_path not in fp8_modules:
+        fp8_modules[layer_path] = fp8_nnx.new_fp8_module(layer, r.precision.fp8)
+
+  records = [CallRecord(r.path, type(r.module), "__call__", r.precision,
+                        r.precision.output_dtype or rules.default.output_dtype)
+             for r in modules.values()]
+  engine.warn_unused_rules(type(model).__name__, rules, records, _fp8_layer_names())
+  return MixedPrecision(model, rules, fp8_modules)
+
+
+def trace_abstract(model_or_wrapper: nnx.Module, rules: Optional[rules_lib.PolicyOrRules],
+                   method: str, args: tuple, kwargs: dict
+                   ) -> tuple[rules_lib.PolicyRules, list[CallRecord]]:
+  """Resolves one call of an NNX model or wrapper abstractly; for :func:`jaxmp.tools.summary`.
+
+  Runs the call under ``jax.eval_shape`` on a copy of the model: nothing is computed
+  and neither the model nor the arguments are changed.
+
+  Args:
+    model_or_wrapper: an ``nnx.Module`` or a :class:`MixedPrecision`.
+    rules: a policy or rules; ``None`` keeps a wrapper's own.
+    method: the model's method to call.
+    args: its positional arguments (arrays or ``jax.ShapeDtypeStruct``).
+    kwargs: its keyword arguments.
+
+  Returns:
+    The rules used and the call records.
+
+  Raises:
+    ValueError: if ``rules`` is ``None`` for an unwrapped model.
+
+  Example:
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)),
+    ...                        nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
+    >>> x = jax.ShapeDtypeStruct((1, 3), jnp.float32)
+    >>> from jaxmp._src.nnx import wrapper
+    >>> rules, calls = wrapper.trace_abstract(model, "bf16", "__call__", (x,), {})
+    >>> [(c.path, c.precision.policy.param_dtype.name) for c in calls]
+    [('', 'bfloat16'), ('layers/0', 'bfloat16'), ('layers/1', 'bfloat16')]
+    >>> model.layers[0].kernel[...].dtype  # the model itself is not changed
+    dtype('float32')
+  """
+  if rules is None and not isinstance(model_or_wrapper, MixedPrecision):
+    raise ValueError("jaxmp.summary needs rules (a policy or jaxmp.PolicyRules) when given "
+                     f"an unwrapped model {type(model_or_wrapper).__name__}.")
+  is_abstract = lambda x: isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_node)
+  nodes = [x for x in leaves if _is_node(x)]
+  graphdef, state = nnx.split((model_or_wrapper, nodes))
+  arrays = [x for x in leaves if is_abstract(x)]
+  found: list = []
+
+  def run(state, arrays):
+    obj, node_copies = nnx.merge(graphdef, state, copy=True)
+    node_iter, array_iter = iter(node_copies), iter(arrays)
+    call_args, call_kwargs = jax.tree_util.tree_unflatten(treedef, [
+        next(node_iter) if _is_node(x) else next(array_iter) if is_abstract(x) else x
+        for x in leaves])
+    if isinstance(obj, MixedPrecision):
+      wrapper = obj if rules is None else mixed_precision(obj.model, rules)
+    else:
+      wrapper = mixed_precision(obj, rules)
+    out, records = wrapper._trace(method, call_args, call_kwargs)  # pylint: disable=protected-access
+    found.append((wrapper.rules, records))
+    return out
+
+  jax.eval_shape(run, state, arrays)
+  return found[0]
+
+
+__all__ = (
+    "CallRecord",
+    "MixedPrecision",
+    "mixed_precision",
+    "trace_abstract",
+)

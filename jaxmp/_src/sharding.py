@@ -1,0 +1,43 @@
+"""Mesh-axis bookkeeping for code that runs inside ``shard_map``.
+
+Inside ``shard_map`` every value's type says over which mesh axes it varies from
+device to device. ``lax.cond`` needs both branches to vary over the same axes, and a
+custom VJP must hand back a cotangent varying over exactly the axes of its primal.
+These two helpers are the only place jaxmp reads or changes that type, and the only
+place that knows how the API moved across JAX releases (``manual_axis_type`` and
+``pcast`` from jax 0.9; ``vma`` and ``pvary`` before). Outside ``shard_map`` every
+set is empty and both are no-ops.
+
+Example:
+  >>> from jaxmp._src import sharding
+  >>> sharding.varying_axes(jnp.ones(2))
+  frozenset()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+
+def varying_axes(x: Any) -> frozenset:
+  """The ``shard_map`` mesh axes ``x`` (an array, tracer or ShapeDtypeStruct) varies over."""
+  aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.9
+  if manual is not None:
+    return frozenset(getattr(manual, "varying", ()))
+  return frozenset(getattr(aval, "vma", ()) or ())  # older jax
+
+
+def make_varying(x: jax.Array, axes: Any) -> jax.Array:
+  """``x`` marked as varying over ``axes`` too (those it does not vary over yet)."""
+  missing = tuple(sorted(frozenset(axes) - varying_axes(x), key=str))
+  if not missing:
+    return x
+  if hasattr(jax.lax, "pcast"):
+    return jax.lax.pcast(x, missing, to="varying")
+  return jax.lax.pvary(x, missing)  # jax < 0.9
+
+
+__all__ = ("make_varying", "varying_axes")

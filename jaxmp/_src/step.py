@@ -1,0 +1,153 @@
+"""The train-step core shared by the linen and NNX steps.
+
+A mixed-precision step has three kinds of state that must move together:
+
+* the parameters, updated by an Optax optimizer (usually wrapped in
+  :func:`jaxmp.loss_scaling`, which skips non-finite steps);
+* the fp8 delayed-scaling state, whose new value arrives as its "gradient" and must
+  be *merged*, not applied: kept on a skipped step, kept where a layer got no
+  cotangent, max-combined (never summed) over repeated uses and micro-batches;
+* other mutable state the forward pass writes (batch statistics, caches).
+
+This module holds the framework-neutral pieces: what the gradients are
+(:class:`Gradients`), how micro-batches combine (:func:`accumulate_gradients`),
+whether a step was applied (:func:`step_was_finite`), and how the fp8 state and the
+other state follow that decision (:func:`merge_fp8`, :func:`keep_on_skip`). The linen
+``TrainState`` (:mod:`jaxmp.linen`) and the NNX steps (:mod:`jaxmp.nnx`) are thin
+layers over it.
+
+Example:
+  >>> from jaxmp._src import step
+  >>> a = step.Gradients({"w": jnp.array([1.0])}, {})
+  >>> step.accumulate_gradients(a, a).params
+  {'w': Array([2.], dtype=float32)}
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, TypeVar
+
+import jax
+import jax.numpy as jnp
+
+from jaxmp._src import loss_scale as loss_scale_lib
+from jaxmp._src import loss_scaling as loss_scaling_lib
+from jaxmp._src import tree as tree_lib
+from jaxmp._src.fp8 import state as fp8_state_lib
+
+T = TypeVar("T")
+
+
+class Gradients(NamedTuple):
+  """What jaxmp's ``value_and_grad`` (linen and NNX) returns besides the loss.
+
+  Attributes:
+    params: gradients of the params, multiplied by the loss scale the loss was scaled
+      with (what :func:`jaxmp.loss_scaling`'s ``update`` expects).
+    fp8: the fp8 state's cotangent: the proposed new fp8 state, float32, to be
+      merged by ``apply_gradients`` (empty for a model without fp8 layers).
+
+  Example:
+    >>> import flax.linen as nn
+    >>> model, x = nn.Dense(2), jnp.ones((1, 3))
+    >>> variables = model.init(jax.random.key(0), x)
+    >>> _, grads = jaxmp.linen.value_and_grad(lambda v: model.apply(v, x).sum())(variables)
+    >>> grads.params["bias"], grads.fp8
+    (Array([1., 1.], dtype=float32), {})
+  """
+
+  params: Any
+  fp8: Any
+
+
+def _short_repr(x: Any, limit: int = 80) -> str:
+  text = repr(x)
+  return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_loss_scale(loss_scale: Any, where: str) -> loss_scale_lib.LossScale:
+  """``loss_scale`` if it is a jaxmp loss scale; ``None`` means no scaling.
+
+  Raises:
+    TypeError: for anything else, naming ``where``.
+  """
+  if loss_scale is None:
+    return loss_scale_lib.NoOpLossScale()
+  if isinstance(loss_scale, loss_scale_lib.LossScale):
+    return loss_scale
+  raise TypeError(
+      f"{where}: loss_scale must be a jaxmp loss scale (e.g. "
+      f"jaxmp.get_loss_scale(opt_state)) or None, got {loss_scale!r} of type "
+      f"{type(loss_scale).__name__}.")
+
+
+def loss_scale_of(opt_state: Any) -> loss_scale_lib.LossScale:
+  """The loss scale in ``opt_state``, or :class:`jaxmp.NoOpLossScale` if it has none."""
+  state = loss_scaling_lib.find_state(opt_state, "loss_scale_of")
+  return loss_scale_lib.NoOpLossScale() if state is None else state.loss_scale
+
+
+def accumulate_gradients(a: Gradients, b: Gradients) -> Gradients:
+  """Combines two micro-batches' gradients: params summed, fp8 state max-combined.
+
+  Divide the params part by the number of micro-batches for a mean; the loss scale is
+  the same for every micro-batch of a step, so sums of scaled gradients unscale
+  correctly.
+
+  Raises:
+    TypeError: if ``a`` or ``b`` is not a :class:`Gradients`.
+    ValueError: if their fp8 states differ in structure (one has fp8 state and the
+      other none, say): they are not gradients of the same model.
+
+  Example:
+    >>> s = jaxmp.fp8.init_state(jaxmp.fp8.DelayedScaling(amax_history_length=2))
+    >>> a = jaxmp.linen.Gradients({"w": jnp.array([1.0])},
+    ...                           s._replace(input_amax_history=jnp.array([3.0, 0.0])))
+    >>> b = jaxmp.linen.Gradients({"w": jnp.array([3.0])},
+    ...                           s._replace(input_amax_history=jnp.array([5.0, 0.0])))
+    >>> total = jaxmp.linen.accumulate_gradients(a, b)
+    >>> total.params["w"], total.fp8.input_amax_history  # sum, max
+    (Array([4.], dtype=float32), Array([5., 0.], dtype=float32))
+  """
+  for name, g in (("a", a), ("b", b)):
+    if not isinstance(g, Gradients):
+      raise TypeError(f"accumulate_gradients: {name} must be jaxmp Gradients (from "
+                      f"jaxmp.linen.value_and_grad or jaxmp.nnx.value_and_grad), got "
+                      f"{type(g).__name__}: {_short_repr(g)}.")
+  fp8_structures = [jax.tree_util.tree_structure(g.fp8) for g in (a, b)]
+  if fp8_structures[0] != fp8_structures[1]:
+    raise ValueError(
+        "accumulate_gradients: a and b must be gradients of the same model, but their fp8 "
+        f"states differ: {fp8_structures[0]} vs {fp8_structures[1]}.")
+  params = jax.tree_util.tree_map(jnp.add, a.params, b.params)
+  fp8 = fp8_state_lib.accumulate(a.fp8, b.fp8) if jax.tree_util.tree_leaves(a.fp8) else a.fp8
+  return Gradients(params, fp8)
+
+
+def step_was_finite(opt_state: Any, scaled_grads: Any) -> jax.Array:
+  """Whether the optimizer applied the step it just took.
+
+  With :func:`jaxmp.loss_scaling` in ``opt_state`` (the state *after* the update) its
+  ``last_step_finite`` decides; without, the gradients' finiteness.
+  """
+  state = loss_scaling_lib.find_state(opt_state, "step_was_finite")
+  if state is not None:
+    return jnp.asarray(state.last_step_finite)
+  return tree_lib.all_finite(scaled_grads)
+
+
+def merge_fp8(old: T, proposed: T, finite: jax.Array) -> T:
+  """The fp8 state after a step: :func:`jaxmp.fp8.state.merge`, or ``old`` if empty."""
+  if not jax.tree_util.tree_leaves(old):
+    return old
+  return fp8_state_lib.merge(old, proposed, finite)
+
+
+__all__ = (
+    "Gradients",
+    "accumulate_gradients",
+    "check_loss_scale",
+    "loss_scale_of",
+    "merge_fp8",
+    "step_was_finite",
+)

@@ -1,0 +1,61 @@
+"""Tools for looking at mixed precision: what ran, what a dtype loses, how training goes.
+
+* :func:`summary`: the per-module precision table of one call of a model.
+* :func:`underflow_report` / :func:`underflow_stats`: what a dtype (and a loss scale)
+  would flush, make subnormal or overflow in a tree of values;
+  :func:`suggest_scale` the loss scale that brings them into range.
+* :func:`sensitivity` / :func:`deviation` / :func:`relative_error`: which modules can
+  compute in half precision.
+* :func:`training_metrics` (inside ``jit``) and :class:`Monitor` (on the host):
+  gradient norms, non-finite counts, loss-scale collapse, skip rate, loss spikes.
+* :func:`device_capabilities` / :func:`recommended_policy`: what a device computes fast.
+* :func:`float_format` / :func:`parse_dtype`: dtype names and the numbers of a format.
+
+Example:
+  >>> jaxmp.tools.float_format("bf16").max
+  3.3895313892515355e+38
+"""
+
+from jaxmp._src.dtypes import FloatFormat
+from jaxmp._src.dtypes import float_format
+from jaxmp._src.dtypes import parse_dtype
+from jaxmp._src.tools.hardware import DeviceCapabilities
+from jaxmp._src.tools.hardware import RecommendedPolicy
+from jaxmp._src.tools.hardware import device_capabilities
+from jaxmp._src.tools.hardware import recommended_policy
+from jaxmp._src.tools.monitor import Anomaly
+from jaxmp._src.tools.monitor import Monitor
+from jaxmp._src.tools.monitor import training_metrics
+from jaxmp._src.tools.sensitivity import SensitivityReport
+from jaxmp._src.tools.sensitivity import deviation
+from jaxmp._src.tools.sensitivity import relative_error
+from jaxmp._src.tools.sensitivity import sensitivity
+from jaxmp._src.tools.summary import PrecisionSummary
+from jaxmp._src.tools.summary import summary
+from jaxmp._src.tools.underflow import UnderflowReport
+from jaxmp._src.tools.underflow import suggest_scale
+from jaxmp._src.tools.underflow import underflow_report
+from jaxmp._src.tools.underflow import underflow_stats
+
+__all__ = (
+    "Anomaly",
+    "DeviceCapabilities",
+    "FloatFormat",
+    "Monitor",
+    "PrecisionSummary",
+    "RecommendedPolicy",
+    "SensitivityReport",
+    "UnderflowReport",
+    "device_capabilities",
+    "deviation",
+    "float_format",
+    "parse_dtype",
+    "recommended_policy",
+    "relative_error",
+    "sensitivity",
+    "suggest_scale",
+    "summary",
+    "training_metrics",
+    "underflow_report",
+    "underflow_stats",
+)
