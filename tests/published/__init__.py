@@ -1,0 +1,28 @@
+"""Published Flax models, copied verbatim, to run jaxmp on code we did not write.
+
+Every file under ``flax_*/`` is a verbatim copy of a file of the Flax repository
+(Apache License 2.0, text in ``LICENSE`` beside this file), taken from the ``flax``
+0.12.8 source distribution on PyPI, whose files are byte-identical to
+https://github.com/google/flax at commit 18f8f311c275d57f46d95e41b15aa97b454754c0.
+The first line of each copy names its source; the only other changes are import lines,
+each marked ``# jaxmp: import path``: sibling imports made relative to the package, and
+in ``flax_gemma`` ``from jaxtyping import Array`` -> ``from jax import Array``
+(``jaxtyping.Array`` is ``jax.Array``; jaxtyping is not a dependency here).
+
+  flax_lm1b/models.py         examples/lm1b/models.py       linen decoder-only LM
+  flax_wmt/models.py          examples/wmt/models.py        linen encoder-decoder
+  flax_imagenet/models.py     examples/imagenet/models.py   linen ResNet (BatchNorm)
+  flax_gemma/*.py             examples/gemma/               NNX Gemma transformer
+  flax_mnist_cnn/cnn.py       docs_nnx/mnist_tutorial.md    NNX CNN (the model cell,
+                                                            lines 67-91)
+  flax_scan_mlp/scan_over_layers.py
+                              examples/nnx_toy_examples/06_scan_over_layers.py
+                                                            NNX scanned MLP (renamed: a
+                                                            module name cannot start
+                                                            with a digit)
+
+``models.py`` is the registry (tiny versions of the published configs, inputs, call
+flags, losses), ``matmuls.py`` counts matmuls in a jaxpr by dtype, and
+``report_baseline.py`` prints the baseline (``python -m tests.published.report_baseline``).
+Do not edit the copies: re-copy them from a newer release instead.
+"""

@@ -1,0 +1,61 @@
+"""Counts the matmuls (dot_general, conv_general_dilated) of a jaxpr by operand dtypes."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Iterator
+
+import numpy as np
+
+MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")
+
+
+def _sub_jaxprs(value: Any) -> Iterator[Any]:
+  """The jaxprs inside an equation parameter (pjit, custom_jvp/vjp, scan, cond, remat...)."""
+  if hasattr(value, "eqns"):            # Jaxpr
+    yield value
+  elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):  # ClosedJaxpr
+    yield value.jaxpr
+  elif isinstance(value, (tuple, list)):  # cond branches
+    for item in value:
+      yield from _sub_jaxprs(item)
+
+
+def iter_matmuls(jaxpr: Any) -> Iterator[tuple[str, tuple[np.dtype, ...]]]:
+  """Yields (primitive name, operand dtypes) for every matmul equation, nested ones too.
+
+  A scan or while body is counted once, however many iterations it runs.
+  """
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in MATMUL_PRIMITIVES:
+      yield eqn.primitive.name, tuple(np.dtype(v.aval.dtype) for v in eqn.invars)
+    for value in eqn.params.values():
+      for sub in _sub_jaxprs(value):
+        yield from iter_matmuls(sub)
+
+
+def classify(dtypes: tuple[np.dtype, ...]) -> str:
+  """'bfloat16', 'float16', 'float32', ... when all operands agree, else 'mixed:a,b'."""
+  names = sorted({d.name for d in dtypes})
+  return names[0] if len(names) == 1 else "mixed:" + ",".join(names)
+
+
+def count_matmuls(jaxpr: Any) -> collections.Counter:
+  """Counter of operand-dtype classes ('bfloat16', 'float32', 'mixed:...') over matmuls."""
+  return collections.Counter(classify(dtypes) for _, dtypes in iter_matmuls(jaxpr))
+
+
+def describe_matmuls(jaxpr: Any) -> list[str]:
+  """One line per matmul equation: primitive, operand shapes and dtypes."""
+  lines = []
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in MATMUL_PRIMITIVES:
+      operands = ", ".join(f"{np.dtype(v.aval.dtype).name}{list(v.aval.shape)}"
+                           for v in eqn.invars)
+      lines.append(f"{eqn.primitive.name}({operands})")
+    for value in eqn.params.values():
+      for sub in _sub_jaxprs(value):
+        lines.extend(describe_matmuls(sub))
+  return lines
