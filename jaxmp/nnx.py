@@ -18,6 +18,7 @@ Example:
 """
 
 from jaxmp._src.engine import CallRecord
+from jaxmp._src.nnx import fp8 as _fp8
 from jaxmp._src.nnx.fp8 import Fp8DotGeneral
 from jaxmp._src.nnx.fp8 import Fp8Einsum
 from jaxmp._src.nnx.fp8 import Fp8State
@@ -28,6 +29,10 @@ from jaxmp._src.nnx.wrapper import MixedPrecision
 from jaxmp._src.nnx.wrapper import mixed_precision
 from jaxmp._src.step import Gradients
 from jaxmp._src.step import accumulate_gradients
+
+# Using the NNX namespace is the first use of jaxmp's NNX variable type: nnx.bridge maps
+# linen's fp8 collection onto it from now on.
+_fp8.register_collection_name()
 
 __all__ = (
     "CallRecord",

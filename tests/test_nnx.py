@@ -617,7 +617,8 @@ def test_summary_of_nnx_model_and_wrapper_changes_nothing():
   assert {r.compute_dtype for r in jaxmp.tools.summary(wrapped, None, ids).rows} >= {"bfloat16"}
   text = str(jaxmp.tools.summary(wrapped, rules, ids))
   head = next(line for line in text.splitlines() if line.startswith("head"))
-  assert head.split() == ["head", "Einsum", "float32", "float32", "float32", "-", "0:", "'head'"]
+  assert head.split() == ["head", "Einsum", "float32", "float32", "float32", "-", "0:", "'head'",
+                          "float32"]
   with pytest.raises(ValueError, match="needs rules"):
     jaxmp.tools.summary(model, None, ids)
   with pytest.raises(TypeError, match="variables="):

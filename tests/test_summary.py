@@ -62,10 +62,12 @@ def test_apply_trace_with_variables_and_wrapper():
 def test_table_text():
   text = str(jaxmp.tools.summary(Net(), RULES, jnp.ones((2, 3), jnp.int32)))
   lines = text.splitlines()
-  assert lines[0].split() == ["path", "module", "params", "compute", "output", "fp8", "rule"]
+  assert lines[0].split() == ["path", "module", "params", "compute", "output", "fp8", "rule",
+                              "ran"]
   assert set(lines[1]) <= {"-", " "}
   head = next(line for line in lines if line.startswith("head"))
-  assert head.split() == ["head", "Dense", "float32", "float32", "float32", "-", "0:", "'head'"]
+  assert head.split() == ["head", "Dense", "float32", "float32", "float32", "-", "0:", "'head'",
+                          "float32"]
 
 
 def test_other_methods_are_listed():

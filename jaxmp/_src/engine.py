@@ -6,16 +6,29 @@ for every module the adapter hands it:
 
 1. **resolve**: the module's :class:`~jaxmp._src.rules.ModulePrecision` from its
    '/'-joined path and class (an fp8 recipe on a layer the adapter cannot put in fp8
-   is dropped here and reported by :func:`unused_rules`);
-2. **run**: the module's floating-point inputs cast to its compute dtype, the module
-   run with the caller stack pushed, and its output cast to the dtype it hands back:
-   the dtype its rule names, else its caller's compute dtype (an override is local),
-   else, for the outermost call, the default policy's output dtype;
-3. **record**: a :class:`CallRecord` per module call, for the unused-rule report and
-   :func:`jaxmp.tools.summary`.
+   is dropped here and reported by :func:`unused_rules`).
+2. **module dtype**: what the module's own computation-dtype field (``dtype``) holds
+   while it runs (:meth:`Call.dtype_field`): its resolved compute dtype, whatever
+   the model's config set, so that Flax layers, which promote their inputs and
+   kernels to ``self.dtype``, compute in the policy's dtype.
+3. **inputs**: floating-point inputs cast to the compute dtype. A value that was
+   rounded to a narrower dtype on its way here and not changed since (a model input
+   the root passes on untouched, say) is widened from the value it was rounded from,
+   so nothing is rounded through a narrower dtype into a wider computation.
+4. **float32 ops**: the module's float32 op list is in effect while it runs
+   (:mod:`jaxmp._src.float32_ops`).
+5. **output**: cast to the dtype the module hands back: the dtype its rule names,
+   else its caller's compute dtype (an override is local), else, for the outermost
+   call, the default policy's output dtype. State threaded through the call (an
+   element of a tuple, list or dict output with the same structure and shapes as an
+   argument: a KV cache, a recurrent carry) goes back in the dtypes it came in, so a
+   ``lax.scan`` over the wrapped model keeps its carry type.
+6. **record**: a :class:`CallRecord` per module call, for the unused-rule report and
+   :func:`jaxmp.tools.summary` (which, with ``annotate=True``, attributes every
+   traced matmul to the module call it ran in).
 
-The adapters only find modules, give them their params in the compute dtype, and
-install fp8; every dtype decision is made here.
+The adapters only find modules, give them their params in the compute dtype, set the
+dtype field the engine chose, and install fp8; every dtype decision is made here.
 
 Example:
   >>> from jaxmp._src import engine, rules
@@ -29,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import warnings
 from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
@@ -36,6 +50,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 import jax
 import numpy as np
 
+from jaxmp._src import dtypes as dtypes_lib
+from jaxmp._src import float32_ops as float32_ops_lib
 from jaxmp._src import rules as rules_lib
 from jaxmp._src import tree as tree_lib
 
@@ -84,59 +100,196 @@ def resolve(rules: rules_lib.PolicyRules, path: str, module_type: type,
   return precision
 
 
+NOT_A_DTYPE_FIELD = object()
+"""Returned by :meth:`Call.dtype_field` for a field the engine leaves alone."""
+
+ANNOTATION = "jaxmp_call_"
+"""Prefix of the named scope each module call runs in when a :class:`Call` annotates:
+``jaxmp_call_<index into Call.records>``; :mod:`jaxmp._src.tools.summary` reads it."""
+
+PARAM_ANNOTATION = "jaxmp_param"
+"""Named scope of parameter creation during an annotated call (not the model's compute)."""
+
+
 class Call:
   """One call of a wrapped model: the rules, the callers' compute dtypes, the records.
+
+  Enter it (``with call:``) around the model's call: while entered, the float32 op
+  list is in effect (:mod:`jaxmp._src.float32_ops`).
 
   Args:
     rules: the wrapper's rules.
     supports_fp8: whether the adapter can put a module class's matmuls in fp8.
     is_node: leaves for which this returns True are never cast (NNX graph nodes);
       ``None`` casts every floating-point array leaf.
+    annotate: run each module call in a named scope (:data:`ANNOTATION`), so that a
+      traced jaxpr says which module each operation belongs to.
   """
 
   def __init__(self, rules: rules_lib.PolicyRules, supports_fp8: Callable[[type], bool], *,
-               is_node: Optional[Callable[[Any], bool]] = None):
+               is_node: Optional[Callable[[Any], bool]] = None, annotate: bool = False):
     self.rules = rules
     self.supports_fp8 = supports_fp8
+    self.annotate = annotate
     self.records: list[CallRecord] = []
     self._is_node = is_node
     self._callers: list[np.dtype] = []
+    # id(narrowed value) -> (narrowed value, the wider value it was cast from). Holding
+    # both keeps the ids valid for the call's lifetime.
+    self._narrowed: dict[int, tuple[Any, Any]] = {}
+    self._float32_ops = contextlib.ExitStack()
+
+  def __enter__(self) -> "Call":
+    self._float32_ops.enter_context(float32_ops_lib.installed())
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self._narrowed.clear()
+    self._float32_ops.close()
 
   def resolve(self, path: str, module_type: type) -> rules_lib.ModulePrecision:
     """:func:`resolve` under this call's rules."""
     return resolve(self.rules, path, module_type, self.supports_fp8)
 
+  def dtype_field(self, value: Any, precision: rules_lib.ModulePrecision) -> Any:
+    """What a module's computation-dtype field (``dtype``) holds while it runs.
+
+    The resolved compute dtype, whatever the model set (``None``, float32, ...),
+    unless the rules let the model's fields win (``module_dtypes="model"``). A field
+    that holds something other than ``None`` or a floating-point dtype is not a
+    computation dtype and is left as it is.
+
+    Returns:
+      The value to set, or :data:`NOT_A_DTYPE_FIELD` to leave the field alone.
+    """
+    if self.rules.module_dtypes == "model":
+      return NOT_A_DTYPE_FIELD
+    if value is not None and not _is_float_dtype_value(value):
+      return NOT_A_DTYPE_FIELD
+    return precision.policy.compute_dtype
+
+  def _cast_leaf(self, x: Any, dtype: np.dtype) -> Any:
+    if not tree_lib.is_float_array(x) or x.dtype == dtype:
+      return x
+    narrowed = self._narrowed.get(id(x))
+    if narrowed is not None and narrowed[0] is x and dtype.itemsize > x.dtype.itemsize:
+      # x was rounded from a wider value on its way here, unchanged since: widen that
+      # value instead of the rounded one, so nothing is rounded through a narrower
+      # dtype on its way into a wider computation.
+      x = narrowed[1]
+      return x if x.dtype == dtype else x.astype(dtype)
+    y = x.astype(dtype)
+    if dtype.itemsize < x.dtype.itemsize:
+      wide = narrowed[1] if narrowed is not None and narrowed[0] is x else x
+      self._narrowed[id(y)] = (y, wide)
+    return y
+
   def cast(self, tree: T, dtype: np.dtype) -> T:
     """Casts the floating-point array leaves of ``tree``, leaving nodes alone."""
-    if self._is_node is None:
-      return tree_lib.cast_tree(tree, dtype)
+    dtype = np.dtype(dtype)
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=self._is_node)
-    leaves = [x if self._is_node(x) else tree_lib.cast_tree(x, dtype) for x in leaves]
+    leaves = [x if self._is_node is not None and self._is_node(x) else self._cast_leaf(x, dtype)
+              for x in leaves]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
   def output_dtype(self, precision: rules_lib.ModulePrecision) -> np.dtype:
     """The dtype a module hands its output back in (see the module docstring)."""
-    caller = self._callers[-1] if self._callers else None
-    return precision.output_dtype or caller or self.rules.default.output_dtype
+    if precision.output_dtype is not None:
+      return precision.output_dtype
+    if self._callers:
+      return self._callers[-1]
+    return self.rules.default.output_dtype
+
+  def _threaded_state(self, out: Any, args: tuple, kwargs: dict) -> list[Optional[Any]]:
+    """For each element of a tuple/list/dict output, the argument it threads, or None.
+
+    An element is threaded state (a KV cache, a recurrent carry) when an argument has
+    the same tree structure and leaf shapes; it goes back in that argument's dtypes.
+    """
+    elements = _elements(out)
+    if elements is None:
+      return []
+    candidates = [a for a in (*args, *kwargs.values())
+                  if any(tree_lib.is_float_array(x)
+                         for x in jax.tree_util.tree_leaves(a, is_leaf=self._is_node))]
+    return [next((a for a in candidates if _same_shapes(e, a, self._is_node)), None)
+            for e in elements]
+
+  def _cast_output(self, out: Any, dtype: np.dtype, args: tuple, kwargs: dict) -> Any:
+    threaded = self._threaded_state(out, args, kwargs)
+    if not any(a is not None for a in threaded):
+      return self.cast(out, dtype)
+    cast = [self.cast(e, dtype) if a is None else self._cast_like(e, a)
+            for e, a in zip(_elements(out), threaded)]
+    return _rebuild(out, cast)
+
+  def _cast_like(self, tree: Any, like: Any) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=self._is_node)
+    like_leaves = jax.tree_util.tree_leaves(like, is_leaf=self._is_node)
+    cast = [self._cast_leaf(x, np.dtype(y.dtype)) if tree_lib.is_float_array(y) else x
+            for x, y in zip(leaves, like_leaves)]
+    return jax.tree_util.tree_unflatten(treedef, cast)
 
   def run(self, path: str, module_type: type, method: str,
           precision: rules_lib.ModulePrecision, fn: Callable[..., Any],
           args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
     """Runs ``fn(*args, **kwargs)`` as a call of the module at ``path``.
 
-    Casts the floating-point inputs to the compute dtype, records the call, and casts
-    the output to :meth:`output_dtype`.
+    Casts the floating-point inputs to the compute dtype, records the call, puts the
+    module's float32 ops in effect, and casts the output to :meth:`output_dtype`
+    (threaded state back to the dtype it came in).
     """
     compute = precision.policy.compute_dtype
     output_dtype = self.output_dtype(precision)
+    index = len(self.records)
     self.records.append(CallRecord(path, module_type, method, precision, output_dtype))
-    args, kwargs = self.cast((tuple(args), dict(kwargs)), compute)
+    args, kwargs = tuple(args), dict(kwargs)
+    cast_args, cast_kwargs = self.cast((args, kwargs), compute)
     self._callers.append(compute)
     try:
-      out = fn(*args, **kwargs)
+      with contextlib.ExitStack() as stack:
+        stack.enter_context(float32_ops_lib.module_ops(precision.float32_ops))
+        if self.annotate:
+          stack.enter_context(jax.named_scope(f"{ANNOTATION}{index}"))
+        out = fn(*cast_args, **cast_kwargs)
     finally:
       self._callers.pop()
-    return self.cast(out, output_dtype)
+    return self._cast_output(out, output_dtype, args, kwargs)
+
+  def param_scope(self) -> Any:
+    """A context for creating params: named :data:`PARAM_ANNOTATION` when annotating."""
+    return jax.named_scope(PARAM_ANNOTATION) if self.annotate else contextlib.nullcontext()
+
+
+def _is_float_dtype_value(value: Any) -> bool:
+  try:
+    return dtypes_lib.is_float_dtype(np.dtype(value))
+  except TypeError:
+    return False
+
+
+def _elements(out: Any) -> Optional[list]:
+  if isinstance(out, (tuple, list)) and len(out) > 1:
+    return list(out)
+  if isinstance(out, dict) and len(out) > 1:
+    return list(out.values())
+  return None
+
+
+def _rebuild(out: Any, elements: list) -> Any:
+  if isinstance(out, dict):
+    return type(out)(zip(out.keys(), elements))
+  if hasattr(out, "_fields"):  # NamedTuple
+    return type(out)(*elements)
+  return type(out)(elements)
+
+
+def _same_shapes(a: Any, b: Any, is_node: Optional[Callable[[Any], bool]]) -> bool:
+  leaves_a, def_a = jax.tree_util.tree_flatten(a, is_leaf=is_node)
+  leaves_b, def_b = jax.tree_util.tree_flatten(b, is_leaf=is_node)
+  return def_a == def_b and all(
+      np.shape(x) == np.shape(y) and tree_lib.is_float_array(x) == tree_lib.is_float_array(y)
+      for x, y in zip(leaves_a, leaves_b))
 
 
 def owner(path: tuple, by_path: Mapping[tuple, T]) -> Optional[T]:
@@ -164,7 +317,8 @@ def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
 
   Returns:
     One sentence per problem: a rule that matches no module, a rule shadowed by
-    earlier ones, an fp8 rule that matches no fp8-capable layer.
+    earlier ones, an fp8 rule that matches no fp8-capable layer, a rule that asks for
+    float32 ops jaxmp cannot intercept (with the paths of the modules it matches).
 
   Example:
     >>> from jaxmp._src import engine
@@ -175,6 +329,13 @@ def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
   problems = []
   for index, rule in enumerate(rules.rules):
     decided = [r for r in records if r.precision.rule is rule]
+    uninterceptable = sorted(set(rule.float32_ops or ()) & set(float32_ops_lib.UNINTERCEPTABLE))
+    if decided and uninterceptable:
+      paths = ", ".join(dict.fromkeys(describe_path(r.path) for r in decided))
+      problems.append(f"rule {index} ({rule.describe()}) asks for {', '.join(uninterceptable)} "
+                      f"in float32, which jaxmp cannot intercept (it intercepts "
+                      f"{', '.join(float32_ops_lib.INTERCEPTABLE)}): they run in the compute "
+                      f"dtype in {paths}")
     if decided and rule.fp8 is not None and not any(r.precision.fp8 for r in decided):
       problems.append(f"rule {index} ({rule.describe()}) has an fp8 recipe but matches no "
                       f"layer fp8 applies to ({fp8_layer_names})")
@@ -222,6 +383,9 @@ def warn_unused_rules(model_name: str, rules: rules_lib.PolicyRules,
 
 
 __all__ = (
+    "ANNOTATION",
+    "NOT_A_DTYPE_FIELD",
+    "PARAM_ANNOTATION",
     "ROOT",
     "Call",
     "CallRecord",

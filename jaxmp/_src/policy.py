@@ -14,8 +14,10 @@ picks float16):
   ``half``. Unset params default to float32, compute follows params and output
   follows compute: ``"c=f16"`` is params float32, compute and output float16.
 * A bare value sets all three: ``"bf16"`` is bfloat16 everywhere.
-* Keras names: ``"mixed_bfloat16"`` and ``"mixed_float16"`` keep params in float32
-  and compute (and so, as in Keras, return) in the half type; ``"float32"``,
+* Keras names: ``"mixed_bfloat16"`` and ``"mixed_float16"`` keep params in float32,
+  compute in the half type and hand the model's output back in float32 (Keras's own
+  guide makes the last layer float32 so that the loss sees float32 logits; inner
+  modules still hand back their caller's compute dtype); ``"float32"``,
   ``"bfloat16"`` and ``"float16"`` are bare values.
 
 ``str(policy)`` prints ``params=float32,compute=bfloat16,output=float32``, which
@@ -185,7 +187,7 @@ def _parse_string(spec: str) -> Policy:
   if "=" in stripped:
     return _parse_assignments(stripped)
   if stripped in _KERAS_MIXED:
-    return Policy("float32", _KERAS_MIXED[stripped])
+    return Policy("float32", _KERAS_MIXED[stripped], "float32")
   dtype = _parse_value(stripped, spec)
   return Policy(dtype, dtype, dtype)
 
@@ -210,7 +212,7 @@ def get_policy(spec: PolicyLike) -> Policy:
     >>> print(jaxmp.get_policy("c=f16"))
     params=float32,compute=float16,output=float16
     >>> print(jaxmp.get_policy("mixed_bfloat16"))
-    params=float32,compute=bfloat16,output=bfloat16
+    params=float32,compute=bfloat16,output=float32
   """
   if isinstance(spec, Policy):
     return spec

@@ -5,10 +5,23 @@ A :class:`PolicyRules` is a default :class:`~jaxmp.Policy` plus an ordered list 
 '/'-joined path (``"Block_0/Attention_0/query"``; the root module's path is ``""``):
 the first rule that matches wins, and a module no rule matches uses the default.
 
-Normalization layers (BatchNorm, LayerNorm, RMSNorm, GroupNorm, InstanceNorm; linen
-and NNX) compute in float32 unless a rule says otherwise, because their mean and
-variance lose too much in half precision. They store params in the default param
-dtype and hand their output back in the caller's compute dtype.
+Normalization layers (Flax's BatchNorm, LayerNorm, RMSNorm, GroupNorm, InstanceNorm,
+linen and NNX, and a model's own layers whose class name ends in ``Norm`` or
+``Normalization``, such as a published model's ``RMSNorm``) compute in float32 unless a
+rule says otherwise, because their mean and variance lose too much in half precision.
+They store params in the default param dtype and hand their output back in the
+caller's compute dtype.
+
+Inside every module, the ops on the float32 op list (:mod:`jaxmp._src.float32_ops`:
+softmax, log-softmax, logsumexp by default) compute in float32; ``float32_ops=`` on
+:class:`PolicyRules` sets the list for the whole model, and on a :class:`Rule` for the
+modules it matches (``()`` turns it off).
+
+The policy governs: while a module runs under a wrapper, its own computation-dtype
+field (``dtype`` on Flax layers, whatever the model's config set it to) is its
+resolved compute dtype, so a published model whose config says ``dtype=float32``
+computes in the policy's dtype. ``PolicyRules(module_dtypes="model")`` lets the
+model's own dtype fields win instead.
 
 An override is local: a module a rule matches hands its output back in the dtype of
 the module that called it, unless the rule names an output dtype. A rule matches the
@@ -38,6 +51,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from jaxmp._src import dtypes as dtypes_lib
+from jaxmp._src import float32_ops as float32_ops_lib
 from jaxmp._src import policy as policy_lib
 from jaxmp._src.fp8 import recipes as recipes_lib
 
@@ -54,9 +68,17 @@ def normalization_classes() -> tuple[type, ...]:
           nnx.BatchNorm, nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, nnx.InstanceNorm)
 
 
+_NORMALIZATION_NAME = re.compile(r".*(Norm|Normalization)")
+
+
 def is_normalization(module_type: type) -> bool:
-  """Whether ``module_type`` is one of :func:`normalization_classes`."""
-  return issubclass(module_type, normalization_classes())
+  """Whether ``module_type`` is a normalization layer (see the module docstring)."""
+  return (issubclass(module_type, normalization_classes())
+          or _NORMALIZATION_NAME.fullmatch(module_type.__name__) is not None)
+
+
+MODULE_DTYPES = ("policy", "model")
+"""Who decides a module's computation dtype field: the resolved policy, or the model."""
 
 Match = Union[type, tuple, str]
 
@@ -105,10 +127,13 @@ class Rule:
       override is local: the output goes back in the caller's compute dtype. A policy
       string with an explicit ``o=``/``output=`` key, or a Policy object whose output
       dtype differs from its compute dtype, names the output dtype too.
+    float32_ops: the ops that compute in float32 inside matched modules, replacing
+      the rules' list (``()`` for none, ``("softmax",)``...); ``None`` keeps it.
 
   Raises:
-    TypeError: for a match that is neither a class nor a string, or a bad fp8 recipe.
-    ValueError: for an invalid regex or a policy that does not parse.
+    TypeError: for a match that is neither a class nor a string, a bad fp8 recipe, or
+      ``float32_ops`` that is not a tuple of names.
+    ValueError: for an invalid regex, a policy that does not parse, or an unknown op.
 
   Example:
     >>> import flax.linen as nn
@@ -123,12 +148,16 @@ class Rule:
   policy: Optional[policy_lib.Policy] = None
   fp8: Any = None
   output_dtype: Optional[np.dtype] = None
+  float32_ops: Optional[frozenset] = None
   _regex: Optional[re.Pattern] = dataclasses.field(
       default=None, init=False, repr=False, compare=False)
 
   def __post_init__(self):
     object.__setattr__(self, "_regex", _check_match(self.match))
     _check_fp8(self.fp8)
+    if self.float32_ops is not None:
+      object.__setattr__(self, "float32_ops",
+                         float32_ops_lib.check(self.float32_ops, f"Rule({self.match!r})"))
     explicit_output = (None if self.output_dtype is None
                        else dtypes_lib.parse_dtype(self.output_dtype))
     if self.policy is None:
@@ -168,12 +197,14 @@ class ModulePrecision:
       "the caller's compute dtype" (the default for every module).
     fp8: the fp8 recipe of the module's matmuls, or ``None``.
     rule: the rule that matched, or ``None`` where the default applies.
+    float32_ops: the ops that compute in float32 inside the module.
   """
 
   policy: policy_lib.Policy
   output_dtype: Optional[np.dtype]
   fp8: Any
   rule: Optional[Rule]
+  float32_ops: frozenset = frozenset(float32_ops_lib.DEFAULT)
 
 
 def _normalization_policy(default: policy_lib.Policy) -> policy_lib.Policy:
@@ -192,6 +223,12 @@ class PolicyRules:
     rules: :class:`Rule` objects, tried in order.
     float32_normalization: whether normalization layers compute in float32 when no
       rule matches them (default ``True``).
+    float32_ops: the ops that compute in float32 inside every module a rule does not
+      give its own list (default :data:`jaxmp._src.float32_ops.DEFAULT`: softmax,
+      log_softmax, logsumexp; ``()`` for none).
+    module_dtypes: ``"policy"`` (default): a module's own computation-dtype field
+      (``dtype``) is its resolved compute dtype while it runs; ``"model"``: the fields
+      keep what the model set, and a field that says float32 computes in float32.
 
   Frozen and hashable, so it can be a static argument of ``jax.jit``.
 
@@ -199,12 +236,14 @@ class PolicyRules:
     >>> import flax.linen as nn
     >>> rules = jaxmp.PolicyRules("mixed_bfloat16", [jaxmp.Rule(nn.Dense, fp8=None)])
     >>> print(rules.default)
-    params=float32,compute=bfloat16,output=bfloat16
+    params=float32,compute=bfloat16,output=float32
   """
 
   default: policy_lib.Policy
   rules: tuple[Rule, ...] = ()
   float32_normalization: bool = True
+  float32_ops: frozenset = frozenset(float32_ops_lib.DEFAULT)
+  module_dtypes: str = "policy"
 
   def __post_init__(self):
     object.__setattr__(self, "default", policy_lib.get_policy(self.default))
@@ -212,6 +251,14 @@ class PolicyRules:
       raise TypeError(
           f"PolicyRules float32_normalization must be True or False, got "
           f"{self.float32_normalization!r} of type {type(self.float32_normalization).__name__}.")
+    object.__setattr__(self, "float32_ops",
+                       float32_ops_lib.check(self.float32_ops, "PolicyRules"))
+    if not isinstance(self.module_dtypes, str):
+      raise TypeError(f"PolicyRules module_dtypes must be one of {MODULE_DTYPES}, got "
+                      f"{self.module_dtypes!r} of type {type(self.module_dtypes).__name__}.")
+    if self.module_dtypes not in MODULE_DTYPES:
+      raise ValueError(f"PolicyRules module_dtypes must be one of {MODULE_DTYPES}, got "
+                       f"{self.module_dtypes!r}.")
     if isinstance(self.rules, (Rule, str)) or not isinstance(self.rules, Sequence):
       raise TypeError(
           f"PolicyRules rules must be a sequence of jaxmp.Rule, got {self.rules!r}.")
@@ -227,10 +274,12 @@ class PolicyRules:
     for rule in self.rules:
       if rule.matches(path, module_type):
         policy = self.default if rule.policy is None else rule.policy
-        return ModulePrecision(policy, rule.output_dtype, rule.fp8, rule)
+        ops = self.float32_ops if rule.float32_ops is None else rule.float32_ops
+        return ModulePrecision(policy, rule.output_dtype, rule.fp8, rule, ops)
     if self.float32_normalization and is_normalization(module_type):
-      return ModulePrecision(_normalization_policy(self.default), None, None, None)
-    return ModulePrecision(self.default, None, None, None)
+      return ModulePrecision(_normalization_policy(self.default), None, None, None,
+                             self.float32_ops)
+    return ModulePrecision(self.default, None, None, None, self.float32_ops)
 
 
 PolicyOrRules = Union[PolicyRules, policy_lib.PolicyLike]
@@ -253,6 +302,7 @@ def as_rules(policy_or_rules: PolicyOrRules) -> PolicyRules:
 
 
 __all__ = (
+    "MODULE_DTYPES",
     "ModulePrecision",
     "PolicyOrRules",
     "PolicyRules",

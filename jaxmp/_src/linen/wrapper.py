@@ -30,11 +30,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import flax.linen as nn
+import jax
 import numpy as np
 
 from jaxmp._src import engine
@@ -45,21 +47,38 @@ from jaxmp._src.linen import injection
 CallRecord = engine.CallRecord
 
 
-def _params_in(module: nn.Module, dtype: np.dtype):
+def _params_in(module: nn.Module, dtype: np.dtype, call: engine.Call):
   """Makes ``module.param(...)`` return its value cast to ``dtype`` (storage unchanged)."""
   unbound_param = type(module).param
 
   def param(*args, **kwargs):
-    return tree_lib.cast_tree(unbound_param(module, *args, **kwargs), dtype)
+    with call.param_scope():
+      value = unbound_param(module, *args, **kwargs)
+    return tree_lib.cast_tree(value, dtype)
 
   return injection.instance_attribute(module, "param", param)
+
+
+def _has_dtype_field(module: nn.Module) -> bool:
+  return "dtype" in getattr(module, "__dataclass_fields__", {})
+
+
+def _module_in(module: nn.Module, precision, call: engine.Call) -> contextlib.ExitStack:
+  """Params read in the compute dtype, and the ``dtype`` field the engine chose."""
+  stack = contextlib.ExitStack()
+  stack.enter_context(_params_in(module, precision.policy.compute_dtype, call))
+  if _has_dtype_field(module):
+    value = call.dtype_field(module.dtype, precision)
+    if value is not engine.NOT_A_DTYPE_FIELD:
+      stack.enter_context(injection.instance_attribute(module, "dtype", value))
+  return stack
 
 
 class _Interceptor:
   """Hands every linen module call to the engine; keeps the engine's records."""
 
-  def __init__(self, rules: rules_lib.PolicyRules):
-    self.call = engine.Call(rules, injection.supports_fp8)
+  def __init__(self, rules: rules_lib.PolicyRules, annotate: bool = False):
+    self.call = engine.Call(rules, injection.supports_fp8, annotate=annotate)
 
   @property
   def records(self) -> list[CallRecord]:
@@ -75,15 +94,14 @@ class _Interceptor:
       return next_fun(*args, **kwargs)
     path = "/".join(module.path)
     precision = self.call.resolve(path, type(module))
-    compute = precision.policy.compute_dtype
     if method == "setup":
-      with _params_in(module, compute):
+      with _module_in(module, precision, self.call):
         return next_fun(*args, **kwargs)
     if precision.fp8 is not None and method == "__call__":
       next_fun = injection.fp8_call(module, precision.fp8, next_fun)
 
     def run(*args, **kwargs):
-      with _params_in(module, compute):
+      with _module_in(module, precision, self.call):
         return next_fun(*args, **kwargs)
 
     return self.call.run(path, type(module), method, precision, run, args, kwargs)
@@ -144,10 +162,15 @@ class MixedPrecision:
   rules: rules_lib.PolicyRules
   _warned: set = dataclasses.field(default_factory=set, repr=False)
 
-  def trace(self, fun: Callable[[], Any]) -> tuple[Any, list[CallRecord]]:
-    """Runs ``fun`` under this wrapper's interceptor; returns its result and the calls."""
-    interceptor = _Interceptor(self.rules)
-    with nn.intercept_methods(interceptor):
+  def trace(self, fun: Callable[[], Any], *, annotate: bool = False
+            ) -> tuple[Any, list[CallRecord]]:
+    """Runs ``fun`` under this wrapper's interceptor; returns its result and the calls.
+
+    With ``annotate``, each module call runs in a named scope naming its record (see
+    :data:`jaxmp._src.engine.ANNOTATION`).
+    """
+    interceptor = _Interceptor(self.rules, annotate)
+    with nn.intercept_methods(interceptor), interceptor.call:
       out = fun()
     self._warn_unused(interceptor.records)
     return out, interceptor.records
@@ -178,6 +201,60 @@ class MixedPrecision:
   def _warn_unused(self, records: list[CallRecord]) -> None:
     engine.warn_unused_rules(type(self.model).__name__, self.rules, records,
                              _fp8_layer_names(), already_warned=self._warned, stacklevel=4)
+
+
+def trace_abstract(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRules],
+                   args: tuple, kwargs: dict, *, variables: Any = None, rngs: Any = None
+                   ) -> tuple[rules_lib.PolicyRules, list[CallRecord], Any]:
+  """Traces one ``init`` or ``apply`` abstractly; for :func:`jaxmp.tools.summary`.
+
+  Traces with ``jax.make_jaxpr``, every module call annotated
+  (:data:`jaxmp._src.engine.ANNOTATION`) and param creation apart
+  (:data:`jaxmp._src.engine.PARAM_ANNOTATION`); nothing is computed.
+
+  Args:
+    model_or_wrapper: a linen Module or a :class:`MixedPrecision`.
+    rules: a policy or rules; ``None`` keeps a wrapper's own.
+    args: the call's positional arguments (arrays or ``jax.ShapeDtypeStruct``).
+    kwargs: its keyword arguments (``method=``, ``mutable=``, flags).
+    variables: the model's variables; without them the call is traced as ``init``.
+    rngs: PRNG keys for the call (``jax.random.key(0)`` for ``init`` by default).
+
+  Returns:
+    The rules used, the call records and the traced ``ClosedJaxpr``.
+
+  Raises:
+    ValueError: if ``rules`` is ``None`` for an unwrapped model.
+  """
+  if isinstance(model_or_wrapper, MixedPrecision):
+    wrapper = model_or_wrapper if rules is None else mixed_precision(model_or_wrapper.model,
+                                                                       rules)
+  elif rules is None:
+    raise ValueError("jaxmp.tools.summary needs rules (a policy or jaxmp.PolicyRules) when "
+                     f"given an unwrapped model {type(model_or_wrapper).__name__}.")
+  else:
+    wrapper = mixed_precision(model_or_wrapper, rules)
+  records: list[CallRecord] = []
+  # Array leaves (ShapeDtypeStructs included) are traced; everything else is static.
+  is_array = lambda x: isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+  leaves, treedef = jax.tree_util.tree_flatten((variables, rngs, args, kwargs))
+  arrays = [x for x in leaves if is_array(x)]
+
+  def call(arrays):
+    it = iter(arrays)
+    variables, rngs, args, kwargs = jax.tree_util.tree_unflatten(
+        treedef, [next(it) if is_array(x) else x for x in leaves])
+    if variables is None:
+      fun = lambda: wrapper.model.init(  # pylint: disable=g-long-lambda
+          jax.random.key(0) if rngs is None else rngs, *args, **kwargs)
+    else:
+      fun = lambda: wrapper.model.apply(variables, *args, rngs=rngs, **kwargs)
+    out, calls = wrapper.trace(fun, annotate=True)
+    records.extend(calls)
+    return out
+
+  jaxpr = jax.make_jaxpr(call)(arrays)
+  return wrapper.rules, records, jaxpr
 
 
 def mixed_precision(model: nn.Module,
@@ -218,4 +295,4 @@ def mixed_precision(model: nn.Module,
   return MixedPrecision(model, rules_lib.as_rules(policy_or_rules))
 
 
-__all__ = ("CallRecord", "MixedPrecision", "mixed_precision")
+__all__ = ("CallRecord", "MixedPrecision", "mixed_precision", "trace_abstract")

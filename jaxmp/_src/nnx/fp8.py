@@ -58,16 +58,21 @@ class Fp8State(nnx.Variable):
   """
 
 
-# nnx.bridge names NNX variable types after linen collections; map linen's fp8
-# collection onto Fp8State so bridged linen fp8 layers and these share one type.
-if state_lib.OVERWRITE_WITH_GRADIENT not in nnx.variablelib.VariableTypeCache:
-  nnx.register_variable_name(state_lib.OVERWRITE_WITH_GRADIENT, Fp8State)
+def register_collection_name() -> None:
+  """Maps linen's fp8 collection name onto :class:`Fp8State` for ``nnx.bridge`` (once)."""
+  # nnx.bridge names NNX variable types after linen collections; map linen's fp8
+  # collection onto Fp8State so bridged linen fp8 layers and these share one type.
+  # Done when jaxmp.nnx is imported or the first fp8 state is created, never by
+  # `import jaxmp` (which changes nothing in Flax).
+  if state_lib.OVERWRITE_WITH_GRADIENT not in nnx.variablelib.VariableTypeCache:
+    nnx.register_variable_name(state_lib.OVERWRITE_WITH_GRADIENT, Fp8State)
 
 
 def _init_variables(module: nnx.Module, recipe: recipes_lib.Recipe) -> None:
   state = state_lib.init_state(recipe)
   if state is None:
     return
+  register_collection_name()
   for name, value in state._asdict().items():
     # A fresh array per variable: one buffer in two variables cannot be donated.
     setattr(module, name, Fp8State(jnp.array(value)))

@@ -264,8 +264,12 @@ class MixedPrecision(nnx.Module):
   def _call_method(self, name: str, *args, **kwargs) -> Any:
     return self._trace(name, args, kwargs)[0]
 
-  def _trace(self, method: str, args: tuple, kwargs: dict) -> tuple[Any, list[CallRecord]]:
+  def _trace(self, method: str, args: tuple, kwargs: dict, *,
+             annotate: bool = False) -> tuple[Any, list[CallRecord]]:
     """Calls ``model.<method>(*args, **kwargs)`` under the rules.
+
+    With ``annotate``, each module call runs in a named scope naming its record (see
+    :data:`jaxmp._src.engine.ANNOTATION`).
 
     Returns:
       The output and the :class:`~jaxmp.linen.CallRecord` of every module call, in
@@ -277,7 +281,7 @@ class MixedPrecision(nnx.Module):
     if method != "__call__" and (method.startswith("_") or not inspect.ismethod(
         getattr(self.model, method, None))):
       raise AttributeError(f"{type(self.model).__name__} has no public method {method!r}.")
-    call = engine.Call(self.rules, fp8_nnx.supports_fp8, is_node=_is_node)
+    call = engine.Call(self.rules, fp8_nnx.supports_fp8, is_node=_is_node, annotate=annotate)
     nodes = tuple(x for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_node)
                   if _is_node(x))
     graph = (self.model, nodes)
@@ -291,7 +295,8 @@ class MixedPrecision(nnx.Module):
     args, kwargs = jax.tree_util.tree_map(
         lambda x: substitutes.get(id(x), x) if _is_node(x) else x, (args, kwargs),
         is_leaf=_is_node)
-    out = getattr(copy[0], method)(*args, **kwargs)
+    with call:
+      out = getattr(copy[0], method)(*args, **kwargs)
     _write_back(graph, originals, copy, before)
     return out, call.records
 
@@ -308,10 +313,21 @@ class MixedPrecision(nnx.Module):
       if r.path in fp8_modules:
         fp8_nnx.install(r.module, fp8_modules[r.path])
         precision = dataclasses.replace(precision, fp8=fp8_modules[r.path].recipe)
+      _set_dtype_field(r.module, precision, call)
       module_type = _ORIGINAL.get(type(r.module), type(r.module))
       object.__setattr__(r.module, "__class__", _intercepting_class(module_type))
       object.__setattr__(r.module, _CALL_ATTRIBUTE,
                          _ModuleCall(r.path, module_type, precision, call))
+
+
+def _set_dtype_field(module: nnx.Module, precision: rules_lib.ModulePrecision,
+                     call: engine.Call) -> None:
+  """Sets the copy's ``dtype`` attribute to what the engine chose (see Call.dtype_field)."""
+  if "dtype" not in vars(module):
+    return
+  value = call.dtype_field(vars(module)["dtype"], precision)
+  if value is not engine.NOT_A_DTYPE_FIELD:
+    object.__setattr__(module, "dtype", value)
 
 
 class _Snapshot:
@@ -426,11 +442,12 @@ def mixed_precision(model: nnx.Module,
 
 def trace_abstract(model_or_wrapper: nnx.Module, rules: Optional[rules_lib.PolicyOrRules],
                    method: str, args: tuple, kwargs: dict
-                   ) -> tuple[rules_lib.PolicyRules, list[CallRecord]]:
-  """Resolves one call of an NNX model or wrapper abstractly; for :func:`jaxmp.tools.summary`.
+                   ) -> tuple[rules_lib.PolicyRules, list[CallRecord], Any]:
+  """Traces one call of an NNX model or wrapper abstractly; for :func:`jaxmp.tools.summary`.
 
-  Runs the call under ``jax.eval_shape`` on a copy of the model: nothing is computed
-  and neither the model nor the arguments are changed.
+  Traces the call with ``jax.make_jaxpr`` on a copy of the model, every module call
+  annotated (:data:`jaxmp._src.engine.ANNOTATION`): nothing is computed and neither
+  the model nor the arguments are changed.
 
   Args:
     model_or_wrapper: an ``nnx.Module`` or a :class:`MixedPrecision`.
@@ -440,26 +457,26 @@ def trace_abstract(model_or_wrapper: nnx.Module, rules: Optional[rules_lib.Polic
     kwargs: its keyword arguments.
 
   Returns:
-    The rules used and the call records.
+    The rules used, the call records and the traced ``ClosedJaxpr``.
 
   Raises:
     ValueError: if ``rules`` is ``None`` for an unwrapped model.
 
   Example:
     >>> from flax import nnx
+    >>> from jaxmp._src.nnx import wrapper
     >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)),
     ...                        nnx.Linear(4, 2, rngs=nnx.Rngs(0)))
     >>> x = jax.ShapeDtypeStruct((1, 3), jnp.float32)
-    >>> from jaxmp._src.nnx import wrapper
-    >>> rules, calls = wrapper.trace_abstract(model, "bf16", "__call__", (x,), {})
+    >>> rules, calls, _ = wrapper.trace_abstract(model, "bf16", "__call__", (x,), {})
     >>> [(c.path, c.precision.policy.param_dtype.name) for c in calls]
     [('', 'bfloat16'), ('layers/0', 'bfloat16'), ('layers/1', 'bfloat16')]
     >>> model.layers[0].kernel[...].dtype  # the model itself is not changed
     dtype('float32')
   """
   if rules is None and not isinstance(model_or_wrapper, MixedPrecision):
-    raise ValueError("jaxmp.summary needs rules (a policy or jaxmp.PolicyRules) when given "
-                     f"an unwrapped model {type(model_or_wrapper).__name__}.")
+    raise ValueError("jaxmp.tools.summary needs rules (a policy or jaxmp.PolicyRules) when "
+                     f"given an unwrapped model {type(model_or_wrapper).__name__}.")
   is_abstract = lambda x: isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
   leaves, treedef = jax.tree_util.tree_flatten((args, kwargs), is_leaf=_is_node)
   nodes = [x for x in leaves if _is_node(x)]
@@ -477,12 +494,12 @@ def trace_abstract(model_or_wrapper: nnx.Module, rules: Optional[rules_lib.Polic
       wrapper = obj if rules is None else mixed_precision(obj.model, rules)
     else:
       wrapper = mixed_precision(obj, rules)
-    out, records = wrapper._trace(method, call_args, call_kwargs)  # pylint: disable=protected-access
+    out, records = wrapper._trace(method, call_args, call_kwargs, annotate=True)  # pylint: disable=protected-access
     found.append((wrapper.rules, records))
     return out
 
-  jax.eval_shape(run, state, arrays)
-  return found[0]
+  jaxpr = jax.make_jaxpr(run)(state, arrays)
+  return found[0][0], found[0][1], jaxpr
 
 
 __all__ = (

@@ -28,7 +28,6 @@ from jaxmp._src import policy as policy_lib
 from jaxmp._src import rules as rules_lib
 from jaxmp._src import tree as tree_lib
 from jaxmp._src.linen import wrapper as linen_lib
-from jaxmp._src.nnx import wrapper as nnx_lib
 from jaxmp._src.tools import leaves as leaves_lib
 from jaxmp._src.tools import summary as summary_lib
 from jaxmp._src.tools import table
@@ -61,13 +60,19 @@ def relative_error(reference: Any, output: Any) -> jax.Array:
   return jnp.where(finite, error, jnp.inf)
 
 
+def _nnx_adapter() -> Any:
+  # Imported on first use, so that importing jaxmp.tools registers nothing with NNX.
+  from jaxmp._src.nnx import wrapper  # pylint: disable=g-import-not-at-top
+  return wrapper
+
+
 class _Runner:
   """Runs one model under different rules, each configuration jitted once."""
 
   def __init__(self, model_or_wrapper: Any, variables: Any, args: tuple, kwargs: dict,
                metric: Metric, where: str):
     self.where = where
-    if isinstance(model_or_wrapper, (nnx_lib.MixedPrecision, linen_lib.MixedPrecision)):
+    if isinstance(model_or_wrapper, (_nnx_adapter().MixedPrecision, linen_lib.MixedPrecision)):
       model_or_wrapper = model_or_wrapper.model
     self.is_nnx = isinstance(model_or_wrapper, nnx.Module)
     if not self.is_nnx and not isinstance(model_or_wrapper, nn.Module):
@@ -102,7 +107,7 @@ class _Runner:
   def _state_and_call(self, rules: rules_lib.PolicyRules):
     """(state, f(state, arrays) -> output in float32) for ``rules``."""
     if self.is_nnx:
-      wrapped = nnx_lib.mixed_precision(nnx.clone(self.model), rules)
+      wrapped = _nnx_adapter().mixed_precision(nnx.clone(self.model), rules)
       graphdef, state = nnx.split(wrapped)
 
       def call(state, arrays):
@@ -142,10 +147,10 @@ class _Runner:
     kwargs = dict(self.kwargs)
     rngs = kwargs.pop("rngs", None)
     if self.is_nnx:
-      _, records = summary_lib.trace_calls(self.model, "float32", *self.args, **kwargs)
+      _, records, _ = summary_lib.trace_calls(self.model, "float32", *self.args, **kwargs)
     else:
-      _, records = summary_lib.trace_calls(self.model, "float32", *self.args,
-                                           variables=self.variables, rngs=rngs, **kwargs)
+      _, records, _ = summary_lib.trace_calls(self.model, "float32", *self.args,
+                                              variables=self.variables, rngs=rngs, **kwargs)
     paths = {}
     for record in records:
       paths.setdefault(record.path, record.module_type.__name__)

@@ -1,42 +1,68 @@
-"""A per-module precision table, resolved for a real call of the model.
+"""A per-module precision table: what each module was resolved to, and what it ran.
 
-:func:`summary` traces one call of the model abstractly (``jax.eval_shape``: nothing is
+:func:`summary` traces one call of the model (``jax.make_jaxpr``: nothing is
 computed) under the precision rules and lists every module that was called: its path,
-class, and the param, compute and output dtypes and fp8 recipe it actually got, with
-the rule that decided it. Use it to check that a regex matches what you meant.
+class, the param, compute and output dtypes and fp8 recipe it was resolved to, the
+rule that decided it, and, from the traced computation itself, the operand dtypes of
+the matmuls and convolutions that ran in it (``ran``; ``-`` where it ran none of its
+own). A module whose own code computed in another dtype than its resolved one (a
+layer with no ``dtype`` field that casts to float32 itself, say) is marked ``!`` and
+:func:`summary` warns with its path: a :class:`~jaxmp.Rule` is the way to say that
+layer computes wider. Use it to check that a regex matches what you meant, and that
+the policy governs what actually runs.
 
 Example:
   >>> import flax.linen as nn
   >>> model = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(2)])
   >>> print(jaxmp.tools.summary(model, "p=f32,c=bf16,o=f32", jnp.ones((1, 3))))
-  path      module      params   compute   output    fp8  rule
-  --------  ----------  -------  --------  --------  ---  -------
-  <root>    Sequential  float32  bfloat16  float32   -    default
-  layers_0  Dense       float32  bfloat16  bfloat16  -    default
-  layers_1  LayerNorm   float32  float32   bfloat16  -    norm
-  layers_2  Dense       float32  bfloat16  bfloat16  -    default
+  path      module      params   compute   output    fp8  rule     ran
+  --------  ----------  -------  --------  --------  ---  -------  --------
+  <root>    Sequential  float32  bfloat16  float32   -    default  -
+  layers_0  Dense       float32  bfloat16  bfloat16  -    default  bfloat16
+  layers_1  LayerNorm   float32  float32   bfloat16  -    norm     -
+  layers_2  Dense       float32  bfloat16  bfloat16  -    default  bfloat16
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Any, NamedTuple, Optional, Sequence
+import re
+import warnings
+from typing import Any, NamedTuple, Optional
 
 import flax.linen as nn
-import jax
+import numpy as np
 from flax import nnx
 
 from jaxmp._src import engine
 from jaxmp._src import rules as rules_lib
 from jaxmp._src.linen import wrapper as linen_lib
-from jaxmp._src.nnx import wrapper as nnx_lib
 from jaxmp._src.tools import table
 
-_COLUMNS = ("path", "module", "params", "compute", "output", "fp8", "rule")
+_COLUMNS = ("path", "module", "params", "compute", "output", "fp8", "rule", "ran")
+_MATMULS = ("dot_general", "conv_general_dilated")
+_FP8 = frozenset(("float8_e4m3fn", "float8_e5m2"))
+_CALL = re.compile(re.escape(engine.ANNOTATION) + r"(\d+)")
 
 
 class SummaryRow(NamedTuple):
-  """One module call in a :class:`PrecisionSummary`."""
+  """One module (and method) in a :class:`PrecisionSummary`.
+
+  Attributes:
+    path: the module's path (``<root>`` for the root).
+    module: its class name.
+    method: the method called.
+    param_dtype, compute_dtype, output_dtype: what it was resolved to.
+    fp8: its fp8 recipe's class name, or ``-``.
+    rule: the rule that decided it (``index: match``), ``norm`` or ``default``.
+    ran: the operand dtypes of the matmuls and convolutions that ran in the module's
+      own code (not its children's), comma-joined; ``-`` for none. Mixed operands
+      read ``bfloat16*float32``.
+    matmuls: how many matmul and convolution equations ran there (a loop body once).
+    mismatch: whether something ran in another dtype than ``compute_dtype`` (fp8
+      operands are never a mismatch: fp8 is always asked for).
+  """
 
   path: str
   module: str
@@ -46,6 +72,9 @@ class SummaryRow(NamedTuple):
   output_dtype: str
   fp8: str
   rule: str
+  ran: str = "-"
+  matmuls: int = 0
+  mismatch: bool = False
 
 
 def _rule_label(rules: rules_lib.PolicyRules, precision: rules_lib.ModulePrecision,
@@ -67,19 +96,80 @@ class PrecisionSummary:
 
   rows: tuple[SummaryRow, ...]
 
+  @property
+  def mismatches(self) -> tuple[SummaryRow, ...]:
+    """The rows whose code ran matmuls in another dtype than their compute dtype."""
+    return tuple(r for r in self.rows if r.mismatch)
+
   def __str__(self) -> str:
     body = [
         (r.path if r.method == "__call__" else f"{r.path}.{r.method}", r.module, r.param_dtype,
-         r.compute_dtype, r.output_dtype, r.fp8, r.rule) for r in self.rows]
+         r.compute_dtype, r.output_dtype, r.fp8, r.rule, r.ran + (" !" if r.mismatch else ""))
+        for r in self.rows]
     return table.text_table(_COLUMNS, body)
 
 
-def rows_from_records(rules: rules_lib.PolicyRules,
-                      records: list[linen_lib.CallRecord]) -> tuple[SummaryRow, ...]:
-  """Summary rows for intercepted calls, one per (path, method), in call order."""
+def _operand_class(eqn: Any) -> str:
+  names = sorted({np.dtype(v.aval.dtype).name for v in eqn.invars})
+  return "*".join(names)
+
+
+def _sub_jaxprs(value: Any):
+  if hasattr(value, "eqns"):
+    yield value
+  elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
+    yield value.jaxpr
+  elif isinstance(value, (tuple, list)):
+    for item in value:
+      yield from _sub_jaxprs(item)
+
+
+def _owner_index(name_stack: str) -> Optional[int]:
+  """The record index of the innermost annotated module call in a name stack."""
+  found = list(_CALL.finditer(name_stack))
+  if not found or engine.PARAM_ANNOTATION in name_stack[found[-1].end():]:
+    return None  # outside any module call, or creating a param
+  return int(found[-1].group(1))
+
+
+def matmul_dtypes(jaxpr: Any, prefix: str = "") -> dict[int, collections.Counter]:
+  """How many matmuls/convolutions of each operand dtype class each module call ran.
+
+  Walks nested jaxprs (jit, scan, cond, remat, custom_vjp; a loop body counts once);
+  an equation belongs to the innermost module call its name stack names
+  (:data:`jaxmp._src.engine.ANNOTATION`).
+
+  Returns:
+    Record index -> Counter of classes (``"bfloat16"``, ``"bfloat16*float32"``...).
+  """
+  found: dict[int, collections.Counter] = {}
+  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+    stack = f"{prefix}/{eqn.source_info.name_stack}"
+    if eqn.primitive.name in _MATMULS:
+      index = _owner_index(stack)
+      if index is not None:
+        found.setdefault(index, collections.Counter())[_operand_class(eqn)] += 1
+    for value in eqn.params.values():
+      for sub in _sub_jaxprs(value):
+        for index, counts in matmul_dtypes(sub, stack).items():
+          found.setdefault(index, collections.Counter()).update(counts)
+  return found
+
+
+def rows_from_records(rules: rules_lib.PolicyRules, records: list[engine.CallRecord],
+                      ran: Optional[dict[int, collections.Counter]] = None
+                      ) -> tuple[SummaryRow, ...]:
+  """Summary rows for module calls, one per (path, method), in call order.
+
+  ``ran`` (from :func:`matmul_dtypes`) fills the ``ran``, ``matmuls`` and ``mismatch``
+  columns.
+  """
+  ran = ran or {}
+  classes: dict[tuple[str, str], collections.Counter] = {}
   rows = {}
-  for r in records:
+  for index, r in enumerate(records):
     key = (r.path, r.method)
+    classes.setdefault(key, collections.Counter()).update(ran.get(index, {}))
     if key in rows:
       continue
     policy = r.precision.policy
@@ -88,16 +178,24 @@ def rows_from_records(rules: rules_lib.PolicyRules,
         param_dtype=policy.param_dtype.name, compute_dtype=policy.compute_dtype.name,
         output_dtype=r.output_dtype.name, fp8=_recipe_label(r.precision.fp8),
         rule=_rule_label(rules, r.precision, r.module_type))
-  return tuple(rows.values())
+  return tuple(
+      row._replace(ran=",".join(sorted(classes[key])) or "-",
+                   matmuls=sum(classes[key].values()),
+                   mismatch=any(c != row.compute_dtype and c not in _FP8 for c in classes[key]))
+      for key, row in rows.items())
 
 
-def _linen_wrapper(model: Any, rules: Optional[rules_lib.PolicyOrRules]):
-  if isinstance(model, linen_lib.MixedPrecision):
-    return model if rules is None else linen_lib.mixed_precision(model.model, rules)
-  if rules is None:
-    raise ValueError("jaxmp.tools.summary needs rules (a policy or jaxmp.PolicyRules) when given "
-                     f"an unwrapped model {type(model).__name__}.")
-  return linen_lib.mixed_precision(model, rules)
+def _warn_mismatches(summary: PrecisionSummary) -> None:
+  if not summary.mismatches:
+    return
+  lines = [f"  {r.path} ({r.module}): ran {r.ran}, resolved compute {r.compute_dtype}"
+           for r in summary.mismatches]
+  warnings.warn(
+      "jaxmp: these modules' own code computed in another dtype than their resolved "
+      "compute dtype, which the wrapper cannot change (no dtype field, or a dtype fixed in "
+      "the code):\n" + "\n".join(lines) + "\nGive them a jaxmp.Rule with the dtype they "
+      "compute in to make the policy say so, or change the model's code.",
+      UserWarning, stacklevel=3)
 
 
 def summary(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRules] = None,
@@ -132,21 +230,23 @@ def summary(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRules] = No
     ...     jaxmp.Rule("layers_1", fp8=jaxmp.fp8.DelayedScaling())])
     >>> model = nn.Sequential([nn.Dense(4), nn.Dense(2)])
     >>> print(jaxmp.tools.summary(model, rules, jnp.ones((1, 3))))
-    path      module      params   compute   output    fp8             rule
-    --------  ----------  -------  --------  --------  --------------  -------------
-    <root>    Sequential  float32  bfloat16  float32   -               default
-    layers_0  Dense       float32  bfloat16  bfloat16  -               default
-    layers_1  Dense       float32  bfloat16  bfloat16  DelayedScaling  0: 'layers_1'
+    path      module      params   compute   output    fp8             rule           ran
+    --------  ----------  -------  --------  --------  --------------  -------------  -------------
+    <root>    Sequential  float32  bfloat16  float32   -               default        -
+    layers_0  Dense       float32  bfloat16  bfloat16  -               default        bfloat16
+    layers_1  Dense       float32  bfloat16  bfloat16  DelayedScaling  0: 'layers_1'  float8_e4m3fn
   """
-  used, records = trace_calls(model_or_wrapper, rules, *args, variables=variables, rngs=rngs,
-                              **kwargs)
-  return PrecisionSummary(rows_from_records(used, records))
+  used, records, jaxpr = trace_calls(model_or_wrapper, rules, *args, variables=variables,
+                                     rngs=rngs, **kwargs)
+  result = PrecisionSummary(rows_from_records(used, records, matmul_dtypes(jaxpr)))
+  _warn_mismatches(result)
+  return result
 
 
 def trace_calls(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRules] = None,
                 *args, variables: Any = None, rngs: Any = None,
-                **kwargs) -> tuple[rules_lib.PolicyRules, list[engine.CallRecord]]:
-  """Traces one call abstractly, as :func:`summary` does; returns the rules and records.
+                **kwargs) -> tuple[rules_lib.PolicyRules, list[engine.CallRecord], Any]:
+  """Traces one call as :func:`summary` does; returns the rules, records and jaxpr.
 
   Takes what :func:`summary` takes.
   """
@@ -155,25 +255,16 @@ def trace_calls(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRules] 
       raise TypeError("jaxmp.tools.summary: an NNX model holds its own variables and RNGs; "
                       "variables= and rngs= are for linen models.")
     method = kwargs.pop("method", "__call__")
+    # The NNX adapter is imported on first use, so importing jaxmp.tools registers
+    # nothing with NNX.
+    from jaxmp._src.nnx import wrapper as nnx_lib  # pylint: disable=g-import-not-at-top
     return nnx_lib.trace_abstract(model_or_wrapper, rules, method, args, kwargs)
   if not isinstance(model_or_wrapper, (nn.Module, linen_lib.MixedPrecision)):
-    raise TypeError(f"jaxmp.tools.summary expects a flax linen Module, an NNX Module or a jaxmp "
-                    f"wrapper, got {model_or_wrapper!r} of type "
+    raise TypeError(f"jaxmp.tools.summary expects a flax linen Module, an NNX Module or a "
+                    f"jaxmp wrapper, got {model_or_wrapper!r} of type "
                     f"{type(model_or_wrapper).__name__}.")
-  wrapper = _linen_wrapper(model_or_wrapper, rules)
-  records = []
-
-  def call():
-    if variables is None:
-      fun = lambda: wrapper.model.init(  # pylint: disable=g-long-lambda
-          jax.random.key(0) if rngs is None else rngs, *args, **kwargs)
-    else:
-      fun = lambda: wrapper.model.apply(variables, *args, rngs=rngs, **kwargs)
-    _, calls = wrapper.trace(fun)
-    records.extend(calls)
-
-  jax.eval_shape(call)
-  return wrapper.rules, records
+  return linen_lib.trace_abstract(model_or_wrapper, rules, args, kwargs, variables=variables,
+                                  rngs=rngs)
 
 
-__all__ = ("PrecisionSummary", "SummaryRow", "summary", "trace_calls")
+__all__ = ("PrecisionSummary", "SummaryRow", "matmul_dtypes", "summary", "trace_calls")

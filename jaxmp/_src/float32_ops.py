@@ -1,0 +1,185 @@
+"""The float32 op list: ops that compute in float32 inside wrapped modules.
+
+torch.autocast keeps a list of ops that lose too much in half precision and runs them
+in float32 whatever the surrounding dtype. jaxmp's list, by default, is the softmax
+family, whose ``exp`` overflows float16 and whose normalising sum loses bfloat16's few
+mantissa bits:
+
+============== ==================================== =======================================
+op             intercepted as                       result dtype
+============== ==================================== =======================================
+``softmax``    ``jax.nn.softmax``, ``flax.linen``'s  the input's (probabilities feed the next
+               and ``flax.nnx``'s ``softmax``        matmul in the compute dtype)
+``log_softmax`` ``jax.nn.log_softmax``, linen's and  float32 (log-probabilities feed losses)
+               NNX's ``log_softmax``
+``logsumexp``  ``jax.nn.logsumexp``,                float32
+               ``jax.scipy.special.logsumexp``
+============== ==================================== =======================================
+
+This covers the attention softmax of ``flax.linen.MultiHeadDotProductAttention``,
+``flax.nnx.MultiHeadAttention`` and every model that calls these functions through
+their modules (``jax.nn.softmax(x)``, ``nn.softmax(x)``). A name bound at import time
+(``from jax.nn import softmax``) is not seen. Normalization statistics compute in
+float32 through the normalization rule instead (:mod:`jaxmp._src.rules`).
+
+Other ops on autocast's float32 list (``exp``, ``log``, ``pow``, ``rsqrt``, ``softplus``,
+``sum``, ``cumsum``, ...) are primitives used everywhere, including inside the ops
+above and inside Flax's own layers; intercepting them would change far more than the
+model's own arithmetic, so jaxmp does not. A rule that names one warns with the paths
+of the modules it matches (:data:`UNINTERCEPTABLE`).
+
+How: while a wrapped model runs (a :class:`jaxmp._src.engine.Call` is entered), the
+functions above are replaced in their modules by wrappers that look up the float32 ops
+of the module running now (a thread-local stack the engine pushes per module call)
+and, for a half-precision input, compute in float32. The originals are put back when
+the outermost call returns, even when it raises; outside a wrapped model JAX and Flax
+are untouched, and in another thread the wrappers call straight through.
+
+Example:
+  >>> import flax.linen as nn
+  >>> model = jaxmp.linen.mixed_precision(nn.MultiHeadDotProductAttention(num_heads=2),
+  ...                                     "params=float32,compute=bfloat16,output=float32")
+  >>> x = jnp.ones((1, 4, 8))
+  >>> variables = model.init(jax.random.key(0), x)
+  >>> jaxpr = jax.make_jaxpr(lambda v: model.apply(v, x))(variables)
+  >>> sorted({str(e.invars[0].aval.dtype) for e in jaxpr.eqns if e.primitive.name == "exp"})
+  ['float32']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import threading
+from typing import Any, Callable, Iterator
+
+import jax
+import numpy as np
+
+from jaxmp._src import tree as tree_lib
+
+DEFAULT: tuple[str, ...] = ("softmax", "log_softmax", "logsumexp")
+"""The ops that compute in float32 unless a rule says otherwise."""
+
+# op -> (the modules whose attribute of that name is the function, keep the input dtype?)
+_TARGETS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "softmax": (("jax.nn", "flax.linen", "flax.linen.activation", "flax.nnx",
+                 "flax.nnx.nn.activations"), True),
+    "log_softmax": (("jax.nn", "flax.linen", "flax.linen.activation", "flax.nnx",
+                     "flax.nnx.nn.activations"), False),
+    "logsumexp": (("jax.nn", "jax.scipy.special"), False),
+}
+
+INTERCEPTABLE: tuple[str, ...] = tuple(_TARGETS)
+"""Every op a rule may put on the float32 list."""
+
+UNINTERCEPTABLE: tuple[str, ...] = (
+    "exp", "log", "pow", "reciprocal", "rsqrt", "softplus", "sum", "prod", "cumsum",
+    "norm", "cosine_similarity", "layer_norm", "rms_norm", "group_norm", "loss")
+"""Ops on torch.autocast's float32 list that jaxmp cannot intercept cleanly (see above)."""
+
+_F32 = np.dtype(np.float32)
+
+
+class _State(threading.local):
+  """Per thread: the float32 ops of each module call running now, innermost last."""
+
+  def __init__(self):
+    super().__init__()
+    self.frames: list[frozenset] = []
+
+
+_STATE = _State()
+_LOCK = threading.Lock()
+_installed: list[tuple[Any, str, Any]] = []  # (module, attribute, original) while active
+_depth = 0
+
+
+def check(ops: Any, where: str) -> frozenset:
+  """Validates a float32 op list; returns it as a frozenset.
+
+  Raises:
+    TypeError: if ``ops`` is a bare string or not a collection of strings.
+    ValueError: for a name on neither :data:`INTERCEPTABLE` nor :data:`UNINTERCEPTABLE`.
+  """
+  if isinstance(ops, str) or not isinstance(ops, (tuple, list, set, frozenset)):
+    raise TypeError(f"{where}: float32_ops must be a tuple of op names, e.g. {DEFAULT!r} or () "
+                    f"for none, got {ops!r} of type {type(ops).__name__}.")
+  for op in ops:
+    if not isinstance(op, str):
+      raise TypeError(f"{where}: float32_ops must hold op names (str), got {op!r}.")
+    if op not in INTERCEPTABLE and op not in UNINTERCEPTABLE:
+      raise ValueError(f"{where}: unknown float32 op {op!r}; accepted: "
+                       f"{', '.join(INTERCEPTABLE)} (and, with a warning that they run in "
+                       f"the compute dtype, {', '.join(UNINTERCEPTABLE)}).")
+  return frozenset(ops)
+
+
+@contextlib.contextmanager
+def module_ops(ops: frozenset) -> Iterator[None]:
+  """Makes ``ops`` the float32 ops of the code running inside (one module call)."""
+  _STATE.frames.append(ops)
+  try:
+    yield
+  finally:
+    _STATE.frames.pop()
+
+
+def _active(op: str) -> bool:
+  return bool(_STATE.frames) and op in _STATE.frames[-1]
+
+
+def _is_half(x: Any) -> bool:
+  return tree_lib.is_float_array(x) and np.dtype(x.dtype).itemsize < 4
+
+
+def _in_float32(op: str, original: Callable[..., Any], keep_dtype: bool) -> Callable[..., Any]:
+  def wrapper(x, *args, **kwargs):
+    if not (_active(op) and _is_half(x)):
+      return original(x, *args, **kwargs)
+    out = original(x.astype(_F32), *args, **kwargs)
+    return jax.tree_util.tree_map(lambda y: y.astype(x.dtype), out) if keep_dtype else out
+
+  wrapper.__wrapped__ = original
+  wrapper.__name__ = getattr(original, "__name__", op)
+  wrapper.__doc__ = getattr(original, "__doc__", None)
+  return wrapper
+
+
+def _install() -> None:
+  for op, (module_names, keep_dtype) in _TARGETS.items():
+    replacements: dict[int, Callable[..., Any]] = {}  # one wrapper per original function
+    for name in module_names:
+      module = importlib.import_module(name)
+      original = getattr(module, op, None)
+      if original is None:
+        continue
+      wrapper = replacements.setdefault(id(original), _in_float32(op, original, keep_dtype))
+      _installed.append((module, op, original))
+      setattr(module, op, wrapper)
+
+
+def _uninstall() -> None:
+  while _installed:
+    module, op, original = _installed.pop()
+    setattr(module, op, original)
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+  """Puts the float32 wrappers in place for the duration (nested entries count)."""
+  global _depth
+  with _LOCK:
+    if _depth == 0:
+      _install()
+    _depth += 1
+  try:
+    yield
+  finally:
+    with _LOCK:
+      _depth -= 1
+      if _depth == 0:
+        _uninstall()
+
+
+__all__ = ("DEFAULT", "INTERCEPTABLE", "UNINTERCEPTABLE", "check", "installed", "module_ops")

@@ -1,0 +1,255 @@
+"""The precision engine's decisions, as linen and NNX models see them.
+
+Module dtype fields follow the policy, nothing is rounded through a narrower dtype on
+its way into a wider computation, threaded state keeps its dtype, the float32 op list
+is in effect only inside wrapped modules, and importing or running jaxmp leaves JAX
+and Flax as they were.
+"""
+
+import subprocess
+import sys
+import textwrap
+import threading
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxmp
+
+BF16 = "params=float32,compute=bfloat16,output=float32"
+
+
+def _dot_dtypes(fn, *args):
+  jaxpr = jax.make_jaxpr(fn)(*args)
+  return [str(e.invars[0].aval.dtype) for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+
+
+# ---- module dtype fields -------------------------------------------------------------------
+
+
+def test_linen_dtype_field_follows_the_policy():
+  model = nn.Dense(3, dtype=jnp.float32)  # a published config's default
+  wrapped = jaxmp.linen.mixed_precision(model, BF16)
+  x = jnp.ones((2, 4))
+  variables = wrapped.init(jax.random.key(0), x)
+  assert _dot_dtypes(lambda v: wrapped.apply(v, x), variables) == ["bfloat16"]
+  assert model.dtype == jnp.float32  # the model itself is not changed
+  model_wins = jaxmp.linen.mixed_precision(model, jaxmp.PolicyRules(BF16, module_dtypes="model"))
+  assert _dot_dtypes(lambda v: model_wins.apply(v, x), variables) == ["float32"]
+
+
+def test_nnx_embed_attend_computes_in_the_policy_dtype():
+  # nnx.Embed fixes its dtype from its embedding (float32) at construction.
+  embed = nnx.Embed(10, 4, rngs=nnx.Rngs(0))
+  assert embed.dtype == jnp.float32
+  wrapped = jaxmp.nnx.mixed_precision(embed, BF16)
+  query = jnp.ones((2, 4))
+  assert _dot_dtypes(lambda q: wrapped.attend(q), query) == ["bfloat16"]
+  assert wrapped.attend(query).dtype == jnp.float32
+  assert embed.dtype == jnp.float32  # only the wrapper's private copy changed
+
+
+def test_bad_module_dtypes_value():
+  with pytest.raises(ValueError, match=r"module_dtypes must be one of \('policy', 'model'\), "
+                                       r"got 'config'"):
+    jaxmp.PolicyRules(BF16, module_dtypes="config")
+  with pytest.raises(TypeError, match="module_dtypes must be one of"):
+    jaxmp.PolicyRules(BF16, module_dtypes=True)
+
+
+# ---- no rounding through a narrower dtype -----------------------------------------------
+
+
+class Sow(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    self.sow("intermediates", "x", x)
+    return x * 2
+
+
+class PassThrough(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return Sow(name="wide")(x)  # x goes on untouched
+
+
+def test_a_value_passed_on_untouched_reaches_a_wider_module_unrounded():
+  x = jnp.array([1.0 + 2.0**-12, 3.0])  # not representable in bfloat16
+  rules = jaxmp.PolicyRules(BF16, [jaxmp.Rule("wide", "float32")])
+  wrapped = jaxmp.linen.mixed_precision(PassThrough(), rules)
+  _, state = wrapped.apply({}, x, mutable=["intermediates"])
+  seen = state["intermediates"]["wide"]["x"][0]
+  assert seen.dtype == jnp.float32
+  np.testing.assert_array_equal(seen, x)  # not rounded to bfloat16 on the way
+  # A value the bfloat16 root computed is what the wide module gets, as computed.
+  class Computes(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return Sow(name="wide")(x + 0)
+  wrapped = jaxmp.linen.mixed_precision(Computes(), rules)
+  _, state = wrapped.apply({}, x, mutable=["intermediates"])
+  np.testing.assert_array_equal(state["intermediates"]["wide"]["x"][0],
+                                x.astype(jnp.bfloat16).astype(jnp.float32))
+
+
+def test_a_wide_output_handed_through_keeps_its_bits_to_the_model_output():
+  # head computes in float32 and hands back bfloat16 to its caller; the root returns
+  # that value untouched as the float32 model output: the float32 original comes back.
+  class Head(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return x / 3.0
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return Head(name="head")(x)
+
+  x = jnp.array([1.0, 2.0])
+  rules = jaxmp.PolicyRules(BF16, [jaxmp.Rule("head", "float32")])
+  out = jaxmp.linen.mixed_precision(Net(), rules).apply({}, x)
+  np.testing.assert_array_equal(out, x / 3.0)
+
+
+# ---- threaded state ----------------------------------------------------------------------
+
+
+class Cell(nn.Module):
+  """(carry, x) -> (carry, y), like Flax's recurrent cells."""
+
+  @nn.compact
+  def __call__(self, carry, x):
+    h = jnp.tanh(nn.Dense(carry.shape[-1], name="mix")(jnp.concatenate([carry, x], -1)))
+    return h, h.sum(-1)
+
+
+@pytest.mark.parametrize("carry_dtype", [jnp.float32, jnp.bfloat16])
+def test_a_carry_comes_back_in_its_dtype_so_a_scan_typechecks(carry_dtype):
+  wrapped = jaxmp.linen.mixed_precision(Cell(), BF16)
+  carry, xs = jnp.zeros((2, 4), carry_dtype), jnp.ones((5, 2, 3))
+  variables = wrapped.init(jax.random.key(0), carry, xs[0])
+  step = lambda c, x: wrapped.apply(variables, c, x)
+  final, ys = jax.lax.scan(step, carry, xs)
+  assert final.dtype == carry_dtype
+  assert ys.dtype == jnp.float32  # the other output: the model's output dtype
+
+
+def test_nnx_carry_threaded_through_the_wrapper():
+
+  class NnxCell(nnx.Module):
+    def __init__(self, rngs):
+      self.mix = nnx.Linear(7, 4, rngs=rngs)
+
+    def __call__(self, carry, x):
+      h = jnp.tanh(self.mix(jnp.concatenate([carry, x], -1)))
+      return h, h.sum(-1)
+
+  wrapped = jaxmp.nnx.mixed_precision(NnxCell(nnx.Rngs(0)), BF16)
+  carry, y = wrapped(jnp.zeros((2, 4), jnp.bfloat16), jnp.ones((2, 3)))
+  assert carry.dtype == jnp.bfloat16 and y.dtype == jnp.float32
+
+
+# ---- the float32 op list ------------------------------------------------------------------
+
+
+def test_softmax_is_float32_inside_wrapped_modules_only():
+
+  class Attend(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return jax.nn.softmax(nn.Dense(4)(x)) @ x.T
+
+  x = jnp.ones((3, 4))
+  wrapped = jaxmp.linen.mixed_precision(Attend(), "float16")
+  variables = wrapped.init(jax.random.key(0), x)
+  jaxpr = jax.make_jaxpr(lambda v: wrapped.apply(v, x))(variables)
+  exps = [str(e.invars[0].aval.dtype) for e in jaxpr.eqns if e.primitive.name == "exp"]
+  assert exps == ["float32"]
+  # The softmax's result feeds the next matmul in the compute dtype.
+  assert _dot_dtypes(lambda v: wrapped.apply(v, x), variables) == ["float16", "float16"]
+  # Outside a wrapped call the function is JAX's own again.
+  assert jax.nn.softmax.__module__.startswith("jax")
+  half = jnp.ones(3, jnp.float16)
+  assert [str(e.invars[0].aval.dtype) for e in jax.make_jaxpr(jax.nn.softmax)(half).eqns
+          if e.primitive.name == "exp"] == ["float16"]
+
+
+def test_log_softmax_and_logsumexp_return_float32():
+
+  class Scores(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.log_softmax(x), jax.scipy.special.logsumexp(x, axis=-1)
+
+  log_probs, lse = jaxmp.linen.mixed_precision(Scores(), jaxmp.PolicyRules(
+      "bfloat16", [jaxmp.Rule("", output_dtype="float32")])).apply({}, jnp.ones((2, 3)))
+  assert log_probs.dtype == jnp.float32 and lse.dtype == jnp.float32
+  np.testing.assert_allclose(lse, np.log(3.0) + 1.0, rtol=1e-6)
+
+
+def test_float32_ops_bad_input():
+  with pytest.raises(TypeError, match=r"float32_ops must be a tuple of op names.*got 'softmax'"):
+    jaxmp.Rule("attn", float32_ops="softmax")
+  with pytest.raises(ValueError, match=r"unknown float32 op 'softmx'; accepted: softmax, "
+                                       r"log_softmax, logsumexp"):
+    jaxmp.PolicyRules(BF16, float32_ops=("softmx",))
+
+
+def test_a_rule_naming_an_op_jaxmp_cannot_intercept_warns_with_the_paths():
+  model = nn.Sequential([nn.Dense(3), nn.Dense(2)])
+  rules = jaxmp.PolicyRules(BF16, [jaxmp.Rule(nn.Dense, float32_ops=("softmax", "exp"))])
+  with pytest.warns(UserWarning, match=r"asks for exp in float32, which jaxmp cannot "
+                                       r"intercept .*compute dtype in layers_0, layers_1"):
+    jaxmp.linen.mixed_precision(model, rules).init(jax.random.key(0), jnp.ones((1, 4)))
+
+
+def test_other_threads_see_jax_unchanged_during_a_wrapped_call():
+  seen = {}
+  started, release = threading.Event(), threading.Event()
+
+  class Slow(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      started.set()
+      release.wait(10)
+      return jax.nn.softmax(x)
+
+  def other():
+    started.wait(10)
+    half = jnp.ones(3, jnp.float16)
+    seen["exp"] = [str(e.invars[0].aval.dtype) for e in jax.make_jaxpr(jax.nn.softmax)(half).eqns
+                   if e.primitive.name == "exp"]
+    release.set()
+
+  thread = threading.Thread(target=other)
+  thread.start()
+  jaxmp.linen.mixed_precision(Slow(), "float16").apply({}, jnp.ones(3))
+  thread.join()
+  assert seen["exp"] == ["float16"]
+
+
+def test_importing_jaxmp_changes_nothing_in_jax_or_flax():
+  script = textwrap.dedent("""
+      import jax, flax.linen, flax.nnx
+      from jax._src import ad_util
+      from flax.nnx import variablelib
+      before = (jax.nn.softmax, jax.nn.log_softmax, jax.nn.logsumexp,
+                dict(ad_util.raw_jaxval_adders), dict(variablelib.VariableTypeCache))
+      import jaxmp, jaxmp.linen, jaxmp.fp8, jaxmp.tools
+      after = (jax.nn.softmax, jax.nn.log_softmax, jax.nn.logsumexp,
+               dict(ad_util.raw_jaxval_adders), dict(variablelib.VariableTypeCache))
+      assert before == after, [b == a for b, a in zip(before, after)]
+      import sys
+      assert "jaxmp.nnx" not in sys.modules and "flax.nnx" in sys.modules
+      print("unchanged")
+  """)
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.strip() == "unchanged"
