@@ -63,7 +63,7 @@ def _initial_state(inner, loss_scale):
   def init(params):
     return jaxmp.LossScalingState(jax.tree_util.tree_map(jnp.array, loss_scale),
                                   inner.init(params), jnp.zeros((), jnp.int32),
-                                  jnp.ones((), jnp.bool_))
+                                  jnp.ones((), jnp.bool_), jnp.zeros((), jnp.int32))
 
   return init
 
@@ -107,7 +107,8 @@ def naive_select_loss_scaling(inner, loss_scale):
     new_inner = jaxmp.select_tree(finite, new_inner, state.inner_state)
     return new_updates, jaxmp.LossScalingState(
         state.loss_scale.adjust(finite), new_inner,
-        jnp.where(finite, state.skipped_steps, state.skipped_steps + 1), finite)
+        jnp.where(finite, state.skipped_steps, state.skipped_steps + 1), finite,
+        jnp.where(finite, 0, state.consecutive_skips + 1))
 
   return optax.GradientTransformation(init, update)
 
@@ -131,7 +132,8 @@ def cond_all_finite_loss_scaling(inner, loss_scale):
     new_updates, new_inner = jax.lax.cond(finite, apply_inner, skip)
     return new_updates, jaxmp.LossScalingState(
         state.loss_scale.adjust(finite), new_inner,
-        jnp.where(finite, state.skipped_steps, state.skipped_steps + 1), finite)
+        jnp.where(finite, state.skipped_steps, state.skipped_steps + 1), finite,
+        jnp.where(finite, 0, state.consecutive_skips + 1))
 
   return optax.GradientTransformation(init, update)
 
@@ -155,7 +157,8 @@ def cond_unscale_in_branch_loss_scaling(inner, loss_scale):
     new_updates, new_inner = jax.lax.cond(finite, apply_inner, skip)
     return new_updates, jaxmp.LossScalingState(
         ls.adjust(finite), new_inner,
-        jnp.where(finite, state.skipped_steps, state.skipped_steps + 1), finite)
+        jnp.where(finite, state.skipped_steps, state.skipped_steps + 1), finite,
+        jnp.where(finite, 0, state.consecutive_skips + 1))
 
   return optax.GradientTransformation(init, update)
 

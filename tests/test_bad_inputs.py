@@ -27,6 +27,36 @@ def _sgd_state():
                                        tx=optax.sgd(1.0))
 
 
+def _batch_stats_state():
+  return jaxmp.linen.TrainState.create(
+      apply_fn=lambda v, x: x, variables={"params": PARAMS, "batch_stats": {"mean": jnp.ones(2)}},
+      tx=optax.sgd(1.0))
+
+
+def _grads_of(state):
+  return jaxmp.linen.Gradients(jax.tree.map(jnp.zeros_like, state.params), {})
+
+
+def _linen_fp8_grad_of_params_alone():
+  model = jaxmp.linen.mixed_precision(nn.Dense(2), jaxmp.PolicyRules(
+      "float32", [jaxmp.Rule(nn.Dense, fp8=RECIPE)]))
+  variables = model.init(jax.random.key(0), X)
+  return jax.grad(lambda p: jnp.sum(model.apply({**variables, "params": p}, X)))(
+      variables["params"])
+
+
+def _nnx_fp8_plain_grad():
+  from flax import nnx
+
+  model = jaxmp.nnx.mixed_precision(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), jaxmp.PolicyRules(
+      "float32", [jaxmp.Rule(nnx.Linear, fp8=RECIPE)]))
+  return nnx.grad(lambda m: jnp.sum(m(X)))(model)
+
+
+def _wrong_nesting_state():
+  return optax.MultiSteps(jaxmp.loss_scaling(optax.sgd(1.0)), every_k_schedule=2).init(PARAMS)
+
+
 # (id, call, exception type, text the message must contain)
 CASES = [
     # Policies and dtypes.
@@ -183,6 +213,32 @@ CASES = [
     ("accumulate_gradients plain dicts",
      lambda: jaxmp.linen.accumulate_gradients({"a": 1}, {"a": 2}), TypeError,
      "a must be jaxmp Gradients (from jaxmp.linen.value_and_grad or jaxmp.nnx.value_and_grad), got dict: {'a': 1}"),
+    # Nothing silently lost (issue 13).
+    ("apply_gradients collections of another structure", lambda: _batch_stats_state(
+        ).apply_gradients(_grads_of(_batch_stats_state()), collections={"batch_stats": {}}),
+     ValueError, "missing ['batch_stats']['mean']"),
+    ("TrainState.create with Flax's params=", lambda: jaxmp.linen.TrainState.create(
+        apply_fn=lambda v, x: x, params=PARAMS, tx=optax.sgd(1.0)), TypeError, "params="),
+    ("TrainState.create variables without params", lambda: jaxmp.linen.TrainState.create(
+        apply_fn=lambda v, x: x, variables=PARAMS, tx=optax.sgd(1.0)), ValueError, "['w']"),
+    ("MultiSteps outside loss_scaling", lambda: jaxmp.get_loss_scale(_wrong_nesting_state()),
+     ValueError, "jaxmp.loss_scaling(optax.MultiSteps(opt, k))"),
+    ("loss_scaling max_consecutive_skips 0", lambda: jaxmp.loss_scaling(
+        optax.sgd(1.0), max_consecutive_skips=0), ValueError, "max_consecutive_skips"),
+    ("loss_scaling max_consecutive_skips string", lambda: jaxmp.loss_scaling(
+        optax.sgd(1.0), max_consecutive_skips="3"), TypeError, "got '3'"),
+    ("DelayedScaling margin overflowing float32", lambda: fp8.DelayedScaling(margin=200),
+     ValueError, "got 200"),
+    ("CurrentScaling margin overflowing float32", lambda: fp8.CurrentScaling(margin=57),
+     ValueError, "[0, 56]"),
+    ("linen fp8 params differentiated without the state", _linen_fp8_grad_of_params_alone,
+     ValueError, "jaxmp.linen.value_and_grad"),
+    ("nnx fp8 model under a plain nnx.grad", _nnx_fp8_plain_grad, ValueError,
+     "jaxmp.nnx.value_and_grad"),
+    ("Monitor.update misspelt metric", lambda: jaxmp.tools.Monitor().update({"loss_scael": 1.0}),
+     ValueError, "'loss_scael'"),
+    ("Monitor max_consecutive_skips 0", lambda: jaxmp.tools.Monitor(max_consecutive_skips=0),
+     ValueError, "got 0"),
 ]
 
 

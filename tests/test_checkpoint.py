@@ -207,3 +207,23 @@ def test_a_new_program_with_an_equal_optimizer_resumes_identically(run):
     assert_identical(jax.tree.leaves(state), jax.tree.leaves(ref_state))
     assert np.asarray(loss).tobytes() == np.asarray(ref_loss).tobytes()
   assert len(traces) == 1
+
+
+def test_the_readme_recipe_on_one_device_restores_without_compiling_again(run, tmp_path):
+  # README, "Checkpoints (Orbax)": create the state committed to its device, save, and
+  # restore into the plain abstract state (no shardings needed on one device). Orbax
+  # returns committed arrays; a state created uncommitted (create_state() as is) would
+  # make the step compile once more for them.
+  step, traces = run["step"], run["traces"]
+  x, y, clean = run["inputs"]
+  state, _ = step(jax.device_put(create_state(), jax.devices()[0]), x, y, clean)
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    mngr.save(1, args=ocp.args.StandardSave(state))
+    mngr.wait_until_finished()
+  with ocp.CheckpointManager(tmp_path) as mngr:
+    restored = mngr.restore(mngr.latest_step(),
+                            args=ocp.args.StandardRestore(jax.eval_shape(create_state)))
+  assert_identical(restored, state)
+  with count_compilations() as compilations:
+    step(restored, x, y, clean)
+  assert compilations == [] and step._cache_size() == 1 and len(traces) == 1

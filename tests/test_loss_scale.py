@@ -1,5 +1,8 @@
 """Loss scales: exact trajectories (torch, Keras, jmp), bounds, pytree round trips, bad input."""
 
+import copy
+import math
+import pickle
 import re
 
 import hypothesis
@@ -254,8 +257,11 @@ def test_scale_and_unscale_touch_float_leaves_only_and_keep_dtypes(ls):
     assert scaled[name].dtype == grads[name].dtype
     np.testing.assert_array_equal(np.asarray(scaled[name], np.float32),
                                   np.asarray(grads[name], np.float32) * 1024)
-  assert scaled["int"] is grads["int"] and scaled["none"] is None and scaled["py"] == 1.5
+  assert scaled["int"] is grads["int"] and scaled["none"] is None
+  # A Python float is a gradient too (issue 13): scaled, as a float32 scalar.
+  assert scaled["py"].dtype == jnp.float32 and float(scaled["py"]) == 1.5 * 1024
   back = ls.unscale(scaled)
+  assert float(back["py"]) == 1.5
   for name in ("f32", "f16", "bf16"):
     assert back[name].dtype == grads[name].dtype
     np.testing.assert_array_equal(back[name], grads[name])
@@ -489,3 +495,87 @@ def test_adjust_needs_a_scalar_bool(ls):
     ls.adjust(jnp.array([True, False]))
   with pytest.raises(TypeError, match="type NoneType"):
     ls.adjust(None)
+
+
+# --------------------------------------------------------------------------------------
+# Values: copy, deepcopy, pickle, equality by value.
+
+
+@pytest.mark.parametrize("make", ALL_SCALES)
+def test_copy_deepcopy_and_pickle_give_equal_loss_scales(make):
+  ls = make().adjust(True)
+  for clone in (copy.copy(ls), copy.deepcopy(ls), pickle.loads(pickle.dumps(ls))):
+    _assert_same_fields(ls, clone)
+    assert clone == ls and hash(clone) == hash(ls)
+  # A copy is a live loss scale: its rule continues.
+  assert copy.deepcopy(ls).adjust(False) == ls.adjust(False)
+
+
+@pytest.mark.parametrize("make", ALL_SCALES)
+def test_flatten_unflatten_and_jit_round_trips_compare_equal(make):
+  ls = make()
+  leaves, treedef = jax.tree_util.tree_flatten(ls)
+  assert jax.tree_util.tree_unflatten(treedef, leaves) == ls
+  assert jax.tree_util.tree_unflatten(treedef, [np.asarray(x) for x in leaves]) == ls
+  assert jax.jit(lambda ls: ls)(ls) == ls
+  assert len({ls, jax.tree_util.tree_unflatten(treedef, leaves)}) == 1
+
+
+def test_equality_is_by_value_type_and_hyperparameters():
+  assert jaxmp.StaticLossScale(8.0) == jaxmp.StaticLossScale(np.float16(8))
+  assert jaxmp.StaticLossScale(8.0) != jaxmp.StaticLossScale(4.0)
+  assert jaxmp.NoOpLossScale() == jaxmp.NoOpLossScale()
+  assert jaxmp.NoOpLossScale() != jaxmp.StaticLossScale(1.0)
+  ls = _custom_dynamic()
+  assert ls == _custom_dynamic()
+  assert ls != ls.adjust(True)  # the counter differs
+  assert ls != jaxmp.DynamicLossScale(scale=512.0, growth_interval=7, growth_factor=3.0,
+                                      backoff_factor=0.25, min_scale=0.5, max_scale=1e6,
+                                      counter=3)
+  assert ls != jaxmp.DynamicLossScale(scale=512.0, growth_interval=8, counter=4)
+  assert ls != jaxmp.StaticLossScale(512.0)
+
+
+def test_a_traced_loss_scale_equals_only_itself():
+  def f(ls):
+    assert ls == ls
+    assert ls != jaxmp.StaticLossScale(2.0)
+    return ls.loss_scale
+
+  jax.jit(f)(jaxmp.StaticLossScale(2.0))
+
+
+def test_loss_scaling_state_copies_and_pickles():
+  import optax
+
+  state = jaxmp.loss_scaling(optax.adam(1e-3), _custom_dynamic()).init({"w": jnp.ones(3)})
+  for clone in (copy.copy(state), copy.deepcopy(state), pickle.loads(pickle.dumps(state))):
+    leaves, treedef = jax.tree_util.tree_flatten(clone)
+    assert treedef == jax.tree_util.tree_structure(state)
+    for a, b in zip(leaves, jax.tree_util.tree_leaves(state), strict=True):
+      np.testing.assert_array_equal(a, b)
+    assert clone.loss_scale == state.loss_scale
+
+
+def test_scale_and_unscale_treat_numpy_scalars_and_python_floats_like_arrays():
+  ls = jaxmp.StaticLossScale(4.0)
+  tree = {"py": 2.0, "f16": np.float16(3.0), "f32": np.float32(0.5), "int": 3, "i32": np.int32(2),
+          "flag": True}
+  scaled = ls.scale(tree)
+  for name, value, dtype in (("py", 8.0, np.float32), ("f16", 12.0, np.float16),
+                             ("f32", 2.0, np.float32)):
+    assert scaled[name].shape == () and scaled[name].dtype == dtype, name
+    assert float(scaled[name]) == value, name
+    assert float(ls.unscale(scaled)[name]) == float(tree[name]), name
+  for name in ("int", "i32", "flag"):
+    assert scaled[name] is tree[name]
+
+
+def test_loss_scaling_skips_a_nan_python_float_gradient():
+  import optax
+
+  tx = jaxmp.loss_scaling(optax.sgd(1.0), jaxmp.NoOpLossScale())
+  state = tx.init({"w": 1.0})
+  updates, state = tx.update({"w": math.nan}, state)
+  assert float(updates["w"]) == 0.0
+  assert not bool(state.last_step_finite) and int(state.skipped_steps) == 1

@@ -208,6 +208,9 @@ def test_a_real_collapsing_run_is_flagged():
     (dict(spike_window=0), ValueError, "spike_window must be finite and >= 1, got 0"),
     (dict(spike_factor=1.0), ValueError, "spike_factor must be finite and > 1, got 1.0"),
     (dict(spike_factor=float("inf")), ValueError, "spike_factor must be finite and > 1, got inf"),
+    (dict(max_consecutive_skips=0), ValueError,
+     "max_consecutive_skips must be finite and >= 1, got 0"),
+    (dict(max_consecutive_skips=2.0), TypeError, "max_consecutive_skips must be an integer"),
 ])
 def test_monitor_bad_arguments(kwargs, error, text):
   with pytest.raises(error, match=re.escape(text)):
@@ -222,6 +225,9 @@ def test_monitor_bad_arguments(kwargs, error, text):
      "metrics['loss_scale'] must be a scalar, got shape (2,)"),
     (lambda m: m.update({}, step=2.0), TypeError, "step must be an integer, got 2.0"),
     (lambda m: m.update({}, step=5), ValueError, "step must increase, got 5 after 5"),
+    (lambda m: m.update({"loss_scael": 8.0}), ValueError,
+     "unknown metric 'loss_scael'; accepted: 'grad_norm', 'nonfinite', 'loss_scale', "
+     "'skipped_steps', 'last_step_finite', 'consecutive_skips'"),
 ])
 def test_monitor_update_bad_inputs(call, error, text):
   monitor = jaxmp.tools.Monitor()
@@ -237,3 +243,30 @@ def test_text_shows_nonfinite_values_but_not_missing_ones():
   assert str(monitor).splitlines()[0] == "Monitor: 1 steps, loss inf, grad norm nan, loss scale 8"
   monitor.update({})
   assert str(monitor).splitlines()[0] == "Monitor: 2 steps"
+
+
+def test_a_streak_of_skipped_steps_is_flagged_once_when_it_reaches_the_limit():
+  monitor = jaxmp.tools.Monitor(max_consecutive_skips=3, skip_window=1000)
+  streak = [1, 2, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3]
+  for count in streak:
+    monitor.update({"consecutive_skips": jnp.int32(count), "loss_scale": 1.0,
+                    "last_step_finite": count == 0})
+  assert _flagged(monitor, "skip_streak") == [5, 11]
+  assert monitor.anomalies[0].message == (
+      "3 consecutive steps skipped (>= max_consecutive_skips 3) at loss scale 1: no step "
+      "has been applied since step 2")
+
+
+def test_the_streak_comes_from_a_real_run_with_the_state_metrics():
+  import optax
+
+  # min_scale = scale: the scale cannot fall, so only the streak is flagged.
+  tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(4.0, min_scale=4.0))
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  monitor = jaxmp.tools.Monitor(max_consecutive_skips=4)
+  flagged = []
+  for _ in range(5):
+    _, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
+    flagged.append([a.kind for a in monitor.update(jaxmp.loss_scaling_metrics(state))])
+  assert flagged == [[], [], [], ["skip_streak"], []]

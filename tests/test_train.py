@@ -242,3 +242,36 @@ def test_bad_input():
                                         tx=optax.sgd(1.0))
   with pytest.raises(TypeError, match="jaxmp.linen.Gradients"):
     state.apply_gradients({"params": variables["params"]})
+
+
+def test_create_refuses_flax_params_spelling_and_variables_without_params():
+  x, _ = _data()
+  model = _fp8_model()
+  variables = model.init(jax.random.key(0), x)
+  with pytest.raises(TypeError, match=r"takes variables=.*not Flax's params=.*"
+                                      r"variables=\{'params': params\}"):
+    jaxmp.linen.TrainState.create(apply_fn=model.apply, params=variables["params"],
+                                  tx=optax.sgd(1.0))
+  # A params dict passed as the variables: refused here, not at the first apply.
+  with pytest.raises(ValueError, match=r"'params' collection.*\['hidden', 'out'\]"):
+    jaxmp.linen.TrainState.create(apply_fn=model.apply, variables=variables["params"],
+                                  tx=optax.sgd(1.0))
+
+
+def test_value_and_grad_passes_keyword_arguments_on():
+  x, y = _data()
+  model = _fp8_model()
+  state = jaxmp.linen.TrainState.create(apply_fn=model.apply,
+                                        variables=model.init(jax.random.key(0), x),
+                                        tx=optax.sgd(1.0))
+
+  def loss_fn(variables, x, *, y, weight=1.0):
+    return weight * jnp.mean((state.apply_fn(variables, x) - y) ** 2)
+
+  loss, grads = state.value_and_grad(loss_fn)(x, y=y, weight=2.0)
+  reference, ref_grads = state.value_and_grad(lambda v: loss_fn(v, x, y=y, weight=2.0))()
+  assert float(loss) == float(reference)
+  _assert_trees_equal(grads, ref_grads)
+  loss, _ = jaxmp.linen.value_and_grad(loss_fn)(state.variables, x, y=y,
+                                                loss_scale=jaxmp.StaticLossScale(4.0))
+  assert float(loss) == float(reference) / 2

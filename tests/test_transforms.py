@@ -132,7 +132,9 @@ def test_default_loss_scale_is_dynamic_and_initial_state():
   assert float(state.loss_scale.loss_scale) == 2.0**15
   assert state.skipped_steps.dtype == jnp.int32 and int(state.skipped_steps) == 0
   assert state.last_step_finite.dtype == jnp.bool_ and bool(state.last_step_finite)
-  assert state._fields == ("loss_scale", "inner_state", "skipped_steps", "last_step_finite")
+  assert state.consecutive_skips.dtype == jnp.int32 and int(state.consecutive_skips) == 0
+  assert state._fields == ("loss_scale", "inner_state", "skipped_steps", "last_step_finite",
+                           "consecutive_skips")
 
 
 def test_scale_trajectory_through_the_transform_matches_the_reference():
@@ -360,20 +362,23 @@ def test_multi_steps_object_is_accepted_directly():
 def test_get_loss_scale_finds_the_state_in_nested_containers():
   ls = jaxmp.StaticLossScale(8.0)
   state = jaxmp.loss_scaling(optax.sgd(1.0), ls).init(_params())
-  for nested in (state, (1, [state]), {"opt": {"x": state}}, optax.MultiStepsState(
-      jnp.zeros(()), jnp.zeros(()), state, None, None)):
+  for nested in (state, (1, [state]), {"opt": {"x": state}}):
     assert float(jaxmp.get_loss_scale(nested).loss_scale) == 8.0
+  # Inside a MultiSteps it is the wrong nesting (issue 13), refused rather than found.
+  with pytest.raises(ValueError, match=r"jaxmp\.loss_scaling\(optax\.MultiSteps\("):
+    jaxmp.get_loss_scale(optax.MultiStepsState(jnp.zeros(()), jnp.zeros(()), state, None, None))
 
 
 def test_get_loss_scale_through_multisteps_chain_and_inject_hyperparams():
-  outer_multi = optax.MultiSteps(jaxmp.loss_scaling(optax.sgd(1.0), jaxmp.StaticLossScale(8.0)),
-                                 every_k_schedule=2)
+  # MultiSteps goes inside loss_scaling; outside it is refused (test_loss_scaling.py).
+  inner_multi = jaxmp.loss_scaling(optax.MultiSteps(optax.sgd(1.0), every_k_schedule=2),
+                                   jaxmp.StaticLossScale(8.0))
   injected = optax.inject_hyperparams(
       lambda learning_rate: jaxmp.loss_scaling(optax.sgd(learning_rate),
                                                jaxmp.StaticLossScale(8.0)))(learning_rate=0.1)
   chained = optax.chain(optax.clip(1.0), jaxmp.loss_scaling(optax.sgd(1.0),
                                                             jaxmp.StaticLossScale(8.0)))
-  for tx in (outer_multi.gradient_transformation(), injected, chained):
+  for tx in (inner_multi, injected, chained):
     state = tx.init(_params())
     assert float(jaxmp.get_loss_scale(state).loss_scale) == 8.0
     assert float(jax.jit(jaxmp.get_loss_scale)(state).loss_scale) == 8.0
@@ -428,7 +433,9 @@ def test_metrics_inside_jit():
     return state, jaxmp.loss_scaling_metrics(state)
 
   state, metrics = step(tx.init(params), _poison(_scaled(_grads(0))))
-  assert set(metrics) == {"loss_scale", "skipped_steps", "last_step_finite"}
+  assert set(metrics) == {"loss_scale", "skipped_steps", "last_step_finite",
+                          "consecutive_skips"}
+  assert metrics["consecutive_skips"].dtype == jnp.int32 and int(metrics["consecutive_skips"]) == 1
   assert metrics["loss_scale"].dtype == jnp.float32 and float(metrics["loss_scale"]) == SCALE / 2
   assert metrics["skipped_steps"].dtype == jnp.int32 and int(metrics["skipped_steps"]) == 1
   assert metrics["last_step_finite"].dtype == jnp.bool_ and not bool(metrics["last_step_finite"])

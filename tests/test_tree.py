@@ -232,3 +232,17 @@ def test_select_tree_rejects_mismatched_leaves():
     jaxmp.select_tree(True, {"a": jnp.ones(2)}, {"a": jnp.ones(3)})
   with pytest.raises(TypeError, match=r"\['a'\].*float32.*bfloat16"):
     jaxmp.select_tree(True, {"a": jnp.ones(2)}, {"a": jnp.ones(2, jnp.bfloat16)})
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, np.float32(np.nan), np.float16(np.inf),
+                                 np.float64(-np.inf), np.array(np.nan, np.float64)])
+def test_all_finite_checks_numpy_scalars_and_python_floats_like_arrays(bad):
+  for fn in (jaxmp.all_finite, jax.jit(jaxmp.all_finite)):
+    assert not bool(fn({"w": jnp.ones(2), "b": bad}))
+  assert not bool(jaxmp.all_finite(bad))
+  assert bool(jaxmp.all_finite({"w": jnp.ones(2), "b": 1.5, "c": np.float16(2), "n": 3}))
+
+
+def test_all_finite_checks_numpy_values_in_their_own_dtype():
+  # 1e300 is a finite float64 that would overflow float32.
+  assert bool(jaxmp.all_finite({"a": np.float64(1e300), "b": np.array([1e300])}))

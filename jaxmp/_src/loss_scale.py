@@ -52,6 +52,7 @@ import numpy as np
 
 from jaxmp._src import checks
 from jaxmp._src import dtypes as dtypes_lib
+from jaxmp._src import pytree as pytree_lib
 from jaxmp._src import tree as tree_lib
 
 T = TypeVar("T")
@@ -119,13 +120,18 @@ def _check_grads_finite(grads_finite: Any, *, owner: str = "adjust") -> jax.Arra
 
 
 def _multiply_tree(tree: T, factor: jax.Array) -> T:
-  """Multiplies the float array leaves by the float32 ``factor``, each keeping its dtype."""
+  """Multiplies the floating-point leaves by the float32 ``factor``, each keeping its dtype.
+
+  NumPy float scalars and Python floats count (``tree.is_float_leaf``) and come back as
+  scalar arrays of their dtype (float32 for a Python float).
+  """
 
   def multiply(x):
-    if not tree_lib.is_float_array(x):
+    if not tree_lib.is_float_leaf(x):
       return x
-    wide = dtypes_lib.arithmetic_dtype(x.dtype)
-    return (jnp.asarray(x, wide) * factor.astype(wide)).astype(x.dtype)
+    dtype = tree_lib.float_leaf_dtype(x)
+    wide = dtypes_lib.arithmetic_dtype(dtype)
+    return (jnp.asarray(x, wide) * factor.astype(wide)).astype(dtype)
 
   return jax.tree_util.tree_map(multiply, tree)
 
@@ -143,8 +149,13 @@ def _loss_and_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
 # The loss scales.
 
 
-class LossScale:
+class LossScale(pytree_lib.Immutable):
   """The interface every loss scale implements (not instantiated itself).
+
+  Loss scales are immutable values (:class:`jaxmp._src.pytree.Immutable`): they copy,
+  deep-copy and pickle, and compare equal by value (same class, same
+  hyperparameters, equal scale and counter), with a hash of the class and the
+  hyperparameters.
 
   Attributes:
     loss_scale: the current scale, a float32 scalar array.
@@ -160,31 +171,29 @@ class LossScale:
 
   __slots__ = ()
 
+  _IMMUTABLE_HINT = "adjust() and the constructor return new ones"
+
   @property
   def loss_scale(self) -> jax.Array:
     raise NotImplementedError
 
-  def __setattr__(self, name, value):
-    raise AttributeError(
-        f"{type(self).__name__} is immutable; adjust() and the constructor return new ones.")
-
-  def __delattr__(self, name):
-    raise AttributeError(f"{type(self).__name__} is immutable.")
-
   def scale(self, tree: T) -> T:
-    """Multiplies the floating-point array leaves of ``tree`` by the loss scale.
+    """Multiplies the floating-point leaves of ``tree`` by the loss scale.
 
     The product is computed in float32 (float64 for float64 leaves) and cast back to
-    each leaf's dtype; integer, bool, key and non-array leaves pass through.
+    each leaf's dtype. NumPy float scalars and Python floats are scaled too, returned
+    as scalar arrays of their dtype (a Python float as float32); integer, bool, key
+    and other leaves pass through.
     """
     return _multiply_tree(tree, self.loss_scale)
 
   def unscale(self, tree: T) -> T:
-    """Multiplies the floating-point array leaves of ``tree`` by ``1 / loss_scale``.
+    """Multiplies the floating-point leaves of ``tree`` by ``1 / loss_scale``.
 
     Like ``torch.amp.GradScaler.unscale_``, the reciprocal is taken once in float32
     and every leaf is multiplied by it in float32 (float64 for float64 leaves), then
-    cast back to its own dtype. For power-of-two scales this is exact.
+    cast back to its own dtype. For power-of-two scales this is exact. The same
+    leaves count as for :meth:`scale`, NumPy float scalars and Python floats included.
     """
     return _multiply_tree(tree, jnp.float32(1.0) / self.loss_scale)
 
@@ -293,6 +302,17 @@ class NoOpLossScale(LossScale):
   def __repr__(self) -> str:
     return "NoOpLossScale()"
 
+  def _tree_flatten_with_keys(self):
+    return (), None
+
+  def _tree_flatten(self):
+    return (), None
+
+  @classmethod
+  def _tree_unflatten(cls, aux, children):
+    del aux, children
+    return cls()
+
 
 class StaticLossScale(LossScale):
   """A fixed loss scale.
@@ -349,7 +369,9 @@ class DynamicLossScale(LossScale):
   """A loss scale that backs off on overflow and grows after a run of finite steps.
 
   The rule, applied by ``adjust(grads_finite)`` once per optimizer step, is
-  ``torch.amp.GradScaler``'s clamped to ``[min_scale, max_scale]``::
+  ``torch.amp.GradScaler``'s clamped to ``[min_scale, max_scale]`` (with gradient
+  accumulation, :func:`jaxmp.loss_scaling` adjusts on a non-finite micro-batch at once
+  and on a finite one only when it completes an optimizer step)::
 
     if not grads_finite:  scale = max(scale * backoff_factor, min_scale);  counter = 0
     else:
@@ -556,13 +578,7 @@ class DynamicLossScale(LossScale):
     return out
 
 
-jax.tree_util.register_pytree_with_keys(
-    NoOpLossScale,
-    lambda _: ((), None),
-    lambda aux, children: NoOpLossScale(),
-    lambda _: ((), None),
-)
-for _cls in (StaticLossScale, DynamicLossScale):
+for _cls in (NoOpLossScale, StaticLossScale, DynamicLossScale):
   jax.tree_util.register_pytree_with_keys(
       _cls, _cls._tree_flatten_with_keys, _cls._tree_unflatten, _cls._tree_flatten)
 del _cls

@@ -24,6 +24,17 @@ Gradient clipping, ``optax.MultiSteps``, ``optax.inject_hyperparams`` or an
 ``optax.chain`` inside the wrapper see the unscaled gradients; the wrapper itself can
 sit inside an ``optax.chain`` (first, as it expects the gradients of the scaled loss).
 
+Gradient accumulation: ``loss_scaling(optax.MultiSteps(opt, k))``, never the other way
+round. Each micro-batch is one ``update``. A non-finite micro-batch is dropped (the
+accumulator does not see it, as Keras does) and the scale backs off at once, since the
+next micro-batch needs the smaller scale; the accumulated gradients are already
+unscaled, so micro-batches scaled differently add up correctly. The growth counter
+counts *optimizer steps* (the updates on which MultiSteps emits), as
+``torch.amp.GradScaler`` does with one ``scaler.update()`` per optimizer step. Wrapped
+the other way round, ``MultiSteps(loss_scaling(opt), k)`` would accumulate the scaled
+gradients before they are checked (one overflow makes the accumulator NaN for good):
+:func:`find_state` refuses that state wherever it is read.
+
 Example:
   >>> import optax
   >>> tx = jaxmp.loss_scaling(optax.sgd(0.5), jaxmp.DynamicLossScale(4.0, growth_interval=2))
@@ -39,21 +50,26 @@ Example:
   >>> updates, state = tx.update({"w": jnp.array([jnp.inf])}, state, params)
   >>> updates, {k: v.item() for k, v in jaxmp.loss_scaling_metrics(state).items()}
   ({'w': Array([0.], dtype=float32)},
-   {'loss_scale': 2.0, 'skipped_steps': 1, 'last_step_finite': False})
+   {'loss_scale': 2.0, 'skipped_steps': 1, 'last_step_finite': False, 'consecutive_skips': 1})
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Hashable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from jaxmp._src import checks
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import sharding
 from jaxmp._src import tree as tree_lib
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 class LossScalingState(NamedTuple):
@@ -68,6 +84,14 @@ class LossScalingState(NamedTuple):
       finite, an int32 scalar (saturates at the int32 maximum).
     last_step_finite: whether the last step's gradients were finite (and so the
       inner optimizer ran), a bool scalar; ``True`` before the first step.
+    consecutive_skips: how many updates in a row, up to the last, were skipped, an
+      int32 scalar (0 after a finite one); ``max_consecutive_skips`` bounds it.
+
+  Equality: a NamedTuple compares field by field with ``==``, which is element-wise
+  for the arrays of ``inner_state`` (ambiguous as a bool), as for every Optax state.
+  Two states are equal by value when their pytree structures are equal (that
+  includes the loss scale's hyperparameters) and every pair of leaves is
+  ``np.array_equal``; the loss scale alone compares with ``==``.
 
   Example:
     >>> import optax
@@ -85,6 +109,7 @@ class LossScalingState(NamedTuple):
   inner_state: optax.OptState
   skipped_steps: jax.Array
   last_step_finite: jax.Array
+  consecutive_skips: jax.Array
 
 
 def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
@@ -127,8 +152,63 @@ def _check_axis_name(axis_name: Any) -> Optional[Hashable]:
   return axis_name
 
 
+def _check_max_skips(value: Any) -> Optional[int]:
+  if value is None:
+    return None
+  return checks.positive_int(value, "max_consecutive_skips", where="loss_scaling",
+                             maximum=_INT32_MAX)
+
+
 def _make_varying(tree: Any, axes: Any) -> Any:
   return jax.tree_util.tree_map(sharding.make_varying, tree, axes)
+
+
+def _gradient_steps(inner_state: Any) -> list:
+  """The ``gradient_step`` counters of the ``optax.MultiSteps`` states in ``inner_state``."""
+  is_multi = lambda x: isinstance(x, optax.MultiStepsState)
+  return [leaf.gradient_step for leaf in jax.tree_util.tree_leaves(inner_state, is_leaf=is_multi)
+          if is_multi(leaf)]
+
+
+def _optimizer_step_completed(old_inner: Any, new_inner: Any) -> Optional[jax.Array]:
+  """Whether the update completed an optimizer step: an accumulating MultiSteps emitted.
+
+  ``None`` without a MultiSteps inside: then every update is an optimizer step.
+  """
+  emitted = [new != old for old, new in zip(_gradient_steps(old_inner),
+                                            _gradient_steps(new_inner))]
+  return functools.reduce(jnp.logical_or, emitted) if emitted else None
+
+
+def _adjust(loss_scale: loss_scale_lib.LossScale, finite: jax.Array,
+            completed: Optional[jax.Array]) -> loss_scale_lib.LossScale:
+  """``loss_scale.adjust(finite)``, held on a finite micro-batch that completes no step."""
+  adjusted = loss_scale.adjust(finite)
+  if completed is None:
+    return adjusted
+  return tree_lib.select_tree(finite & ~completed, loss_scale, adjusted)
+
+
+def _raise_skip_cap(reached, count, scale, *, cap):
+  # A host callback; under vmap both branches of the cond run, so look again.
+  if np.any(reached):
+    raise FloatingPointError(
+        f"loss_scaling: {int(np.max(count))} consecutive steps skipped for non-finite "
+        f"gradients (max_consecutive_skips={cap}); the loss scale is now "
+        f"{float(np.min(scale)):g}. Training has stopped making progress: find the layer "
+        f"that overflows (jaxmp.tools.training_metrics counts non-finite gradients per "
+        f"module), or raise max_consecutive_skips if this is expected.")
+
+
+def _check_skip_cap(count: jax.Array, scale: jax.Array, cap: int) -> None:
+  """Raises (from a host callback, inside ``jit`` too) when ``count`` reaches ``cap``."""
+  reached = count >= cap
+  # Only the branch taken runs: a finite step pays one scalar compare and no callback.
+  jax.lax.cond(
+      reached,
+      lambda: jax.debug.callback(functools.partial(_raise_skip_cap, cap=cap),
+                                 reached, count, scale),
+      lambda: None)
 
 
 def loss_scaling(
@@ -136,6 +216,7 @@ def loss_scaling(
     loss_scale: Optional[loss_scale_lib.LossScale] = None,
     *,
     axis_name: Optional[Hashable] = None,
+    max_consecutive_skips: Optional[int] = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optimizer to take gradients of a scaled loss and skip non-finite steps.
 
@@ -147,6 +228,10 @@ def loss_scaling(
   counts the step in ``skipped_steps`` if it was skipped. See the module docstring
   for how the skip is formulated.
 
+  With an ``optax.MultiSteps`` inside, each update is one micro-batch: a non-finite
+  one is dropped and backs the scale off at once; the growth counter counts
+  optimizer steps (module docstring).
+
   Args:
     inner: the optimizer to wrap: any ``optax.GradientTransformation`` (with or
       without extra-args support) or an ``optax.MultiSteps``.
@@ -156,6 +241,13 @@ def loss_scaling(
       gradients are sharded or replicated: the finite check is all-reduced over them
       so that every member skips or updates together and their scales stay equal.
       The gradients themselves are not reduced; average them first as usual.
+    max_consecutive_skips: ``None`` (no limit), or the number of consecutive skipped
+      updates at which ``update`` raises (a ``FloatingPointError`` from a host
+      callback; under ``jit`` it reaches the caller as a ``jax.errors.JaxRuntimeError``
+      quoting it) instead of training nothing, optax's ``max_consecutive_errors`` idea.
+      A finite update resets the count (``LossScalingState.consecutive_skips``). The
+      callback sits in a ``lax.cond`` branch taken only then: other steps pay one scalar
+      comparison.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -163,7 +255,9 @@ def loss_scaling(
 
   Raises:
     TypeError: if ``inner`` is not a gradient transformation, ``loss_scale`` not a
-      jaxmp loss scale, or ``axis_name`` not hashable.
+      jaxmp loss scale, ``axis_name`` not hashable, or ``max_consecutive_skips`` not an
+      integer.
+    ValueError: if ``max_consecutive_skips`` is below 1.
 
   Example:
     >>> import optax
@@ -175,6 +269,7 @@ def loss_scaling(
   inner = _check_inner(inner)
   initial_loss_scale = _check_loss_scale(loss_scale)
   axis_name = _check_axis_name(axis_name)
+  max_consecutive_skips = _check_max_skips(max_consecutive_skips)
 
   def init_fn(params):
     # Fresh copies: a state passed to a jit with donated arguments must not delete
@@ -185,6 +280,7 @@ def loss_scaling(
         inner_state=inner.init(params),
         skipped_steps=jnp.zeros((), jnp.int32),
         last_step_finite=jnp.ones((), jnp.bool_),
+        consecutive_skips=jnp.zeros((), jnp.int32),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -222,13 +318,19 @@ def loss_scaling(
         lambda: _make_varying(run_inner(), varying),
         lambda: _make_varying((zero_updates(), state.inner_state), varying),
     )
+    consecutive_skips = jnp.where(
+        finite, 0, optax.safe_increment(state.consecutive_skips)).astype(jnp.int32)
     new_state = LossScalingState(
-        loss_scale=loss_scale.adjust(finite),
+        loss_scale=_adjust(loss_scale, finite,
+                           _optimizer_step_completed(state.inner_state, new_inner_state)),
         inner_state=new_inner_state,
         skipped_steps=jnp.where(
             finite, state.skipped_steps, optax.safe_increment(state.skipped_steps)),
         last_step_finite=finite,
+        consecutive_skips=consecutive_skips,
     )
+    if max_consecutive_skips is not None:
+      _check_skip_cap(consecutive_skips, new_state.loss_scale.loss_scale, max_consecutive_skips)
     return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -244,12 +346,26 @@ def _unwrap_nnx_variables(tree: Any) -> Any:
   return nnx.as_pure(tree)
 
 
-def _find_states(tree: Any, found: list) -> None:
-  is_state = lambda x: isinstance(x, LossScalingState)
-  for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_state):
-    if is_state(leaf):
+_WRONG_NESTING = (
+    "{caller}: optax.MultiSteps wraps jaxmp.loss_scaling (MultiSteps(loss_scaling(opt), k)): "
+    "MultiSteps would accumulate the *scaled* gradients before loss_scaling checks them, so "
+    "one non-finite micro-batch makes its accumulator NaN for good, and the scale would "
+    "adjust on accumulated sums. Put loss_scaling outside: "
+    "jaxmp.loss_scaling(optax.MultiSteps(opt, k)), which drops a non-finite micro-batch, "
+    "backs off at once and grows per optimizer step.")
+
+
+def _find_states(tree: Any, found: list, caller: str) -> None:
+  is_node = lambda x: isinstance(x, (LossScalingState, optax.MultiStepsState))
+  for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_node):
+    if isinstance(leaf, LossScalingState):
       found.append(leaf)
-      _find_states(leaf.inner_state, found)  # a wrapper inside a wrapper is ambiguous
+      _find_states(leaf.inner_state, found, caller)  # a wrapper inside a wrapper is ambiguous
+    elif isinstance(leaf, optax.MultiStepsState):
+      inside: list = []
+      _find_states(leaf.inner_opt_state, inside, caller)
+      if inside:
+        raise ValueError(_WRONG_NESTING.format(caller=caller))
 
 
 def find_state(opt_state: Any, caller: str) -> Optional[LossScalingState]:
@@ -258,10 +374,11 @@ def find_state(opt_state: Any, caller: str) -> Optional[LossScalingState]:
   NNX variable wrappers (``nnx.Optimizer``'s ``opt_state``) are removed.
 
   Raises:
-    ValueError: if ``opt_state`` holds more than one (``caller`` names who asked).
+    ValueError: if ``opt_state`` holds more than one (``caller`` names who asked), or
+      one inside an ``optax.MultiSteps`` (the wrong nesting, see the module docstring).
   """
   found: list = []
-  _find_states(opt_state, found)
+  _find_states(opt_state, found, caller)
   if not found:
     return None
   if len(found) > 1:
@@ -296,7 +413,8 @@ def get_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
     ``get_loss_scale(opt_state).value_and_grad(loss_fn)``.
 
   Raises:
-    ValueError: if the state holds no ``LossScalingState`` or more than one.
+    ValueError: if the state holds no ``LossScalingState``, more than one, or one
+      inside an ``optax.MultiSteps`` (nest ``loss_scaling(MultiSteps(opt, k))``).
 
   Example:
     >>> import optax
@@ -316,11 +434,12 @@ def loss_scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
 
   Returns:
     A dict with ``"loss_scale"`` (float32, the scale for the next step),
-    ``"skipped_steps"`` (int32, steps skipped so far) and ``"last_step_finite"``
-    (bool, whether the last step updated the parameters).
+    ``"skipped_steps"`` (int32, steps skipped so far), ``"last_step_finite"``
+    (bool, whether the last step updated the parameters) and
+    ``"consecutive_skips"`` (int32, skipped steps in a row up to the last).
 
   Raises:
-    ValueError: if the state holds no ``LossScalingState`` or more than one.
+    ValueError: as :func:`get_loss_scale`.
 
   Example:
     >>> import optax
@@ -333,6 +452,7 @@ def loss_scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
       "loss_scale": jnp.asarray(state.loss_scale.loss_scale, jnp.float32),
       "skipped_steps": jnp.asarray(state.skipped_steps),
       "last_step_finite": jnp.asarray(state.last_step_finite),
+      "consecutive_skips": jnp.asarray(state.consecutive_skips),
   }
 
 

@@ -41,11 +41,19 @@ T = TypeVar("T")
 class Gradients(NamedTuple):
   """What jaxmp's ``value_and_grad`` (linen and NNX) returns besides the loss.
 
+  Transform ``params`` (sum, average, all-reduce); leave the other fields to
+  :func:`accumulate_gradients` and ``apply_gradients``.
+
   Attributes:
     params: gradients of the params, multiplied by the loss scale the loss was scaled
       with (what :func:`jaxmp.loss_scaling`'s ``update`` expects).
     fp8: the fp8 state's cotangent: the proposed new fp8 state, float32, to be
       merged by ``apply_gradients`` (empty for a model without fp8 layers).
+    state_before: NNX only: the model's other state (batch statistics, ...; not the
+      params, fp8 state or RNG streams) as it was before the forward pass wrote it,
+      which :func:`jaxmp.nnx.apply_gradients` puts back on a skipped step. ``None``
+      from linen, whose ``TrainState.apply_gradients(collections=...)`` keeps the old
+      collections itself.
 
   Example:
     >>> import flax.linen as nn
@@ -58,6 +66,7 @@ class Gradients(NamedTuple):
 
   params: Any
   fp8: Any
+  state_before: Any = None
 
 
 def _short_repr(x: Any, limit: int = 80) -> str:
@@ -92,7 +101,8 @@ def accumulate_gradients(a: Gradients, b: Gradients) -> Gradients:
 
   Divide the params part by the number of micro-batches for a mean; the loss scale is
   the same for every micro-batch of a step, so sums of scaled gradients unscale
-  correctly.
+  correctly. ``a`` is the earlier micro-batch: its ``state_before`` (the state before
+  the first forward pass) is what a skipped step restores.
 
   Raises:
     TypeError: if ``a`` or ``b`` is not a :class:`Gradients`.
@@ -121,7 +131,8 @@ def accumulate_gradients(a: Gradients, b: Gradients) -> Gradients:
         f"states differ: {fp8_structures[0]} vs {fp8_structures[1]}.")
   params = jax.tree_util.tree_map(jnp.add, a.params, b.params)
   fp8 = fp8_state_lib.accumulate(a.fp8, b.fp8) if jax.tree_util.tree_leaves(a.fp8) else a.fp8
-  return Gradients(params, fp8)
+  state_before = b.state_before if a.state_before is None else a.state_before
+  return Gradients(params, fp8, state_before)
 
 
 def step_was_finite(opt_state: Any, scaled_grads: Any) -> jax.Array:
@@ -143,10 +154,60 @@ def merge_fp8(old: T, proposed: T, finite: jax.Array) -> T:
   return fp8_state_lib.merge(old, proposed, finite)
 
 
+def keep_on_skip(old: T, new: T, finite: Any, *, what: str = "state") -> T:
+  """The state a step leaves: ``new`` if the step was applied, ``old`` if it was skipped.
+
+  For every collection the forward pass writes besides the params and the fp8 state
+  (batch statistics, caches, any mutable collection): a step whose gradients were
+  not finite may have written inf/NaN into them (a float16 overflow puts inf into
+  BatchNorm's running mean), and evaluation would read them. A leaf-wise select,
+  jit-safe; both adapters (``jaxmp.linen.TrainState.apply_gradients`` and
+  ``jaxmp.nnx.apply_gradients``) use it.
+
+  Args:
+    old: the state before the step.
+    new: the state the step wrote: the same tree paths, shapes and dtypes (dict and
+      ``FrozenDict`` nodes count as the same).
+    finite: a scalar bool, :func:`step_was_finite`.
+    what: what the trees are, for the error message.
+
+  Returns:
+    ``new`` or ``old``, with ``new``'s structure.
+
+  Raises:
+    ValueError: if the trees differ in their paths (naming the missing and the
+      unexpected ones) or a pair of leaves in shape.
+    TypeError: if a pair of leaves differs in dtype, or ``finite`` is not boolean.
+
+  Example:
+    >>> from jaxmp._src import step
+    >>> step.keep_on_skip({"mean": jnp.zeros(2)}, {"mean": jnp.full(2, jnp.inf)},
+    ...                   jnp.array(False))
+    {'mean': Array([0., 0.], dtype=float32)}
+  """
+  old_paths, _ = jax.tree_util.tree_flatten_with_path(old)
+  new_paths, new_def = jax.tree_util.tree_flatten_with_path(new)
+  old_keys = [jax.tree_util.keystr(p) for p, _ in old_paths]
+  new_keys = [jax.tree_util.keystr(p) for p, _ in new_paths]
+  if old_keys != new_keys:
+    missing = [k for k in old_keys if k not in set(new_keys)]
+    unexpected = [k for k in new_keys if k not in set(old_keys)]
+    raise ValueError(
+        f"{what} must have the structure of the old value, which a skipped step keeps: "
+        f"missing {', '.join(missing[:3]) or 'nothing'}, unexpected "
+        f"{', '.join(unexpected[:3]) or 'nothing'} (old: {len(old_keys)} leaves, new: "
+        f"{len(new_keys)}); pass every collection, e.g. {{**old, **updates}}.")
+  if not new_keys:
+    return new
+  aligned_old = jax.tree_util.tree_unflatten(new_def, [leaf for _, leaf in old_paths])
+  return tree_lib.select_tree(finite, new, aligned_old)
+
+
 __all__ = (
     "Gradients",
     "accumulate_gradients",
     "check_loss_scale",
+    "keep_on_skip",
     "loss_scale_of",
     "merge_fp8",
     "step_was_finite",

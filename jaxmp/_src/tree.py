@@ -1,8 +1,12 @@
 """Pytree utilities that mixed precision is built from: cast, check, select.
 
 All three are pure, work inside and outside ``jit``, and leave alone every leaf that is
-not a floating-point array: integer and bool arrays, PRNG keys (new-style typed keys
-and raw ``uint32`` keys), ``None`` and non-array leaves such as Python numbers.
+not a floating-point value: integer and bool arrays, PRNG keys (new-style typed keys
+and raw ``uint32`` keys), ``None`` and other objects. A gradient tree may also hold
+floating-point *scalars* that are not arrays (NumPy scalars such as ``np.float32(x)``,
+Python floats): :func:`all_finite` checks them like arrays (see
+:func:`is_float_leaf`), while :func:`cast_tree` leaves them alone (a Python number is
+not a parameter to store in another dtype).
 
 Example:
   >>> import jax.numpy as jnp, jaxmp
@@ -29,6 +33,28 @@ T = TypeVar("T")
 def is_float_array(x: Any) -> bool:
   """Whether ``x`` is a JAX or NumPy array of a floating-point dtype (fp8 included)."""
   return isinstance(x, (jax.Array, np.ndarray)) and dtypes_lib.is_float_dtype(x.dtype)
+
+
+def is_float_leaf(x: Any) -> bool:
+  """Whether ``x`` is a floating-point value: a float array, a NumPy float scalar or a float.
+
+  What gradient checks and loss scaling treat as a gradient. A NumPy scalar has its
+  NumPy dtype (``np.float16(1)`` is float16); a Python float is what JAX reads it as,
+  a (weakly typed) float32. Bools and integers are not floating-point values.
+
+  Example:
+    >>> from jaxmp._src import tree
+    >>> [tree.is_float_leaf(x) for x in (jnp.ones(2), np.float16(1), 1.5, 1, True, None)]
+    [True, True, True, False, False, False]
+  """
+  if isinstance(x, float):
+    return True
+  return (is_float_array(x) or isinstance(x, np.generic)) and dtypes_lib.is_float_dtype(x.dtype)
+
+
+def float_leaf_dtype(x: Any) -> np.dtype:
+  """The dtype of a :func:`is_float_leaf` value (float32 for a Python float)."""
+  return np.dtype(jnp.float32) if isinstance(x, float) else np.dtype(x.dtype)
 
 
 def cast_tree(tree: T, dtype: dtypes_lib.DTypeLike) -> T:
@@ -68,11 +94,19 @@ def _exactly_all_finite(leaves: list) -> jax.Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
+def _host_values_finite(leaves: list) -> bool:
+  # NumPy arrays and scalars and Python floats are checked where they are, in their
+  # own dtype: a float64 1e300 is finite although it would overflow float32.
+  return all(bool(np.all(np.isfinite(np.asarray(x)))) for x in leaves)
+
+
 def all_finite(tree: Any) -> jax.Array:
   """Whether every floating-point value in ``tree`` is finite.
 
   Non-float leaves (integers, bools, keys, ``None``) are finite by definition, and an
-  empty tree is finite. The check is a float32 sum per leaf, added up: any inf or NaN
+  empty tree is finite. Floating-point NumPy arrays and scalars and Python floats
+  count like arrays (:func:`is_float_leaf`); being concrete, they are checked on the
+  host, in their own dtype. For JAX arrays the check is a float32 sum per leaf, added up: any inf or NaN
   makes that total non-finite, and a plain sum is the cheapest reduction XLA has
   (about 4x cheaper than a boolean ``all(isfinite)`` on a CPU, where it fuses with
   nothing else). Only when the total is not finite, which finite values can also cause
@@ -92,7 +126,10 @@ def all_finite(tree: Any) -> jax.Array:
     >>> bool(jaxmp.all_finite({"g": jnp.array([3e38, 3e38])}))  # the sum overflows
     True
   """
-  leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(tree) if is_float_array(x)]
+  values = [x for x in jax.tree_util.tree_leaves(tree) if is_float_leaf(x)]
+  if not _host_values_finite([x for x in values if not isinstance(x, jax.Array)]):
+    return jnp.array(False)
+  leaves = [x for x in values if isinstance(x, jax.Array)]
   if not leaves:
     return jnp.array(True)
   # fp8 has no arithmetic of its own on some backends, so it is summed as float32.
@@ -168,6 +205,8 @@ def select_tree(pred: Any, on_true: T, on_false: T) -> T:
 __all__ = (
     "all_finite",
     "cast_tree",
+    "float_leaf_dtype",
     "is_float_array",
+    "is_float_leaf",
     "select_tree",
 )

@@ -5,7 +5,9 @@ differentiated function) makes repeated reads accumulate by max; :func:`merge` t
 the new state where it carries information and the step was applied;
 :func:`accumulate` combines micro-batches by max; :func:`all_reduce` combines devices
 inside ``shard_map`` by max. ``jaxmp.linen`` and ``jaxmp.nnx``'s train steps call
-them for you.
+them for you. :func:`require_state_gradient` is what jaxmp's fp8 layers pass their
+kernel through, so that a step that differentiates the params but not the state (and
+would drop every state update) is refused; a custom fp8 layer can do the same.
 
 Example:
   >>> from jaxmp import fp8
@@ -21,5 +23,7 @@ from jaxmp._src.fp8.state import empty_like
 from jaxmp._src.fp8.state import for_grad
 from jaxmp._src.fp8.state import from_grad
 from jaxmp._src.fp8.state import merge
+from jaxmp._src.fp8.state import require_state_gradient
 
-__all__ = ("accumulate", "all_reduce", "empty_like", "for_grad", "from_grad", "merge")
+__all__ = ("accumulate", "all_reduce", "empty_like", "for_grad", "from_grad", "merge",
+           "require_state_gradient")

@@ -259,3 +259,24 @@ def test_nn_scan_over_layers_keeps_one_state_per_layer():
   # gradients of the three layers are 16, 4, 1.
   np.testing.assert_array_equal(state["input_amax_history"][:, 0], [1, 2, 8])
   np.testing.assert_array_equal(state["output_grad_amax_history"][:, 0], [16, 4, 1])
+
+
+LINEN_MISUSE = (r"fp8 state .* would never update.*jaxmp\.linen\.value_and_grad.*"
+                r"jaxmp\.linen\.TrainState")
+
+
+def test_differentiating_the_params_alone_is_refused():
+  # The fp8 state passed in, not differentiated: its new value would be dropped.
+  x = _normal(0, (4, 3))
+  model = jaxmp.linen.mixed_precision(nn.Dense(2), jaxmp.PolicyRules(
+      "float32", [jaxmp.Rule(nn.Dense, fp8=RECIPE)]))
+  variables = model.init(jax.random.key(0), x)
+  loss = lambda params: jnp.sum(model.apply({**variables, "params": params}, x))
+  with pytest.raises(ValueError, match=LINEN_MISUSE):
+    jax.grad(loss)(variables["params"])
+  with pytest.raises(ValueError, match=LINEN_MISUSE):
+    jax.jit(jax.grad(loss))(variables["params"])
+  # Differentiating the whole variables dict (Flax's TrainState) and the input alone are fine.
+  grads = jax.grad(lambda v: jnp.sum(model.apply(v, x)))(variables)
+  assert float(grads[OWG]["Fp8DotGeneral_0"]["input_amax_history"][0]) > 0
+  assert jax.grad(lambda x: jnp.sum(model.apply(variables, x)))(x).shape == x.shape

@@ -394,3 +394,44 @@ def _at(tree, path):
   for key in path:
     tree = tree[key]
   return tree
+
+
+# ---- misuse: fp8 state that would never update ------------------------------------------------
+
+
+NNX_MISUSE = r"fp8 state .* would never update.*jaxmp\.nnx\.value_and_grad.*jaxmp\.nnx\.apply_gradients"
+
+
+def test_a_plain_nnx_grad_loop_is_refused():
+  # nnx.grad differentiates the params only: the layers' new fp8 state (their state
+  # "gradient") would be dropped and the state would never update.
+  x, y = _data()
+  wrapped = _wrap(_two_linear())
+  optimizer = nnx.Optimizer(wrapped, optax.sgd(0.1), wrt=nnx.Param)
+
+  @nnx.jit
+  def plain_step(model, optimizer, x, y):
+    grads = nnx.grad(_mse)(model, x, y)
+    optimizer.update(model, grads)
+
+  with pytest.raises(ValueError, match=NNX_MISUSE):
+    plain_step(wrapped, optimizer, x, y)
+  with pytest.raises(ValueError, match=NNX_MISUSE):
+    nnx.value_and_grad(_mse)(wrapped, x, y)
+  # The explicit layer too, not only fp8 by rule.
+  layer = nnx.Linear(5, 3, dot_general=jaxmp.nnx.Fp8DotGeneral(RECIPE), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=NNX_MISUSE):
+    nnx.grad(_mse)(layer, x, y)
+
+
+def test_evaluation_input_gradients_and_state_gradients_are_not_refused():
+  x, y = _data()
+  wrapped = _wrap(_two_linear())
+  assert wrapped(x).shape == (16, 3)
+  # Differentiating the input alone (saliency) trains nothing: allowed.
+  saliency = nnx.grad(lambda x, model: jnp.sum(model(x)))(x, wrapped)
+  assert saliency.shape == x.shape
+  # Differentiating params and fp8 state together, as value_and_grad does, is fine.
+  grads = nnx.grad(_mse, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, jaxmp.nnx.Fp8State)))(
+      wrapped, x, y)
+  assert len(nnx.filter_state(grads, jaxmp.nnx.Fp8State))

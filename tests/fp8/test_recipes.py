@@ -62,3 +62,23 @@ def test_unknown_recipe_option_is_a_clear_error():
 def test_check_recipe_names_the_bad_value(bad, match):
   with pytest.raises(TypeError, match=match):
     recipes_lib.check_recipe(bad)
+
+
+@pytest.mark.parametrize("recipe", [fp8.DelayedScaling, fp8.CurrentScaling])
+def test_margins_whose_scales_overflow_float32_are_refused(recipe):
+  assert recipe(margin=recipes_lib.MAX_MARGIN).margin == 56
+  for margin in (57, 128, 200):
+    with pytest.raises(ValueError, match=rf"margin must be in \[0, 56\] .*got {margin}"):
+      recipe(margin=margin)
+
+
+def test_the_margin_bound_is_where_two_scales_of_a_float16_sized_amax_overflow():
+  # The op dequantizes with the product of two scales (input x kernel) in float32; for
+  # an amax of float16's max, margin 56 keeps that product a normal float32, 57 does not.
+  import jax.numpy as jnp
+  from jaxmp._src.fp8 import quantize as q
+
+  amax = jnp.float32(65504.0)
+  products = {m: q.scale_from_amax(amax, jnp.float32(1.0), q.E4M3, m) ** 2 for m in (56, 57)}
+  assert np.isfinite(products[56]) and products[56] >= np.finfo(np.float32).tiny
+  assert not np.isfinite(products[57])

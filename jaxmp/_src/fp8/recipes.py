@@ -28,10 +28,24 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any, Union
 
 AMAX_COMPUTE_ALGORITHMS = ("max", "most_recent")
+
+# The largest margin whose scales stay normal float32 numbers. A scale is
+# s = amax * 2**margin / fp8_max, and the op dequantizes with the product of two of them
+# (s_input * s_kernel, and the gradient's with either) in float32. For the amaxes that
+# matter, up to 2**16 (past float16's max, 65504: activations, weights and gradients of
+# a half-precision network), and E4M3's max 448 (the smaller fp8 max, so the larger
+# scale): s <= 2**(16 - log2(448) + margin) = 2**(7.19 + margin), and the product
+# s * s < 2**128 (float32 overflows at 2**128) needs 2 * (7.19 + margin) < 128, i.e.
+# margin <= 56. A larger margin makes the scale or the product inf, the op falls back to
+# an unscaled quantization (or overflows the output), and fp8 silently runs unscaled.
+_AMAX_THAT_MATTERS = 2.0**16
+_E4M3_MAX = 448.0
+MAX_MARGIN = math.floor(128 / 2 - math.log2(_AMAX_THAT_MATTERS / _E4M3_MAX))
 
 
 def _check_margin(cls_name: str, margin: Any) -> None:
@@ -41,6 +55,11 @@ def _check_margin(cls_name: str, margin: Any) -> None:
         f"2**margin), got {margin!r} of type {type(margin).__name__}.")
   if margin < 0:
     raise ValueError(f"{cls_name}: margin must be >= 0, got {margin!r}.")
+  if margin > MAX_MARGIN:
+    raise ValueError(
+        f"{cls_name}: margin must be in [0, {MAX_MARGIN}] (beyond it the product of two "
+        f"scales, amax * 2**margin / 448 each, overflows float32 for amaxes up to 2**16 "
+        f"and fp8 would run unscaled), got {margin!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,14 +85,17 @@ class DelayedScaling:
     amax_history_length: entries in each amax history, >= 1. TransformerEngine and
       Flax default to 1024.
     margin: the scale is multiplied by ``2**margin``, leaving that many powers of two
-      of headroom above the amax; >= 0.
+      of headroom above the amax; an int in ``[0, 56]`` (:data:`MAX_MARGIN`): the
+      scales, and the product of two that the op dequantizes with, must stay normal
+      float32 numbers for amaxes up to ``2**16``, and ``2 * (16 - log2(448) + margin)
+      < 128`` gives 56.
     amax_compute: ``"max"`` (the largest amax in the history) or ``"most_recent"``
       (the amax of the previous step).
 
   Raises:
     TypeError: if ``amax_history_length`` or ``margin`` is not an int.
-    ValueError: if ``amax_history_length < 1``, ``margin < 0`` or ``amax_compute`` is
-      not one of ``"max"``, ``"most_recent"``.
+    ValueError: if ``amax_history_length < 1``, ``margin`` is outside ``[0, 56]`` or
+      ``amax_compute`` is not one of ``"max"``, ``"most_recent"``.
 
   Example:
     >>> from jaxmp import fp8
@@ -115,11 +137,12 @@ class CurrentScaling:
   is quantized.
 
   Attributes:
-    margin: the scale is multiplied by ``2**margin``; >= 0.
+    margin: the scale is multiplied by ``2**margin``; an int in ``[0, 56]`` (see
+      :class:`DelayedScaling`).
 
   Raises:
     TypeError: if ``margin`` is not an int.
-    ValueError: if ``margin < 0``.
+    ValueError: if ``margin`` is outside ``[0, 56]``.
 
   Example:
     >>> from jaxmp import fp8
@@ -169,6 +192,7 @@ def check_recipe(recipe: Any, where: str = "fp8") -> Recipe:
 
 
 __all__ = (
+    "MAX_MARGIN",
     "CurrentScaling",
     "DelayedScaling",
     "Recipe",

@@ -50,6 +50,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Optional, TypeVar
 
 import jax
@@ -207,6 +208,72 @@ def from_grad(tree: T) -> T:
     {'history': Array([3., 4.], dtype=float32), 'step': 3}
   """
   return jax.tree_util.tree_map(maxgrad.from_max_float32, tree)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _guard(kernel: jax.Array, state_leaf: jax.Array, message: str) -> jax.Array:
+  del state_leaf, message
+  return kernel
+
+
+@functools.partial(_guard.defjvp, symbolic_zeros=True)
+def _guard_jvp(message, primals, tangents):
+  kernel, _ = primals
+  kernel_tangent, state_tangent = tangents
+  # Runs only when something is differentiated; a symbolic zero marks an input that
+  # is not (jax.custom_jvp's public way to tell).
+  kernel_differentiated = not isinstance(kernel_tangent, jax.custom_derivatives.SymbolicZero)
+  if kernel_differentiated and isinstance(state_tangent, jax.custom_derivatives.SymbolicZero):
+    raise ValueError(message)
+  if not kernel_differentiated:
+    kernel_tangent = jnp.zeros(jnp.shape(kernel), kernel_tangent.dtype)
+  return kernel, kernel_tangent
+
+
+def require_state_gradient(kernel: jax.Array, state: Optional[DelayedScalingState], *,
+                           hint: str) -> jax.Array:
+  """``kernel``, refusing a derivative with respect to it without one for ``state``.
+
+  A delayed-scaling layer hands its new state back as the *gradient* of the old one,
+  so a training step that differentiates the params but not the fp8 state (a plain
+  ``jax.grad`` of the params, ``nnx.grad`` with its default ``wrt=nnx.Param``) drops
+  every update: the state would never change and the layer would quantize with its
+  initial scales forever. An fp8 layer passes its kernel through this identity; when
+  ``jax.grad`` (or ``jax.jvp``) differentiates the kernel and not the state, it raises
+  while tracing. Evaluation, and derivatives with respect to the input alone, are not
+  affected, and it costs nothing at run time.
+
+  Args:
+    kernel: the layer's kernel operand.
+    state: the layer's delayed-scaling state as the layer reads it (``None`` for
+      current scaling, which keeps no state: ``kernel`` is returned as is).
+    hint: how to train the layer instead, for the message.
+
+  Returns:
+    ``kernel``.
+
+  Raises:
+    ValueError: while differentiating the kernel and not the state.
+
+  Example:
+    >>> from jaxmp import fp8
+    >>> state = fp8.init_state(fp8.DelayedScaling(amax_history_length=2))
+    >>> guarded = lambda k: jaxmp.fp8.state.require_state_gradient(k, state, hint="")
+    >>> try:
+    ...   jax.grad(lambda k: jnp.sum(guarded(k)))(jnp.ones(2))  # the kernel alone
+    ... except ValueError as e:
+    ...   print(str(e)[:71])
+    fp8: the kernel of an fp8 layer is differentiated but its fp8 state is
+    >>> jax.grad(lambda k, s: jnp.sum(jaxmp.fp8.state.require_state_gradient(k, s, hint="")),
+    ...          argnums=(0, 1))(jnp.ones(2), state)[0]  # both: fine
+    Array([1., 1.], dtype=float32)
+  """
+  if state is None:
+    return kernel
+  message = ("fp8: the kernel of an fp8 layer is differentiated but its fp8 state is not, so "
+             "the state would never update (its new value comes back as its gradient, and "
+             f"would be dropped). {hint}").strip()
+  return _guard(kernel, state.input_scale, message)
 
 
 def _informative(cotangent: jax.Array) -> jax.Array:
@@ -377,4 +444,5 @@ __all__ = (
     "from_grad",
     "init_state",
     "merge",
+    "require_state_gradient",
 )

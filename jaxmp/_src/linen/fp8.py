@@ -11,7 +11,9 @@ variables at all.
 
 For training that stays sound when a layer is reused, unused, or a step is skipped,
 update the collection with :mod:`jaxmp.fp8.state` (``for_grad`` inside the loss,
-``merge`` afterwards) rather than overwriting it.
+``merge`` afterwards) rather than overwriting it. Differentiating the params without
+the collection (a plain ``jax.grad`` of the params) would drop every state update, and
+is refused while tracing (:func:`jaxmp.fp8.state.require_state_gradient`).
 
 Example:
   >>> import flax.linen as nn
@@ -33,6 +35,11 @@ import jax.numpy as jnp
 from jaxmp._src.fp8 import dot_general as dot_general_lib
 from jaxmp._src.fp8 import recipes as recipes_lib
 from jaxmp._src.fp8 import state as state_lib
+
+
+_TRAIN_HINT = ("Train linen fp8 models with jaxmp.linen.value_and_grad and "
+               "jaxmp.linen.apply_gradients (or jaxmp.linen.TrainState), or differentiate the "
+               "whole variables dict as Flax's TrainState does, not the params alone.")
 
 
 def _read_state(module: nn.Module, recipe: recipes_lib.Recipe
@@ -90,6 +97,7 @@ class Fp8DotGeneral(nn.Module):
                out_sharding: Any = None) -> jax.Array:
     """``fp8_dot_general(lhs, rhs, ...)`` with this module's state; same arguments."""
     state = _read_state(self, self.recipe)
+    rhs = state_lib.require_state_gradient(rhs, state, hint=_TRAIN_HINT)
     return dot_general_lib.fp8_dot_general(
         lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding,
         state=state, recipe=self.recipe)
@@ -131,6 +139,7 @@ class Fp8Einsum(nn.Module):
                preferred_element_type: Any = None) -> jax.Array:
     """``fp8_einsum(eqn, lhs, rhs)`` with this module's state."""
     state = _read_state(self, self.recipe)
+    rhs = state_lib.require_state_gradient(rhs, state, hint=_TRAIN_HINT)
     return dot_general_lib.fp8_einsum(
         eqn, lhs, rhs, state=state, recipe=self.recipe,
         preferred_element_type=preferred_element_type, precision=precision)

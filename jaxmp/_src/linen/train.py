@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
@@ -83,16 +84,18 @@ def join_variables(params: Any, fp8: Any, collections: Optional[dict] = None) ->
 
 
 def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
-  """Differentiates ``fun(variables, *args)`` w.r.t. the params and the fp8 state.
+  """Differentiates ``fun(variables, *args, **kwargs)`` w.r.t. the params and fp8 state.
 
-  The returned function takes ``(variables, *args, loss_scale=NoOpLossScale())``. It
+  The returned function takes ``(variables, *args, loss_scale=None, **kwargs)``
+  (``None``: no scaling); ``args`` and ``kwargs`` go to ``fun`` undifferentiated. It
   calls ``fun`` with the fp8 state converted so that repeated uses of a layer
   accumulate their state cotangents by max (:func:`jaxmp.fp8.state.for_grad`), and
   differentiates ``loss * loss_scale``.
 
   Args:
-    fun: ``fun(variables, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux``),
-      where ``variables`` is the linen variables dict to pass to ``apply``.
+    fun: ``fun(variables, *args, **kwargs) -> loss`` (or ``(loss, aux)`` with
+      ``has_aux``), where ``variables`` is the linen variables dict to pass to
+      ``apply``.
     has_aux: whether ``fun`` returns ``(loss, aux)``.
 
   Returns:
@@ -119,15 +122,17 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callabl
   if not callable(fun):
     raise TypeError(f"value_and_grad: fun must be callable, got {fun!r}.")
 
-  def differentiable(params, fp8, collections, *args):
+  def differentiable(params, fp8, collections, *args, **kwargs):
     variables = join_variables(params, fp8_state_lib.for_grad(fp8), collections)
-    return fun(variables, *args)
+    return fun(variables, *args, **kwargs)
 
-  def value_and_grads(variables, *args, loss_scale: Optional[loss_scale_lib.LossScale] = None):
+  def value_and_grads(variables, *args, loss_scale: Optional[loss_scale_lib.LossScale] = None,
+                      **kwargs):
     loss_scale = step_lib.check_loss_scale(loss_scale, "value_and_grad")
     params, fp8, collections = split_variables(variables)
     out, (g_params, g_fp8) = loss_scale.value_and_grad(
-        differentiable, has_aux=has_aux, argnums=(0, 1))(params, fp8, collections, *args)
+        differentiable, has_aux=has_aux, argnums=(0, 1))(params, fp8, collections, *args,
+                                                         **kwargs)
     return out, Gradients(g_params, g_fp8)
 
   return value_and_grads
@@ -167,13 +172,19 @@ def apply_gradients(tx: optax.GradientTransformation, params: Any, fp8: Any, opt
     >>> params["bias"]  # -0.1 * the unscaled gradient 0.5
     Array([-0.05, -0.05], dtype=float32)
   """
+  params, fp8, opt_state, _ = _step(tx, params, fp8, opt_state, grads, extra_args)
+  return params, fp8, opt_state
+
+
+def _step(tx, params, fp8, opt_state, grads, extra_args):
+  """:func:`apply_gradients`, also returning whether the step was applied."""
   if extra_args:
     updates, opt_state = tx.update(grads.params, opt_state, params, **extra_args)
   else:
     updates, opt_state = tx.update(grads.params, opt_state, params)
   params = optax.apply_updates(params, updates)
-  fp8 = step_lib.merge_fp8(fp8, grads.fp8, step_lib.step_was_finite(opt_state, grads.params))
-  return params, fp8, opt_state
+  finite = step_lib.step_was_finite(opt_state, grads.params)
+  return params, step_lib.merge_fp8(fp8, grads.fp8, finite), opt_state, finite
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -216,18 +227,55 @@ class TrainState(flax.struct.PyTreeNode):
   tx: optax.GradientTransformation = flax.struct.field(pytree_node=False)
 
   @classmethod
-  def create(cls, *, apply_fn: Callable[..., Any], variables: Any,
-             tx: optax.GradientTransformation) -> "TrainState":
-    """Builds the state from a model's ``apply``, its ``init`` variables and ``tx``."""
+  def create(cls, *, apply_fn: Callable[..., Any], variables: Any = None,
+             tx: Optional[optax.GradientTransformation] = None, **fields) -> "TrainState":
+    """Builds the state from a model's ``apply``, its ``init`` variables and ``tx``.
+
+    Args:
+      apply_fn: the model's apply function.
+      variables: everything ``model.init`` returned: the ``params`` collection, the
+        fp8 state and other collections (``batch_stats``). Flax's ``params=``
+        spelling is refused rather than guessed at (Flax passes either the params
+        collection or the whole dict there): pass ``variables={"params": params}``.
+      tx: the optimizer.
+      **fields: values for the fields of a subclass.
+
+    Raises:
+      TypeError: for a non-callable ``apply_fn``, a ``tx`` that is not a gradient
+        transformation, ``params=`` or a missing ``variables``.
+      ValueError: for ``variables`` without a ``params`` collection.
+    """
+    where = "TrainState.create"
+    if "params" in fields:
+      raise TypeError(
+          f"{where} takes variables= (everything model.init returns: params, fp8 state, "
+          f"batch_stats), not Flax's params=; pass variables=model.init(...), or "
+          f"variables={{'params': params}} for a params collection alone.")
     if not callable(apply_fn):
-      raise TypeError(f"TrainState.create: apply_fn must be callable (e.g. model.apply), "
-                      f"got {apply_fn!r}.")
+      raise TypeError(f"{where}: apply_fn must be callable (e.g. model.apply), got {apply_fn!r}.")
     if not isinstance(tx, optax.GradientTransformation):
-      raise TypeError(f"TrainState.create: tx must be an optax.GradientTransformation, "
-                      f"got {tx!r}.")
+      raise TypeError(f"{where}: tx must be an optax.GradientTransformation, got {tx!r}.")
+    if variables is None:
+      raise TypeError(f"{where}: variables= is required (what model.init returns).")
     params, fp8, collections = split_variables(variables)
+    if PARAMS not in variables:
+      raise ValueError(
+          f"{where}: variables must hold a 'params' collection (what model.init returns), "
+          f"got the keys {sorted(map(str, variables))}; for a params dict alone pass "
+          f"variables={{'params': params}}.")
     return cls(step=jnp.zeros((), jnp.int32), params=params, fp8=fp8,
-               collections=collections, opt_state=tx.init(params), apply_fn=apply_fn, tx=tx)
+               collections=collections, opt_state=tx.init(params), apply_fn=apply_fn, tx=tx,
+               **fields)
+
+  def __deepcopy__(self, memo: dict) -> "TrainState":
+    """A copy with every array copied and ``apply_fn`` and ``tx`` shared.
+
+    They are the program, not its data (static pytree fields), so a deep copy keeps
+    the same tree structure and a jitted step accepts it without tracing again.
+    ``copy.copy`` shares everything; pickling works when ``apply_fn`` and ``tx`` pickle
+    (Optax's transforms are closures and do not): checkpoint the pytree instead.
+    """
+    return jax.tree_util.tree_map(lambda leaf: copy.deepcopy(leaf, memo), self)
 
   @property
   def variables(self) -> dict:
@@ -243,27 +291,42 @@ class TrainState(flax.struct.PyTreeNode):
                      has_aux: bool = False) -> Callable[..., Any]:
     """:func:`value_and_grad` at this state's variables and loss scale.
 
-    Returns a function of ``*args`` (what ``fun`` takes after the variables).
+    Returns a function of ``(*args, **kwargs)``: what ``fun`` takes after the
+    variables, passed on undifferentiated.
     """
     grad_fn = value_and_grad(fun, has_aux=has_aux)
-    return lambda *args: grad_fn(self.variables, *args, loss_scale=self.loss_scale)
+    return lambda *args, **kwargs: grad_fn(self.variables, *args, loss_scale=self.loss_scale,
+                                           **kwargs)
 
   def apply_gradients(self, grads: Gradients, *, extra_args: Optional[Mapping[str, Any]] = None,
-                      **changes) -> "TrainState":
+                      collections: Any = None, **changes) -> "TrainState":
     """One step: params through ``tx``, fp8 state merged; ``changes`` replace fields.
 
-    Pass the model's updated collections as ``collections=...`` (e.g. new
-    ``batch_stats``), and optax extra arguments for ``tx.update`` (such as
-    ``value=loss`` for ``optax.contrib.reduce_on_plateau``) as ``extra_args={...}``.
+    Pass the model's updated collections as ``collections=...`` (e.g. the
+    ``batch_stats`` that ``apply(..., mutable=["batch_stats"])`` returned): they
+    replace the state's collections on an applied step, and on a step the optimizer
+    skipped (non-finite gradients) the old collections are kept bit for bit
+    (:func:`jaxmp._src.step.keep_on_skip`), so an overflowing forward pass cannot put
+    inf into the running statistics. They must have the same structure as
+    ``state.collections`` (pass ``{**state.collections, **updates}`` when ``apply``
+    returned only some). Optax extra arguments for ``tx.update`` (such as
+    ``value=loss`` for ``optax.contrib.reduce_on_plateau``) go in ``extra_args={...}``.
+
+    Raises:
+      TypeError: if ``grads`` is not :class:`Gradients`.
+      ValueError: if ``collections`` differs in structure from ``state.collections``.
     """
     if not isinstance(grads, Gradients):
       raise TypeError(f"apply_gradients expects jaxmp.linen.Gradients (from "
                       f"value_and_grad), got {type(grads).__name__}.")
-    params, fp8, opt_state = apply_gradients(self.tx, self.params, self.fp8,
-                                             self.opt_state, grads, **(extra_args or {}))
+    params, fp8, opt_state, finite = _step(self.tx, self.params, self.fp8, self.opt_state,
+                                           grads, extra_args or {})
+    if collections is not None:
+      changes["collections"] = step_lib.keep_on_skip(
+          self.collections, collections, finite,
+          what="TrainState.apply_gradients: collections=")
     return self.replace(step=self.step + 1, params=params, fp8=fp8, opt_state=opt_state,
                         **changes)
-
 
 __all__ = (
     "Gradients",

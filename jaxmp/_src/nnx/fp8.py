@@ -78,11 +78,21 @@ def _init_variables(module: nnx.Module, recipe: recipes_lib.Recipe) -> None:
     setattr(module, name, Fp8State(jnp.array(value)))
 
 
+_TRAIN_HINT = ("Train NNX fp8 models with jaxmp.nnx.value_and_grad (it differentiates the "
+               "params and the Fp8State variables together) and jaxmp.nnx.apply_gradients (it "
+               "merges the new fp8 state), not a plain nnx.grad + optimizer.update.")
+
+
 def _read_state(module: nnx.Module) -> Optional[state_lib.DelayedScalingState]:
   if isinstance(module.recipe, recipes_lib.CurrentScaling):
     return None
   return state_lib.DelayedScalingState(
       *(getattr(module, name).get_value() for name in state_lib.DelayedScalingState._fields))
+
+
+def _guarded(rhs: jax.Array, state: Optional[state_lib.DelayedScalingState]) -> jax.Array:
+  """The kernel, refused under a derivative that leaves the fp8 state out."""
+  return state_lib.require_state_gradient(rhs, state, hint=_TRAIN_HINT)
 
 
 class Fp8DotGeneral(nnx.Module):
@@ -93,6 +103,10 @@ class Fp8DotGeneral(nnx.Module):
   first and the kernel second, and its state appears under the layer's
   ``dot_general`` attribute. One instance per layer (an instance shared by two layers
   shares their state: its amaxes are the max over both).
+
+  Train it with :func:`jaxmp.nnx.value_and_grad` and :func:`jaxmp.nnx.apply_gradients`:
+  differentiating the kernel without the state (a plain ``nnx.grad`` loop) would drop
+  every state update, and is refused while tracing.
 
   Args:
     recipe: :class:`~jaxmp.fp8.DelayedScaling` (default, history length 1024) or
@@ -117,10 +131,16 @@ class Fp8DotGeneral(nnx.Module):
   def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
                precision: Any = None, preferred_element_type: Any = None,
                out_sharding: Any = None) -> jax.Array:
-    """``fp8_dot_general(lhs, rhs, ...)`` with this module's state; same arguments."""
+    """``fp8_dot_general(lhs, rhs, ...)`` with this module's state; same arguments.
+
+    Raises:
+      ValueError: while ``rhs`` (the kernel) is differentiated and the state is not
+        (a plain ``nnx.grad`` training loop, whose fp8 state would never update).
+    """
+    state = _read_state(self)
     return dot_general_lib.fp8_dot_general(
-        lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding,
-        state=_read_state(self), recipe=self.recipe)
+        lhs, _guarded(rhs, state), dimension_numbers, precision, preferred_element_type,
+        out_sharding, state=state, recipe=self.recipe)
 
 
 class Fp8Einsum(nnx.Module):
@@ -153,13 +173,15 @@ class Fp8Einsum(nnx.Module):
     """``fp8_einsum(eqn, lhs, rhs)`` with this module's state.
 
     Raises:
-      ValueError: for an ``out_sharding``: the fp8 einsum lays its output out itself.
+      ValueError: for an ``out_sharding`` (the fp8 einsum lays its output out itself),
+        and while the kernel is differentiated and the state is not.
     """
     if out_sharding is not None:
       raise ValueError(f"Fp8Einsum does not take out_sharding, got {out_sharding!r}; "
                        "shard the einsum's inputs instead.")
+    state = _read_state(self)
     return dot_general_lib.fp8_einsum(
-        eqn, lhs, rhs, state=_read_state(self), recipe=self.recipe,
+        eqn, lhs, _guarded(rhs, state), state=state, recipe=self.recipe,
         preferred_element_type=preferred_element_type, precision=precision)
 
 

@@ -9,6 +9,15 @@ state (kept on a skipped step or where a layer got no cotangent).
 state (Adam's ``count``, and so its bias correction and any schedule) does not
 advance on a step :func:`jaxmp.loss_scaling` skips.
 
+The forward pass writes the model's other state in place (BatchNorm's running
+statistics). :func:`value_and_grad` keeps what that state was before
+(``Gradients.state_before``) and :func:`apply_gradients` puts it back on a skipped
+step, so an overflowing float16 forward pass cannot leave inf in the statistics. RNG
+streams (``nnx.RngState``) are not put back: a skipped step's random draws are spent,
+as torch's and Keras's generators are, and the next step draws fresh dropout masks
+rather than repeating the skipped step's. Sown intermediates (``nnx.Intermediate``)
+stay as the skipped step wrote them, for inspecting what overflowed.
+
 Example:
   >>> from flax import nnx
   >>> import optax
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import jax
 import optax
 from flax import nnx
 
@@ -30,6 +40,12 @@ from jaxmp._src import step as step_lib
 from jaxmp._src.nnx import fp8 as fp8_nnx
 
 Gradients = step_lib.Gradients
+
+# The state a skipped step restores: everything the forward pass may write except what
+# apply_gradients updates itself (params through the optimizer, fp8 state by merge),
+# RNG streams (spent either way) and sown intermediates (outputs, kept for debugging).
+_RESTORED_ON_SKIP = nnx.Not(nnx.Any(nnx.Param, fp8_nnx.Fp8State, nnx.RngState,
+                                    nnx.Intermediate))
 
 
 def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False,
@@ -42,7 +58,8 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False,
   :func:`jaxmp.fp8.nnx.for_grad` (a layer used several times, or inside ``nnx.scan``,
   records the max of its uses), and differentiates ``loss * loss_scale``. State the
   model updates during the call (batch statistics, RNG counts) is kept, as with
-  ``nnx.grad``.
+  ``nnx.grad``; what the batch statistics were before is returned in
+  ``Gradients.state_before`` for :func:`apply_gradients` to restore on a skipped step.
 
   Args:
     fun: ``fun(model, *args, **kwargs) -> loss`` (or ``(loss, aux)`` with
@@ -55,7 +72,9 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False,
   Returns:
     A function returning ``(loss, Gradients)`` or ``((loss, aux), Gradients)``: the
     loss unscaled, ``Gradients.params`` (an ``nnx.State``) scaled by ``loss_scale``,
-    ``Gradients.fp8`` the proposed next fp8 state (empty without fp8 layers).
+    ``Gradients.fp8`` the proposed next fp8 state (empty without fp8 layers),
+    ``Gradients.state_before`` the model's state other than params, fp8 state, RNG
+    streams and intermediates, before the call.
 
   Raises:
     TypeError: if ``fun`` is not callable or ``loss_scale`` not a jaxmp loss scale.
@@ -83,10 +102,11 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False,
 
     scaled = scale.scaled_fun(with_fp8_for_grad, has_aux=has_aux)
 
+    state_before = nnx.as_pure(nnx.state(model, _RESTORED_ON_SKIP))
     grads, (loss, aux) = nnx.grad(
         scaled, argnums=nnx.DiffState(0, differentiable), has_aux=True)(model, *args)
     gradients = Gradients(nnx.filter_state(grads, wrt),
-                          nnx.filter_state(grads, fp8_nnx.Fp8State))
+                          nnx.filter_state(grads, fp8_nnx.Fp8State), state_before)
     return ((loss, aux) if has_aux else loss), gradients
 
   return value_and_grads
@@ -100,7 +120,9 @@ def apply_gradients(optimizer: nnx.Optimizer, model: nnx.Module, grads: Gradient
   :func:`jaxmp.loss_scaling` inside, unscales and skips a non-finite step). The fp8
   state is merged with :func:`jaxmp.fp8.state.merge`: it keeps its old value on a
   skipped step (the loss scaling state's ``last_step_finite``, or the finiteness of the
-  gradients without loss scaling) and wherever a layer got no cotangent.
+  gradients without loss scaling) and wherever a layer got no cotangent. On a skipped
+  step the state the forward pass wrote (batch statistics) is put back to
+  ``grads.state_before`` bit for bit; RNG streams stay advanced.
   ``optimizer.step`` advances on every call, a skipped step included; the inner Optax
   state (e.g. Adam's ``count``) advances only on applied steps.
 
@@ -137,10 +159,24 @@ def apply_gradients(optimizer: nnx.Optimizer, model: nnx.Module, grads: Gradient
                     f"jaxmp.nnx.value_and_grad), got {type(grads).__name__}.")
   updates = optimizer.update(model, grads.params, **kwargs)
   old = nnx.state(model, fp8_nnx.Fp8State)
+  restore = jax.tree_util.tree_leaves(grads.state_before)
+  if not (len(old) or restore):
+    return updates
+  finite = step_lib.step_was_finite(optimizer.opt_state, grads.params)
   if len(old):
-    finite = step_lib.step_was_finite(optimizer.opt_state, grads.params)
     nnx.update(model, step_lib.merge_fp8(nnx.as_pure(old), nnx.as_pure(grads.fp8), finite))
+  if restore:
+    written = _at_paths_of(grads.state_before, nnx.as_pure(nnx.state(model, _RESTORED_ON_SKIP)))
+    nnx.update(model, step_lib.keep_on_skip(grads.state_before, written, finite,
+                                            what="jaxmp.nnx.apply_gradients: model state"))
   return updates
+
+
+def _at_paths_of(before: Any, current: Any) -> Any:
+  """``current`` cut down to the variables ``before`` has (the forward pass may add some)."""
+  leaves = dict(jax.tree_util.tree_flatten_with_path(current)[0])
+  paths, treedef = jax.tree_util.tree_flatten_with_path(before)
+  return jax.tree_util.tree_unflatten(treedef, [leaves.get(path, leaf) for path, leaf in paths])
 
 
 __all__ = ("Gradients", "apply_gradients", "value_and_grad")

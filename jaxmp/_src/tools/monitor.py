@@ -18,7 +18,11 @@ history and flags the ways mixed precision fails quietly:
   gradients were non-finite);
 * ``loss_spike``: the loss exceeds ``spike_factor`` times the median of the
   previous ``spike_window`` finite losses;
-* ``nonfinite_loss``: the loss is inf or NaN.
+* ``nonfinite_loss``: the loss is inf or NaN;
+* ``skip_streak``: ``max_consecutive_skips`` steps in a row were skipped (the
+  ``consecutive_skips`` metric of :func:`jaxmp.loss_scaling_metrics`): no update has
+  been applied for that long, the run trains nothing. ``jaxmp.loss_scaling``'s own
+  ``max_consecutive_skips`` raises instead.
 
 Each kind is reported at the step its condition becomes true, and again only after it
 has been false for a step, so a long collapse is one anomaly, not one per step.
@@ -134,8 +138,8 @@ class Anomaly(NamedTuple):
   Attributes:
     step: the step it was flagged at (the ``step`` given to :meth:`Monitor.update`;
       by default updates are numbered 0, 1, 2, ...).
-    kind: ``"scale_collapse"``, ``"skip_rate"``, ``"loss_spike"`` or
-      ``"nonfinite_loss"``.
+    kind: ``"scale_collapse"``, ``"skip_rate"``, ``"loss_spike"``,
+      ``"nonfinite_loss"`` or ``"skip_streak"``.
     message: what happened, with the numbers.
   """
 
@@ -147,7 +151,18 @@ class Anomaly(NamedTuple):
     return f"step {self.step}: {self.kind}: {self.message}"
 
 
-KINDS = ("scale_collapse", "skip_rate", "loss_spike", "nonfinite_loss")
+KINDS = ("scale_collapse", "skip_rate", "loss_spike", "nonfinite_loss", "skip_streak")
+
+METRICS = ("grad_norm", "nonfinite", "loss_scale", "skipped_steps", "last_step_finite",
+           "consecutive_skips")
+"""The metric keys :meth:`Monitor.update` reads (what :func:`training_metrics` returns)."""
+
+
+def _check_metric_keys(metrics: Mapping) -> None:
+  for key in metrics:
+    if key not in METRICS:
+      raise ValueError(f"Monitor.update: unknown metric {key!r}; accepted: "
+                       f"{', '.join(repr(k) for k in METRICS)}.")
 
 
 def _positive(name: str, value: Any, *, integer: bool = False, at_least: float = 0.0,
@@ -209,6 +224,9 @@ class Monitor:
       check starts once there are that many; integer >= 1.
     spike_factor: flag a loss above ``spike_factor`` times that median (only when the
       median is positive); > 1.
+    max_consecutive_skips: flag a run of this many skipped steps in a row; integer
+      >= 1. The default, 20, lies past the start of a typical float16 run, where
+      ``DynamicLossScale()`` backs off from 2**15 for a few steps to find its level.
 
   Raises:
     TypeError, ValueError: for a bad argument, naming it.
@@ -223,7 +241,7 @@ class Monitor:
 
   def __init__(self, *, min_scale: float = 1.0, collapse_factor: float = 8.0,
                skip_window: int = 100, max_skip_rate: float = 0.05, spike_window: int = 50,
-               spike_factor: float = 2.0):
+               spike_factor: float = 2.0, max_consecutive_skips: int = 20):
     self.min_scale = _positive("min_scale", min_scale)
     self.collapse_factor = _positive("collapse_factor", collapse_factor, at_least=1.0,
                                      strict=False)
@@ -235,6 +253,8 @@ class Monitor:
     self.spike_window = _positive("spike_window", spike_window, integer=True, at_least=1,
                                   strict=False)
     self.spike_factor = _positive("spike_factor", spike_factor, at_least=1.0)
+    self.max_consecutive_skips = _positive("max_consecutive_skips", max_consecutive_skips,
+                                           integer=True, at_least=1, strict=False)
     self._series = _Series([], [], [], [], [], [])
     self._anomalies: list[Anomaly] = []
     self._active: set[str] = set()
@@ -283,9 +303,9 @@ class Monitor:
 
     Args:
       metrics: a mapping with any of ``"grad_norm"``, ``"nonfinite"``,
-        ``"loss_scale"``, ``"skipped_steps"``, ``"last_step_finite"`` (arrays or
-        numbers; fetched from the device here). ``last_step_finite`` says whether the
-        step was skipped.
+        ``"loss_scale"``, ``"skipped_steps"``, ``"last_step_finite"``,
+        ``"consecutive_skips"`` (:data:`METRICS`; arrays or numbers, fetched from the
+        device here). ``last_step_finite`` says whether the step was skipped.
       loss: the step's (unscaled) loss, a real scalar, or ``None``.
       step: the step number to record; by default one more than the previous one
         (0 for the first update). Must be larger than the previous one.
@@ -295,11 +315,13 @@ class Monitor:
 
     Raises:
       TypeError: if ``metrics`` is not a mapping or ``loss`` not a real scalar.
-      ValueError: for a non-scalar metric or a step that does not increase.
+      ValueError: for an unknown metric key (a misspelt one would silently turn its
+        check off), a non-scalar metric or a step that does not increase.
     """
     if not isinstance(metrics, Mapping):
       raise TypeError(f"Monitor.update: metrics must be a mapping (what training_metrics "
                       f"returns), got {type(metrics).__name__}.")
+    _check_metric_keys(metrics)
     metrics = jax.device_get(dict(metrics))
     loss = self._loss(loss)
     step = self._step(step)
@@ -309,6 +331,7 @@ class Monitor:
     nonfinite = {str(k): int(np.asarray(v)) for k, v in
                  dict(metrics.get("nonfinite", {})).items()}
     grad_norm = _scalar(metrics, "grad_norm", float)
+    streak = _scalar(metrics, "consecutive_skips", int)
     s.steps.append(step)
     s.loss.append(loss)
     s.grad_norm.append(grad_norm)
@@ -322,6 +345,7 @@ class Monitor:
         "loss_spike": self._loss_spike(loss),
         "nonfinite_loss": (None if loss is None or math.isfinite(loss)
                            else f"the loss is {loss}"),
+        "skip_streak": self._skip_streak(streak, scale, step),
     }
     new = []
     for kind in KINDS:
@@ -385,6 +409,17 @@ class Monitor:
       message += "; non-finite gradients in " + ", ".join(f"{k} ({v:,})" for k, v in ranked)
     return message
 
+  def _skip_streak(self, streak: Optional[int], scale: Optional[float],
+                   step: int) -> Optional[str]:
+    if streak is None or streak < self.max_consecutive_skips:
+      return None
+    at_scale = "" if scale is None else f" at loss scale {scale:g}"
+    last = step - streak
+    since = f"step {last}" if last >= self._series.steps[0] else "the first update"
+    return (f"{streak} consecutive steps skipped (>= max_consecutive_skips "
+            f"{self.max_consecutive_skips}){at_scale}: no step has been applied since "
+            f"{since}")
+
   def _loss_spike(self, loss: Optional[float]) -> Optional[str]:
     if loss is None or not math.isfinite(loss):
       return None
@@ -419,4 +454,4 @@ class Monitor:
     return "\n".join(lines)
 
 
-__all__ = ("Anomaly", "Monitor", "training_metrics")
+__all__ = ("METRICS", "Anomaly", "Monitor", "training_metrics")
