@@ -77,12 +77,18 @@ def batches(data: np.ndarray, batch: int, length: int, seed: int):
 # ---- the five configurations -------------------------------------------------------------
 
 
+def adamw(schedule) -> optax.GradientTransformation:
+  """The demo's optimizer: AdamW with global-norm clipping (inside loss scaling)."""
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
   name: str
   policy: Any                      # what jaxmp.linen.mixed_precision gets
   loss_scale: Optional[Callable[[], jaxmp.LossScale]]  # None: no loss_scaling wrapper
   note: str = ""
+  optimizer: Callable[[Any], optax.GradientTransformation] = adamw  # of the LR schedule
 
 
 def fp8_rules() -> jaxmp.PolicyRules:
@@ -129,7 +135,7 @@ def train(run: Run, args, config, corpus, val_batches):
   variables = model.init(jax.random.key(args.seed), first[:, :-1])
   schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.steps // 10, args.steps,
                                                 args.lr / 10)
-  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
+  tx = run.optimizer(schedule)
   if run.loss_scale is not None:
     tx = jaxmp.loss_scaling(tx, run.loss_scale())
   state = jaxmp.linen.TrainState.create(apply_fn=model.apply, variables=variables, tx=tx)

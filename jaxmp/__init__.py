@@ -43,7 +43,7 @@ from jaxmp._src.tree import select_tree
 
 __version__ = "0.1.0"
 
-_NAMESPACES = ("fp8", "linen", "nnx", "tools")
+_NAMESPACES = ("fp8", "linen", "nnx", "optim", "tools")
 
 
 def __getattr__(name: str) -> Any:
@@ -76,6 +76,7 @@ __all__ = (
     "loss_scaling",
     "loss_scaling_metrics",
     "nnx",
+    "optim",
     "select_tree",
     "tools",
 )

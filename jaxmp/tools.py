@@ -9,6 +9,8 @@
 * :func:`training_metrics` (inside ``jit``) and :class:`Monitor` (on the host):
   gradient norms, non-finite counts, loss-scale collapse, skip rate, loss spikes.
 * :func:`device_capabilities` / :func:`recommended_policy`: what a device computes fast.
+* :func:`memory_report`: bytes per parameter of params, master weights, gradients and
+  optimizer state, and the compiled step's memory analysis.
 * :func:`float_format` / :func:`parse_dtype`: dtype names and the numbers of a format.
 
 Example:
@@ -23,6 +25,8 @@ from jaxmp._src.tools.hardware import DeviceCapabilities
 from jaxmp._src.tools.hardware import RecommendedPolicy
 from jaxmp._src.tools.hardware import device_capabilities
 from jaxmp._src.tools.hardware import recommended_policy
+from jaxmp._src.tools.memory import MemoryReport
+from jaxmp._src.tools.memory import memory_report
 from jaxmp._src.tools.monitor import Anomaly
 from jaxmp._src.tools.monitor import Monitor
 from jaxmp._src.tools.monitor import training_metrics
@@ -41,6 +45,7 @@ __all__ = (
     "Anomaly",
     "DeviceCapabilities",
     "FloatFormat",
+    "MemoryReport",
     "Monitor",
     "PrecisionSummary",
     "RecommendedPolicy",
@@ -49,6 +54,7 @@ __all__ = (
     "device_capabilities",
     "deviation",
     "float_format",
+    "memory_report",
     "parse_dtype",
     "recommended_policy",
     "relative_error",

@@ -20,6 +20,7 @@ STATE = fp8.init_state(RECIPE)
 DIMS = (((1,), (0,)), ((), ()))
 PARAMS = {"w": jnp.ones(2)}
 X, W = jnp.ones((2, 3)), jnp.ones((3, 2))
+BF16_PARAMS = {"w": jnp.ones(2, jnp.bfloat16)}
 
 
 def _sgd_state():
@@ -239,6 +240,57 @@ CASES = [
      ValueError, "'loss_scael'"),
     ("Monitor max_consecutive_skips 0", lambda: jaxmp.tools.Monitor(max_consecutive_skips=0),
      ValueError, "got 0"),
+    # Memory (jaxmp.optim, jaxmp.tools.memory_report).
+    ("master_weights over float32 params", lambda: jaxmp.optim.master_weights(
+        optax.adam(1e-3)).init(PARAMS), ValueError, "the params have dtypes ['float32']"),
+    ("master_weights remainders of float16", lambda: jaxmp.optim.master_weights(
+        optax.adam(1e-3), remainders=True).init({"w": jnp.ones(2, jnp.float16)}), ValueError,
+     "param w has dtype float16; accepted: bfloat16"),
+    ("master_weights uncalled optimizer", lambda: jaxmp.optim.master_weights(optax.adam),
+     TypeError, "did you mean to call adam"),
+    ("master_weights remainders 1", lambda: jaxmp.optim.master_weights(
+        optax.adam(1e-3), remainders=1), TypeError, "got 1 of type int"),
+    ("master_weights update without params", lambda: jaxmp.optim.master_weights(
+        optax.sgd(1.0)).update(BF16_PARAMS, jaxmp.optim.master_weights(optax.sgd(1.0)).init(
+            BF16_PARAMS)), ValueError, "params=None"),
+    ("master_params without master_weights", lambda: jaxmp.optim.master_params(
+        {"a": 1}, BF16_PARAMS), ValueError, "found 0"),
+    ("state_dtypes int8", lambda: jaxmp.optim.state_dtypes(optax.adam(1e-3), "int8"),
+     ValueError, "storage dtype 'int8' is not accepted"),
+    ("state_dtypes int32 dtype", lambda: jaxmp.optim.state_dtypes(optax.adam(1e-3), jnp.int32),
+     ValueError, "'int32'"),
+    ("state_dtypes fp8", lambda: jaxmp.optim.state_dtypes(optax.adam(1e-3), "float8_e4m3fn"),
+     ValueError, "'float8_e4m3fn'"),
+    ("state_dtypes None", lambda: jaxmp.optim.state_dtypes(optax.adam(1e-3), None), TypeError,
+     "got None"),
+    ("state_dtypes choice returns uint8", lambda: jaxmp.optim.state_dtypes(
+        optax.adam(1e-3), lambda path, leaf: jnp.uint8).init(PARAMS), ValueError,
+     "state leaf '0/mu/w': storage dtype 'uint8'"),
+    ("stochastic_round without a key", lambda: jaxmp.optim.stochastic_round(X, None), TypeError,
+     "got None"),
+    ("stochastic_round integer key", lambda: jaxmp.optim.stochastic_round(X, 0), TypeError,
+     "got 0 of type int"),
+    ("stochastic_round two keys", lambda: jaxmp.optim.stochastic_round(
+        X, jax.random.split(jax.random.key(0))), ValueError, "shape (2,)"),
+    ("stochastic_round float16 input", lambda: jaxmp.optim.stochastic_round(
+        X.astype(jnp.float16), jax.random.key(0)), TypeError, "dtype float16"),
+    ("stochastic_round to float16", lambda: jaxmp.optim.stochastic_round(
+        X, jax.random.key(0), jnp.float16), ValueError, "got float16"),
+    ("stochastic_rounding without a key", lambda: jaxmp.optim.stochastic_rounding(None),
+     TypeError, "got None"),
+    ("stochastic_rounding float16 params", lambda: jaxmp.optim.stochastic_rounding(
+        jax.random.key(0)).init({"w": jnp.ones(2, jnp.float16)}), ValueError,
+     "param w has dtype float16"),
+    ("kahan_summation over float32 params", lambda: jaxmp.optim.kahan_summation().init(PARAMS),
+     ValueError, "the params have dtypes ['float32']"),
+    ("kahan_add float32 param", lambda: jaxmp.optim.kahan_add(X, X, X), TypeError,
+     "dtype float32"),
+    ("split_remainder of bfloat16", lambda: jaxmp.optim.split_remainder(
+        BF16_PARAMS["w"]), TypeError, "dtype bfloat16"),
+    ("join_remainder shapes", lambda: jaxmp.optim.join_remainder(
+        BF16_PARAMS["w"], jnp.zeros(3, jnp.int16)), ValueError, "shape (3,)"),
+    ("memory_report jitted function", lambda: jaxmp.tools.memory_report(
+        PARAMS, compiled=jax.jit(lambda x: x)), TypeError, "got PjitFunction"),
 ]
 
 

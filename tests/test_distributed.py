@@ -6,11 +6,7 @@ when it starts); each check below reads its own PASS/FAIL line, which names the 
 assertion. The one-device-mesh tests run in this process.
 """
 
-import os
 import pathlib
-import re
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -22,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxmp
 from jaxmp import fp8
+from tests import eight_devices
 
 SCRIPT = pathlib.Path(__file__).with_name("distributed_checks.py")
 CHECKS = (
@@ -35,31 +32,8 @@ CHECKS = (
 )
 
 
-@pytest.fixture(scope="module")
-def eight_device_results():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, str(SCRIPT), *CHECKS], env=env, capture_output=True,
-                          text=True, timeout=300, cwd=SCRIPT.parents[1])
-  lines = {m.group(1): m.group(0)
-           for m in re.finditer(r"^(?:PASS|FAIL) (\w+): .*$", result.stdout, re.M)}
-  return lines, result
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", CHECKS)
-def test_eight_devices(eight_device_results, name):
-  lines, result = eight_device_results
-  line = lines.get(name)
-  assert line is not None, (
-      f"check {name} printed nothing (exit {result.returncode}):\n{result.stdout[-2000:]}\n"
-      f"{result.stderr[-4000:]}")
-  assert line.startswith("PASS"), f"{line}\n{result.stderr[-4000:]}"
-
-
-def test_the_check_names_match_the_script():
-  source = SCRIPT.read_text()
-  assert set(re.findall(r'^    "(\w+)": check_', source, re.M)) == set(CHECKS)
+eight_device_results, test_eight_devices, test_the_check_names_match_the_script = (
+    eight_devices.make_tests(SCRIPT, CHECKS, cwd=SCRIPT.parents[1]))
 
 
 # --------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 
 from jaxmp._src import dtypes as dtypes_lib
 
@@ -132,8 +133,31 @@ def positive_int(value: Any, name: str, *, where: str, minimum: int = 1,
   return value
 
 
+def gradient_transformation(inner: Any, name: str, *,
+                            where: str) -> optax.GradientTransformationExtraArgs:
+  """``inner`` with extra-args support, for an optimizer a jaxmp transform wraps.
+
+  An ``optax.MultiSteps`` is unwrapped into its gradient transformation.
+
+  Raises:
+    TypeError: if ``inner`` is not an ``optax.GradientTransformation``; for an
+      uncalled optimizer factory (``optax.adam``) the message names the call meant.
+  """
+  if isinstance(inner, optax.MultiSteps):
+    inner = inner.gradient_transformation()
+  if isinstance(inner, optax.GradientTransformation):
+    return optax.with_extra_args_support(inner)
+  hint = ""
+  if callable(inner):
+    factory = getattr(inner, "__name__", type(inner).__name__)
+    hint = f" (did you mean to call {factory}, e.g. optax.adam(1e-3) rather than optax.adam?)"
+  raise TypeError(f"{where}: {name} must be an optax.GradientTransformation (or "
+                  f"optax.MultiSteps), got {inner!r} of type {type(inner).__name__}{hint}.")
+
+
 __all__ = (
     "bool_scalar",
+    "gradient_transformation",
     "is_real_dtype",
     "is_traced",
     "positive_int",

@@ -1,0 +1,1 @@
+"""Optax transforms that save optimizer memory; re-exported by :mod:`jaxmp.optim`."""
