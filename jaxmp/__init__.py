@@ -25,7 +25,7 @@ import importlib
 from typing import Any
 
 from jaxmp._src.dtypes import half_dtype
-from jaxmp._src.loss_scale import DynamicLossScale
+from jaxmp._src.dynamic_loss_scale import DynamicLossScale
 from jaxmp._src.loss_scale import LossScale
 from jaxmp._src.loss_scale import NoOpLossScale
 from jaxmp._src.loss_scale import StaticLossScale

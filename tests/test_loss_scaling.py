@@ -201,3 +201,14 @@ def test_without_a_cap_the_step_has_no_callback_and_with_one_it_is_behind_a_cond
   top_level = [eqn.primitive.name for eqn in capped.jaxpr.eqns]
   assert not any("callback" in name for name in top_level)
   assert "callback" in str(capped)
+
+
+def test_a_skipped_step_leaves_every_param_bit_for_bit():
+  # The zero updates are -0.0: p + (-0.0) == p bit for bit, -0.0 included (+0.0 would
+  # turn a -0.0 param into +0.0).
+  params = {"w": jnp.array([-0.0, 0.0, 1.5, -2.0])}
+  tx = jaxmp.loss_scaling(optax.sgd(1.0))
+  updates, _ = tx.update({"w": jnp.full(4, jnp.nan)}, tx.init(params), params)
+  new = optax.apply_updates(params, updates)
+  np.testing.assert_array_equal(np.signbit(new["w"]), np.signbit(params["w"]))
+  np.testing.assert_array_equal(new["w"], params["w"])

@@ -65,6 +65,7 @@ import numpy as np
 import optax
 
 from jaxmp._src import checks
+from jaxmp._src import dynamic_loss_scale
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import sharding
 from jaxmp._src import tree as tree_lib
@@ -112,23 +113,9 @@ class LossScalingState(NamedTuple):
   consecutive_skips: jax.Array
 
 
-def _check_inner(inner: Any) -> optax.GradientTransformationExtraArgs:
-  if isinstance(inner, optax.MultiSteps):
-    inner = inner.gradient_transformation()
-  if isinstance(inner, optax.GradientTransformation):
-    return optax.with_extra_args_support(inner)
-  hint = ""
-  if callable(inner):
-    name = getattr(inner, "__name__", type(inner).__name__)
-    hint = f" (did you mean to call {name}, e.g. optax.adam(1e-3) rather than optax.adam?)"
-  raise TypeError(
-      f"loss_scaling: inner must be an optax.GradientTransformation (or optax.MultiSteps), "
-      f"got {inner!r} of type {type(inner).__name__}{hint}.")
-
-
 def _check_loss_scale(loss_scale: Any) -> loss_scale_lib.LossScale:
   if loss_scale is None:
-    return loss_scale_lib.DynamicLossScale()
+    return dynamic_loss_scale.DynamicLossScale()
   if isinstance(loss_scale, loss_scale_lib.LossScale):
     return loss_scale
   hint = ""
@@ -223,8 +210,9 @@ def loss_scaling(
   ``update(scaled_grads, state, params=None, **extra_args)`` unscales the gradients
   with ``state.loss_scale``, checks that they are all finite inside ``jit``, runs
   ``inner.update`` on them (forwarding ``params`` and the extra arguments) only if
-  they are, and otherwise returns exact zero updates (in the dtypes ``inner`` returns
-  updates in) with ``inner_state`` untouched. Then it adjusts the loss scale and
+  they are, and otherwise returns zero updates (``-0.0``, in the dtypes ``inner``
+  returns updates in, so ``optax.apply_updates`` leaves every param bit for bit, a
+  ``-0.0`` included) with ``inner_state`` untouched. Then it adjusts the loss scale and
   counts the step in ``skipped_steps`` if it was skipped. See the module docstring
   for how the skip is formulated.
 
@@ -266,7 +254,7 @@ def loss_scaling(
     >>> jaxmp.get_loss_scale(state).loss_scale
     Array(32768., dtype=float32)
   """
-  inner = _check_inner(inner)
+  inner = checks.gradient_transformation(inner, "inner", where="loss_scaling")
   initial_loss_scale = _check_loss_scale(loss_scale)
   axis_name = _check_axis_name(axis_name)
   max_consecutive_skips = _check_max_skips(max_consecutive_skips)
@@ -306,8 +294,10 @@ def loss_scaling(
     # Zero updates in the exact shapes and dtypes the inner optimizer returns, which
     # may differ from the gradients' (lax.cond needs both branches to agree).
     update_shapes, state_shapes = jax.eval_shape(run_inner)
+    # -0.0 rather than +0.0: p + (-0.0) is p for every p, -0.0 included, so
+    # optax.apply_updates leaves the params bit for bit as they were.
     zero_updates = lambda: jax.tree_util.tree_map(
-        lambda s: jnp.zeros(s.shape, s.dtype), update_shapes)
+        lambda s: jnp.full(s.shape, -0.0, s.dtype), update_shapes)
     # Inside shard_map both branches must also vary over the same mesh axes.
     varying = jax.tree_util.tree_map(
         lambda a, b: sharding.varying_axes(a) | sharding.varying_axes(b),

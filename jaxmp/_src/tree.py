@@ -19,7 +19,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -177,33 +177,56 @@ def select_tree(pred: Any, on_true: T, on_false: T) -> T:
   if pred_dtype != np.dtype(bool):
     raise TypeError(f"select_tree needs a boolean predicate, got dtype {pred_dtype}.")
 
-  true_paths, true_def = jax.tree_util.tree_flatten_with_path(on_true)
-  false_leaves, false_def = jax.tree_util.tree_flatten(on_false)
-  if true_def != false_def:
-    raise ValueError(
-        f"select_tree needs two trees of the same structure, got\n  on_true:  {true_def}\n"
-        f"  on_false: {false_def}")
-
   pred = jnp.asarray(pred)
 
   def select(path, a, b):
-    a, b = jnp.asarray(a), jnp.asarray(b)
-    if a.shape != b.shape:
-      raise ValueError(
-          f"select_tree: leaf {jax.tree_util.keystr(path)} has shape {a.shape} in on_true "
-          f"and {b.shape} in on_false.")
     if a.dtype != b.dtype:
       raise TypeError(
           f"select_tree: leaf {jax.tree_util.keystr(path)} has dtype {a.dtype} in on_true "
           f"and {b.dtype} in on_false.")
     return jax.lax.select(pred, a, b)
 
-  selected = [select(path, a, b) for (path, a), b in zip(true_paths, false_leaves)]
-  return jax.tree_util.tree_unflatten(true_def, selected)
+  return map_pairs(select, on_true, on_false, where="select_tree",
+                   names=("on_true", "on_false"))
+
+
+def map_pairs(fn: Callable[[Any, jax.Array, jax.Array], Any], a: T, b: Any, *, where: str,
+              names: tuple[str, str] = ("a", "b")) -> T:
+  """``fn(path, a_leaf, b_leaf)`` over two trees of the same structure and leaf shapes.
+
+  Leaves are passed as arrays; the result has ``a``'s structure.
+
+  Raises:
+    ValueError: if the trees differ in structure or a pair of leaves in shape; the
+      message names ``where``, the leaf's path and the two trees by ``names``.
+
+  Example:
+    >>> from jaxmp._src import tree
+    >>> tree.map_pairs(lambda path, x, y: x + y, {"a": 1.0}, {"a": 2.0}, where="example")
+    {'a': Array(3., dtype=float32, weak_type=True)}
+  """
+  a_paths, a_def = jax.tree_util.tree_flatten_with_path(a)
+  b_leaves, b_def = jax.tree_util.tree_flatten(b)
+  if a_def != b_def:
+    raise ValueError(
+        f"{where} needs two trees of the same structure, got\n  {names[0]}: {a_def}\n"
+        f"  {names[1]}: {b_def}")
+
+  def pair(path, x, y):
+    x, y = jnp.asarray(x), jnp.asarray(y)
+    if x.shape != y.shape:
+      raise ValueError(
+          f"{where}: leaf {jax.tree_util.keystr(path)} has shape {x.shape} in {names[0]} and "
+          f"{y.shape} in {names[1]}.")
+    return fn(path, x, y)
+
+  return jax.tree_util.tree_unflatten(
+      a_def, [pair(path, x, y) for (path, x), y in zip(a_paths, b_leaves)])
 
 
 __all__ = (
     "all_finite",
+    "map_pairs",
     "cast_tree",
     "float_leaf_dtype",
     "is_float_array",

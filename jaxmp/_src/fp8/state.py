@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src import tree as tree_lib
 from jaxmp._src.fp8 import maxgrad
 from jaxmp._src.fp8 import recipes as recipes_lib
 
@@ -333,24 +334,13 @@ def merge(old_state: T, state_cotangent: T, grads_finite: Any = True) -> T:
   """
   ok_step = _check_predicate(grads_finite)
   state_cotangent = from_grad(state_cotangent)
-  old_paths, old_def = jax.tree_util.tree_flatten_with_path(old_state)
-  ct_leaves, ct_def = jax.tree_util.tree_flatten(state_cotangent)
-  if old_def != ct_def:
-    raise ValueError(
-        "merge needs the state and its cotangent to have the same structure, got\n"
-        f"  old_state:       {old_def}\n  state_cotangent: {ct_def}")
 
-  def merge_leaf(path, old, ct):
-    old, ct = jnp.asarray(old), jnp.asarray(ct)
-    if old.shape != ct.shape:
-      raise ValueError(
-          f"merge: leaf {jax.tree_util.keystr(path)} has shape {old.shape} in the state "
-          f"and {ct.shape} in the cotangent.")
+  def merge_leaf(_, old, ct):
     take = ok_step & _informative(ct.astype(F32))
     return jnp.where(take, ct.astype(old.dtype), old)
 
-  merged = [merge_leaf(p, o, c) for (p, o), c in zip(old_paths, ct_leaves)]
-  return jax.tree_util.tree_unflatten(old_def, merged)
+  return tree_lib.map_pairs(merge_leaf, old_state, state_cotangent, where="merge",
+                            names=("the state", "the cotangent"))
 
 
 def accumulate(a: T, b: T) -> T:

@@ -32,11 +32,10 @@ own master: the inner optimizer updates them directly and their state entry is
 
 Loss scaling goes outside: ``jaxmp.loss_scaling(jaxmp.optim.master_weights(inner))``.
 A non-finite step then never reaches this transform: its state (masters and inner
-state) stays bit for bit, the updates are zero and the params stay as they were (in
-value: ``loss_scaling``'s zero updates are ``+0.0``, which turns a ``-0.0`` param into
-``+0.0``). Inside, ``master_weights(jaxmp.loss_scaling(inner))``, also works: a skip
-adds zero to the masters, which keeps them (a ``-0.0`` master becomes ``+0.0``), but
-loss scaling then unscales float32 copies of the gradients and checks those.
+state) stays bit for bit, and the updates are ``-0.0``, so the params stay bit for bit
+too. Inside, ``master_weights(jaxmp.loss_scaling(inner))``, also works: a skip adds
+``-0.0`` to the masters, which keeps them, but loss scaling then unscales float32
+copies of the gradients and checks those.
 
 Example:
   >>> import optax

@@ -45,6 +45,7 @@ import jax
 import numpy as np
 
 from jaxmp._src import dtypes as dtypes_lib
+from jaxmp._src import dynamic_loss_scale
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import policy as policy_lib
 
@@ -231,7 +232,7 @@ def recommended_policy(device: Any = None) -> RecommendedPolicy:
                  "and compare the loss with bfloat16's.")
   elif caps.platform == "gpu":
     compute = np.dtype(np.float16)
-    loss_scale = loss_scale_lib.DynamicLossScale()
+    loss_scale = dynamic_loss_scale.DynamicLossScale()
     reason = (f"{caps.device_kind} has no bfloat16 tensor cores (compute capability < 8.0); "
               f"float16 needs dynamic loss scaling so that small gradients do not flush to "
               f"zero.")
