@@ -49,7 +49,7 @@ Example:
   {'w': Array([-1.], dtype=float32)}
   >>> updates, state = tx.update({"w": jnp.array([jnp.inf])}, state, params)
   >>> updates, {k: v.item() for k, v in jaxmp.loss_scaling_metrics(state).items()}
-  ({'w': Array([0.], dtype=float32)},
+  ({'w': Array([-0.], dtype=float32)},
    {'loss_scale': 2.0, 'skipped_steps': 1, 'last_step_finite': False, 'consecutive_skips': 1})
 """
 
