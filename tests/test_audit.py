@@ -179,6 +179,14 @@ _H100_CHECK = textwrap.dedent("""\
     (g,) = bf.gemms
     assert (g.backend, g.operand_dtypes, g.output_dtype, g.rate) == (
         "cuBLASLt", ("bfloat16", "bfloat16"), "bfloat16", "bf16"), str(bf)
+    # cuDNN fused attention (the score matrix never reaches memory) is one kernel.
+    qkv = (S((2, 128, 4, 64), jnp.bfloat16),) * 3
+    att = jaxmp.tools.audit(
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"), *qkv,
+        target="h100")
+    (g,) = att.gemms
+    assert (g.backend, g.flops, g.operand_dtypes) == (
+        "cuDNN fused attention", 4 * 2 * 4 * 128 * 128 * 64, ("bfloat16", "bfloat16")), str(att)
     print("ok")
     """)
 

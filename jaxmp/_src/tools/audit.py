@@ -8,8 +8,8 @@ optimized HLO. :func:`audit` compiles a function, on the local backend or device
 for a GPU or TPU it does not have (:mod:`jaxmp._src.tools.targets`), and reads the
 optimized HLO text:
 
-* every GEMM (a cuBLAS/cuBLASLt call, a Triton or cuDNN GEMM fusion, a CPU dot, a TPU
-  convolution fusion): the dtypes its operands hold (followed back through widening
+* every GEMM (a cuBLAS/cuBLASLt call, a Triton or cuDNN GEMM fusion, a cuDNN fused
+  attention call, a CPU dot, a TPU convolution fusion): the dtypes its operands hold (followed back through widening
   converts, so an fp8 tensor a CPU widens to float32 still reads as fp8), the dtypes
   the product reads, the dtype it writes, its backend and FLOPs;
 * every other kernel and the HBM bytes it moves (every operand read once, every
@@ -118,7 +118,9 @@ class Kernel:
 
   Attributes:
     name: the HLO instruction.
-    kind: the fusion kind (``kLoop``, ``kInput``...) or the opcode.
+    kind: the backend's kind for a custom fusion (``__triton``: a Triton
+      softmax or reduction), else the fusion kind (``kLoop``, ``kInput``...) or the
+      opcode.
     output: the result type, e.g. ``"bf16[4096,4096]"``.
     bytes: operand and output bytes.
     unfused: for a kernel that only converts and/or transposes, what it does (e.g.
@@ -216,7 +218,7 @@ class AuditReport:
 
 def _total(values) -> Optional[float]:
   values = list(values)
-  if not values or any(v is None for v in values):
+  if any(v is None for v in values):
     return None
   return float(sum(values))
 
@@ -304,6 +306,26 @@ def _cublas_gemm(module, ins, platform: str) -> Gemm:
               flops, nbytes, _rate(compute, precision) if platform == "gpu" else None)
 
 
+def _fused_attention(module, ins) -> Gemm:
+  """A cuDNN fused-attention call (``jax.nn.dot_product_attention(implementation="cudnn")``).
+
+  Its two products (scores and weighted sum) never leave the kernel. FLOPs are
+  counted as FlashAttention counts them, mask or not: ``4 * B * N * Tq * Tk * H``
+  forward, 2.5 times that backward (five products, the scores recomputed).
+  """
+  q, k = (module.instruction(o) for o in ins.operands[:2])
+  (b, tq, n, h), tk = q.first_array[1], k.first_array[1][1]
+  forward = 4 * b * n * tq * tk * h
+  backward = "Backward" in ins.custom_call_target
+  held = tuple(_dtype_name(_held_dtype(module, x, None)) for x in (q, k))
+  nbytes = sum(hlo_lib.nbytes(module.instruction(o).type) for o in ins.operands) + \
+      hlo_lib.nbytes(ins.type)
+  compute = tuple(_dtype_name(x.first_array[0]) for x in (q, k))
+  return Gemm(ins.name, "cuDNN fused attention" + (" (backward)" if backward else ""), held,
+              compute, _dtype_name(ins.first_array[0]), f"attention {b}*{n}*{tq}x{tk}x{h}",
+              int(forward * (2.5 if backward else 1)), nbytes, _rate(compute, ""))
+
+
 def _fused_gemm(module, ins, dots, platform: str) -> Gemm:
   dot = max(dots, key=lambda d: math.prod(d.first_array[1]))
   a, b = (module.instruction(o) for o in dot.operands[:2])
@@ -372,12 +394,15 @@ def _kernels(module: hlo_lib.Module, computation: str, count: int, platform: str
         branch = ([], [])
         _kernels(module, called, count, platform, *branch)
         branches.append(branch)
-      cheapest = min(branches, key=lambda b: sum(x.bytes for x in b[0] + b[1]))
+      cheapest = min(branches or [([], [])], key=lambda b: sum(x.bytes for x in b[0] + b[1]))
       gemms.extend(cheapest[0])
       kernels.extend(cheapest[1])
       continue
     if op == "custom-call" and ins.custom_call_target in _CUBLAS:
       gemms.append(dataclasses.replace(_cublas_gemm(module, ins, platform), count=count))
+      continue
+    if op == "custom-call" and (ins.custom_call_target or "").startswith("__cudnn$fmha"):
+      gemms.append(dataclasses.replace(_fused_attention(module, ins), count=count))
       continue
     body = module.body(ins.called[0]) if op == "fusion" and ins.called else [ins]
     dots = [o for o in body if o.opcode in _GEMM_OPS]
@@ -387,7 +412,8 @@ def _kernels(module: hlo_lib.Module, computation: str, count: int, platform: str
     nbytes = sum(hlo_lib.nbytes(module.instruction(o).type) for o in ins.operands) + \
         hlo_lib.nbytes(ins.type)
     dt, dims = ins.first_array
-    kernels.append(Kernel(ins.name, ins.fusion_kind or op, f"{dt}[{','.join(map(str, dims))}]",
+    kind = ins.backend_kind or ins.fusion_kind or op  # e.g. __triton (a softmax), kLoop
+    kernels.append(Kernel(ins.name, kind, f"{dt}[{','.join(map(str, dims))}]",
                           nbytes, _unfused(module, ins), cycles=_cycles(ins), count=count))
 
 
@@ -514,6 +540,8 @@ def audit(fn: Any, *args: Any, target: Optional[str] = None,
     cost = compiled.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     tpu_seconds = cost.get("optimal_seconds")
+    if tpu_seconds is not None and tpu_seconds < 0:  # the cost model's "unknown"
+      tpu_seconds = None
   return analyze(compiled.as_text(), platform, spec, name, kind, compiler_options or {},
                  tpu_seconds)
 

@@ -59,7 +59,8 @@ DTYPE_NAMES = {
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLED = re.compile(
-    r"\b(?:calls|to_apply|body|condition|branch_computations|called_computations)="
+    r"\b(?:calls|to_apply|body|condition|branch_computations|called_computations|"
+    r"true_computation|false_computation)="
     r"(\{[^}]*\}|%[\w.\-]+)")
 
 # Instructions that launch no kernel of their own.
