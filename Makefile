@@ -1,12 +1,18 @@
 # The two commands a newcomer needs: `make test` and `make demo`.
 # Both create the virtual environment from pyproject.toml when it is missing or stale.
+# `make gpu-report` estimates H100 (and TPU) performance without the hardware: it builds
+# .venv-cuda beside .venv (jax[cuda12,tpu] at .venv's jax version, a few GB) on first use.
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo env clean
+CUDA_VENV  ?= .venv-cuda
+CUDA_PY    := $(CUDA_VENV)/bin/python
+CUDA_STAMP := $(CUDA_VENV)/.installed
+
+.PHONY: test demo env gpu-report clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +27,17 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/train_lm.py
+
+# The CUDA and TPU plugins compile for chips that are not here (no GPU needed); one
+# environment holds both (they do not conflict), with jaxmp installed editable.
+$(CUDA_STAMP): pyproject.toml $(STAMP)
+	$(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_PY) -m pip install --quiet --upgrade pip
+	$(CUDA_PY) -m pip install --quiet "jax[cuda12,tpu]==$$($(PY) -c 'import jax; print(jax.__version__)')" -e '.[dev,examples]'
+	touch $(CUDA_STAMP)
+
+gpu-report: $(CUDA_STAMP)
+	$(CUDA_PY) benchmarks/gpu_report.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -41,6 +41,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import timing  # pylint: disable=g-import-not-at-top
+import jaxmp  # pylint: disable=g-import-not-at-top
 from jaxmp import fp8  # pylint: disable=g-import-not-at-top
 
 OWG = fp8.OVERWRITE_WITH_GRADIENT
@@ -93,8 +94,12 @@ class Block(nn.Module):
     return x + h
 
 
-def make_step(model, state_update):
-  """A jitted forward+backward step: (variables, x, g) -> (new variables, dx)."""
+def make_step(model, state_update, loss_scale: float = 1.0):
+  """A jitted forward+backward step: (variables, x, g) -> (new variables, dx, loss).
+
+  ``loss_scale`` multiplies the loss and divides the parameter gradients, as loss
+  scaling does for float16.
+  """
 
   def loss(params, fp8_state, x, g):
     if state_update == "jaxmp":
@@ -103,18 +108,23 @@ def make_step(model, state_update):
     if fp8_state is not None:
       variables[OWG] = fp8_state
     y = model.apply(variables, x)
-    return jnp.sum(y.astype(jnp.float32) * g)
+    return jnp.sum(y.astype(jnp.float32) * g) * loss_scale
 
   @jax.jit
   def step(variables, x, g):
     fp8_state = variables.get(OWG)
-    grads, state_ct, dx = jax.grad(loss, argnums=(0, 1, 2))(variables["params"], fp8_state, x, g)
+    # value_and_grad: returning the loss keeps the forward GEMM (with jax.grad alone
+    # XLA drops it, as the loss is linear in the output and only g * kernel is needed).
+    value, (grads, state_ct, dx) = jax.value_and_grad(loss, argnums=(0, 1, 2))(
+        variables["params"], fp8_state, x, g)
+    if loss_scale != 1.0:
+      grads = jax.tree_util.tree_map(lambda t: t / loss_scale, grads)
     new = {"params": grads}
     if state_update == "jaxmp":
       new[OWG] = fp8.state.merge(fp8_state, state_ct, jnp.array(True))
     elif state_update == "flax":
       new[OWG] = state_ct
-    return new, dx
+    return new, dx, value
 
   return step
 
@@ -136,7 +146,7 @@ def build(workload: str, preset: dict, dtype, dg_cls, state_update, key):
   step = make_step(model, state_update)
   # Two warm steps so that delayed scaling runs with real scales, not the initial 1s.
   for _ in range(2):
-    new, _ = step(variables, x, g)
+    new, _, _ = step(variables, x, g)
     if OWG in variables:
       variables = {**variables, OWG: new[OWG]}
 

@@ -129,23 +129,29 @@ def loss_fn(apply_fn, variables, tokens):
       logits.astype(jnp.float32), tokens[:, 1:]).mean()
 
 
+def make_optimizer(run: Run, lr: float, steps: int) -> optax.GradientTransformation:
+  """The run's optimizer over warm-up + cosine decay; loss scaling if the run has it."""
+  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, steps // 10, steps, lr / 10)
+  tx = run.optimizer(schedule)
+  if run.loss_scale is not None:
+    tx = jaxmp.loss_scaling(tx, run.loss_scale())
+  return tx
+
+
+def step(state, tokens):
+  """One training step of a jaxmp.linen.TrainState: loss, gradients, update."""
+  loss, grads = state.value_and_grad(lambda v: loss_fn(state.apply_fn, v, tokens))()
+  return state.apply_gradients(grads), loss
+
+
 def train(run: Run, args, config, corpus, val_batches):
   model = make_model(run, config)
   first = next(batches(corpus, args.batch, config.context, args.seed))
   variables = model.init(jax.random.key(args.seed), first[:, :-1])
-  schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.steps // 10, args.steps,
-                                                args.lr / 10)
-  tx = run.optimizer(schedule)
-  if run.loss_scale is not None:
-    tx = jaxmp.loss_scaling(tx, run.loss_scale())
-  state = jaxmp.linen.TrainState.create(apply_fn=model.apply, variables=variables, tx=tx)
+  state = jaxmp.linen.TrainState.create(apply_fn=model.apply, variables=variables,
+                                        tx=make_optimizer(run, args.lr, args.steps))
 
-  def step(state, tokens):
-    loss, grads = state.value_and_grad(lambda v: loss_fn(state.apply_fn, v, tokens))()
-    return state.apply_gradients(grads), loss
-
-  step = jax.jit(step, donate_argnums=0)
-  compiled = step.lower(state, first).compile()
+  compiled = jax.jit(step, donate_argnums=0).lower(state, first).compile()
   memory = compiled.memory_analysis()
   evaluate = jax.jit(lambda variables, tokens: loss_fn(model.apply, variables, tokens))
 

@@ -1,8 +1,9 @@
 """A small decoder-only transformer language model in Flax linen.
 
 Written the way models are usually written: no precision code at all, so that jaxmp
-wraps it unchanged. ``dtype`` exists only so benchmarks can build the same model "by
-hand" with ``dtype=jnp.bfloat16`` on every layer and compare.
+wraps it unchanged. ``dtype`` and ``dot_general_cls`` exist only so benchmarks can build
+the same model "by hand" (``dtype=jnp.bfloat16`` on every layer, Flax's own fp8
+``dot_general_cls`` in the blocks) and compare.
 """
 
 from __future__ import annotations
@@ -28,17 +29,21 @@ class Config:
 class MLPBlock(nn.Module):
   config: Config
   dtype: Optional[Any] = None
+  dot_general_cls: Optional[Any] = None
 
   @nn.compact
   def __call__(self, x):
     width = self.config.width
-    h = nn.Dense(self.config.mlp_ratio * width, dtype=self.dtype, name="up")(x)
-    return nn.Dense(width, dtype=self.dtype, name="down")(nn.gelu(h))
+    dense = lambda n, name: nn.Dense(n, dtype=self.dtype, dot_general_cls=self.dot_general_cls,
+                                     name=name)
+    h = dense(self.config.mlp_ratio * width, "up")(x)
+    return dense(width, "down")(nn.gelu(h))
 
 
 class DecoderBlock(nn.Module):
   config: Config
   dtype: Optional[Any] = None
+  dot_general_cls: Optional[Any] = None
 
   @nn.compact
   def __call__(self, x, train: bool = False):
@@ -46,10 +51,11 @@ class DecoderBlock(nn.Module):
     h = nn.LayerNorm(dtype=self.dtype, name="ln_attn")(x)
     h = nn.MultiHeadDotProductAttention(
         num_heads=self.config.heads, dtype=self.dtype, dropout_rate=self.config.dropout,
-        deterministic=not train, name="attn")(h, h, mask=mask)
+        deterministic=not train, qkv_dot_general_cls=self.dot_general_cls,
+        out_dot_general_cls=self.dot_general_cls, name="attn")(h, h, mask=mask)
     x = x + h
     h = nn.LayerNorm(dtype=self.dtype, name="ln_mlp")(x)
-    return x + MLPBlock(self.config, dtype=self.dtype, name="mlp")(h)
+    return x + MLPBlock(self.config, self.dtype, self.dot_general_cls, name="mlp")(h)
 
 
 class TransformerLM(nn.Module):
@@ -57,6 +63,7 @@ class TransformerLM(nn.Module):
 
   config: Config
   dtype: Optional[Any] = None
+  dot_general_cls: Optional[Any] = None  # for the blocks; the head keeps lax.dot_general
 
   @nn.compact
   def __call__(self, tokens, train: bool = False):
@@ -66,6 +73,6 @@ class TransformerLM(nn.Module):
                            (config.context, config.width))
     x = x + positions[: tokens.shape[1]].astype(x.dtype)
     for i in range(config.depth):
-      x = DecoderBlock(config, dtype=self.dtype, name=f"block_{i}")(x, train)
+      x = DecoderBlock(config, self.dtype, self.dot_general_cls, name=f"block_{i}")(x, train)
     x = nn.LayerNorm(dtype=self.dtype, name="ln_final")(x)
     return nn.Dense(config.vocab, dtype=self.dtype, name="head")(x)

@@ -1,6 +1,9 @@
 """Tools for looking at mixed precision: what ran, what a dtype loses, how training goes.
 
 * :func:`summary`: the per-module precision table of one call of a model.
+* :func:`audit`: what a compiled step actually runs (GEMM dtypes and backends,
+  unfused converts, HBM bytes, a roofline estimate), locally or deviceless for an
+  H100/A100/B200 or a TPU v5e/v5p/v6e/v7.
 * :func:`underflow_report` / :func:`underflow_stats`: what a dtype (and a loss scale)
   would flush, make subnormal or overflow in a tree of values;
   :func:`suggest_scale` the loss scale that brings them into range.
@@ -21,6 +24,8 @@ Example:
 from jaxmp._src.dtypes import FloatFormat
 from jaxmp._src.dtypes import float_format
 from jaxmp._src.dtypes import parse_dtype
+from jaxmp._src.tools.audit import AuditReport
+from jaxmp._src.tools.audit import audit
 from jaxmp._src.tools.hardware import DeviceCapabilities
 from jaxmp._src.tools.hardware import RecommendedPolicy
 from jaxmp._src.tools.hardware import device_capabilities
@@ -43,6 +48,7 @@ from jaxmp._src.tools.underflow import underflow_stats
 
 __all__ = (
     "Anomaly",
+    "AuditReport",
     "DeviceCapabilities",
     "FloatFormat",
     "MemoryReport",
@@ -51,6 +57,7 @@ __all__ = (
     "RecommendedPolicy",
     "SensitivityReport",
     "UnderflowReport",
+    "audit",
     "device_capabilities",
     "deviation",
     "float_format",

@@ -19,6 +19,8 @@ def _gpu(cc, kind="NVIDIA GPU"):
 
 
 TPU = types.SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")
+TPU_V6E = types.SimpleNamespace(platform="tpu", device_kind="TPU v6 lite")
+TPU_V7 = types.SimpleNamespace(platform="tpu", device_kind="TPU7x")
 CPU = types.SimpleNamespace(platform="cpu", device_kind="cpu")
 ROCM = types.SimpleNamespace(platform="gpu", device_kind="AMD Instinct MI300X")
 OTHER = types.SimpleNamespace(platform="METAL", device_kind="Apple M2")
@@ -26,6 +28,9 @@ OTHER = types.SimpleNamespace(platform="METAL", device_kind="Apple M2")
 # device, (bf16, fp16, fp8), compute dtype, loss scale class, fp8 suggested
 CASES = [
     (TPU, (True, False, False), BF16, jaxmp.NoOpLossScale, False),
+    # fp8 runs at the bfloat16 rate on v5e/v5p/v6e, about twice it on v7.
+    (TPU_V6E, (True, False, False), BF16, jaxmp.NoOpLossScale, False),
+    (TPU_V7, (True, False, True), BF16, jaxmp.NoOpLossScale, True),
     (_gpu("9.0", "NVIDIA H100 80GB HBM3"), (True, True, True), BF16, jaxmp.NoOpLossScale, True),
     (_gpu("8.9", "NVIDIA L4"), (True, True, True), BF16, jaxmp.NoOpLossScale, True),
     (_gpu("10.0"), (True, True, True), BF16, jaxmp.NoOpLossScale, True),

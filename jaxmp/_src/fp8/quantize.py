@@ -51,6 +51,26 @@ E5M2 = np.dtype(jnp.float8_e5m2)
 F32 = np.dtype(np.float32)
 
 
+
+def _inf_carry(fp8_dtype: Any) -> np.float32:
+  """The constant whose product with ``x`` carries an inf ``x`` through clipping.
+
+  For finite ``x`` the product must leave ``clip(x / scale)`` bit for bit as it is:
+
+  - E4M3 has no inf (an inf input becomes NaN): the carry is 0, whose product is a
+    zero of ``x``'s sign (adding it changes nothing, -0 included) or, for inf, NaN.
+  - E5M2 keeps inf: the carry is 2**-126 (the smallest normal float32, so that no
+    backend flushes it to zero): ``inf * 2**-126`` is inf, and for finite ``x`` the
+    product is at most ``|x / scale| * scale * 2**-126``, below half a float32 ulp of
+    the quotient whenever ``scale < 2**101`` (and at most 4 where the quotient is
+    clipped, which the conversion to fp8 rounds away), so the sum rounds back to
+    the quotient. A scale of 2**101 or more would mean gradients near 1e35.
+  """
+  dtype = dtypes_lib.float_format(fp8_dtype).dtype
+  has_inf = bool(np.isinf(np.array(np.inf, F32).astype(dtype)))
+  return np.float32(2.0**-126 if has_inf else 0.0)
+
+
 def fp8_max(fp8_dtype: Any) -> float:
   """The largest finite value of an fp8 dtype (448 for E4M3, 57344 for E5M2).
 
@@ -93,10 +113,13 @@ def quantize(x: jax.Array, fp8_dtype: Any, scale: jax.Array) -> jax.Array:
   scaled = jnp.clip(x / jnp.asarray(scale, F32), -bound, bound)
   # Clipping saturates finite values beyond the range, but must not turn an inf
   # into a finite number: an overflow upstream (e.g. a loss-scaled backward pass in
-  # float16) has to stay visible so that loss scaling skips the step. inf becomes
-  # NaN in E4M3 (which has no inf) and stays inf in E5M2.
-  scaled = jnp.where(jnp.isfinite(x), scaled, x)
-  return scaled.astype(fp8_dtype)
+  # float16) has to stay visible so that loss scaling skips the step. NaN stays NaN
+  # (clip propagates it); `x * carry` brings inf back: see _inf_carry. A product with
+  # a constant and an add, rather than a select on isfinite(x), because XLA fuses it
+  # into the quantization kernel; a select (or a subtraction of two functions of x)
+  # split a transposed operand's quantization into several kernels with float32 and
+  # bool intermediates in memory.
+  return (scaled + x * _inf_carry(fp8_dtype)).astype(fp8_dtype)
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: Any = F32) -> jax.Array:

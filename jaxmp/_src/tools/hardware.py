@@ -8,7 +8,8 @@ turns that into a set-up, with the reasons:
 ======================================  =========================================  ===============
 device                                  policy (params, compute, output)           loss scale
 ======================================  =========================================  ===============
-TPU                                     float32, bfloat16, float32                 none
+TPU v7                                  float32, bfloat16, float32 (fp8 suggested)  none
+TPU v5e, v5p, v6e (and older)           float32, bfloat16, float32                 none
 GPU, compute capability >= 8.0, ROCm    float32, bfloat16, float32 (fp8 >= 8.9)    none
 GPU, compute capability < 8.0           float32, float16, float32                  dynamic
 CPU and other platforms                 float32, float32, float32                  none
@@ -16,7 +17,17 @@ CPU and other platforms                 float32, float32, float32               
 
 bfloat16 has float32's range, so it needs no loss scale; float16 does. fp8 matmuls
 (``jaxmp.fp8``) are suggested, never switched on: they change a model's numerics per
-layer, so they are an opt-in by rule. On a CPU XLA has no bfloat16 or float16
+layer, so they are an opt-in by rule.
+
+Where fp8 pays (``benchmarks/RESULTS.md``, estimates from compiled HLO, no hardware):
+on an H100 an fp8 GEMM has twice the bfloat16 peak, so large GEMMs gain (a Dense
+8192^3 forward + backward: about 1.4-1.7x bfloat16's estimated time), while small
+ones and the memory-bound rest of a step do not (the demo transformer at
+``--preset gpu``: no gain). On TPUs the compiler keeps fp8 operands in fp8 but its
+cost model runs them at the bfloat16 rate on v5e, v5p and v6e (1.01-1.09x bfloat16's
+cycles: no gain) and at about twice the rate only on v7 (0.48x); int8 is the fast
+narrow type on v5e and v5p (0.5x) and v6e (0.76x), not on v7. jaxmp has no int8
+matmuls. On a CPU XLA has no bfloat16 or float16
 arithmetic: it converts operands to float32 and results back, so half precision is
 slower than float32 there (``benchmarks/RESULTS.md``, 2-core CPU: float32 took
 0.87-0.92 of bfloat16's time for a Dense step and 0.70-0.94 for a transformer block).
@@ -52,6 +63,16 @@ from jaxmp._src import policy as policy_lib
 BF16_MIN_COMPUTE_CAPABILITY = dtypes_lib.BF16_MIN_COMPUTE_CAPABILITY  # Ampere
 FP16_MIN_COMPUTE_CAPABILITY = (7, 0)   # Volta: float16 tensor cores
 FP8_MIN_COMPUTE_CAPABILITY = (8, 9)    # Ada, Hopper: fp8 tensor cores
+
+# Estimated cycles of a 4096^3 matmul with fp8 (E4M3) operands over the same matmul in
+# bfloat16, by each TPU's cost model (compiled deviceless with libtpu 0.0.42 for jax
+# 0.10.2: `benchmarks/gpu_report.py --workloads tpu`), by `device_kind`. Below 1 is
+# faster; only v7 has fp8 matrix units.
+TPU_FP8_CYCLES = {"TPU v5 lite": 1.01, "TPU v5": 1.01, "TPU v6 lite": 1.09, "TPU7x": 0.48}
+
+
+def _tpu_fp8_fast(device_kind: str) -> bool:
+  return TPU_FP8_CYCLES.get(device_kind, 1.0) < 0.75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +112,10 @@ class DeviceCapabilities:
 def device_capabilities(device: Any = None) -> DeviceCapabilities:
   """Which reduced-precision dtypes ``device`` computes natively, and why.
 
-  Rules: TPUs compute bfloat16 natively (their matrix units are bfloat16), not float16
-  or fp8 as far as ``jaxmp.fp8`` is concerned. CUDA GPUs compute float16 on tensor cores
+  Rules: TPUs compute bfloat16 natively (their matrix units are bfloat16), not float16;
+  fp8 only on v7 (``device_kind`` "TPU7x"), whose matrix units run fp8 at about twice
+  the bfloat16 rate; v5e, v5p and v6e accept fp8 operands but run them at the
+  bfloat16 rate (TPU cost model, :data:`TPU_FP8_CYCLES`). CUDA GPUs compute float16 on tensor cores
   from compute capability 7.0, bfloat16 from 8.0 and fp8 from 8.9. ROCm GPUs (no
   compute capability) are taken to compute bfloat16 and float16, as
   :func:`jaxmp.half_dtype` does, with fp8 unknown (``False``). CPUs and other
@@ -124,10 +147,12 @@ def device_capabilities(device: Any = None) -> DeviceCapabilities:
   capability = (dtypes_lib.gpu_compute_capability(device, "device_capabilities")
                 if platform == "gpu" else None)
   if platform == "tpu":
-    bf16, fp16, fp8 = True, False, False
-    why = ("TPU matrix units multiply bfloat16 natively; float16 is not a native TPU type. "
-           "jaxmp's fp8 recipes target fp8 tensor cores (CUDA compute capability >= 8.9); "
-           "on a TPU fp8 matmuls are not assumed to be fast.")
+    bf16, fp16 = True, False
+    fp8 = _tpu_fp8_fast(kind)
+    why = ("TPU matrix units multiply bfloat16 natively; float16 is not a native TPU type. " + (
+        f"{kind} runs fp8 matmuls at about twice the bfloat16 rate (TPU cost model)." if fp8
+        else f"{kind} takes fp8 operands but runs them at the bfloat16 rate (TPU cost model: "
+        "fp8 pays on v7 only), so fp8 saves memory, not time."))
   elif platform == "gpu" and capability is None:
     bf16, fp16, fp8 = True, True, False
     why = ("A GPU without a CUDA compute capability (ROCm): taken to compute bfloat16 and "
@@ -188,7 +213,9 @@ def recommended_policy(device: Any = None) -> RecommendedPolicy:
 
   * TPU, or GPU with bfloat16 tensor cores (compute capability >= 8.0, and ROCm):
     compute in bfloat16, no loss scale (bfloat16 has float32's exponent range); on
-    compute capability >= 8.9 also suggest fp8 matmuls with delayed scaling.
+    compute capability >= 8.9 and on TPU v7 also suggest fp8 matmuls with delayed
+    scaling (they pay for large GEMMs; on TPU v5e/v5p/v6e they would run at the
+    bfloat16 rate, so they are not suggested there).
   * GPU below 8.0: compute in float16 with dynamic loss scaling (float16 underflows
     small gradients without it).
   * CPU and other platforms: float32; half precision is emulated through float32
@@ -227,9 +254,11 @@ def recommended_policy(device: Any = None) -> RecommendedPolicy:
     if caps.supports_fp8:
       from jaxmp import fp8 as fp8_lib  # pylint: disable=g-import-not-at-top
       fp8 = fp8_lib.DelayedScaling()
-      reason += (" It also has fp8 tensor cores: try fp8 matmuls by rule, e.g. "
-                 "PolicyRules(policy, [Rule('head'), Rule(nn.Dense, fp8=DelayedScaling())]), "
-                 "and compare the loss with bfloat16's.")
+      units = "matrix units" if caps.platform == "tpu" else "tensor cores"
+      reason += (f" It also has fp8 {units} (about twice the bfloat16 rate): try fp8 "
+                 "matmuls by rule where GEMMs are large, e.g. PolicyRules(policy, "
+                 "[Rule('head'), Rule(nn.Dense, fp8=DelayedScaling())]), compare the loss "
+                 "with bfloat16's, and check with jaxmp.tools.audit that the GEMMs run in fp8.")
   elif caps.platform == "gpu":
     compute = np.dtype(np.float16)
     loss_scale = dynamic_loss_scale.DynamicLossScale()

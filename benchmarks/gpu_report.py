@@ -1,0 +1,361 @@
+"""``make gpu-report``: estimated H100 step times and HBM traffic, from compiled HLO.
+
+Each workload is compiled deviceless for an H100 SXM (``jaxmp.tools.audit(...,
+target="h100")``) and read back from the optimized HLO: which GEMMs run in which
+dtype on which backend, the HBM bytes of every other kernel, and a roofline estimate
+(each kernel ``max(FLOPs / peak for its dtype, bytes / 3.35 TB/s)``, summed). These
+are **estimates from compiled H100 HLO (deviceless)**, not measurements: no launch
+overheads, no overlap, no autotuning. Two compile modes, because without a GPU XLA
+cannot autotune GEMMs: ``cuBLAS`` (``xla_gpu_enable_triton_gemm=False``: every dot a
+cuBLAS/cuBLASLt call, what a tuned H100 mostly runs) and ``Triton`` (XLA's default,
+GEMM fusions with an untuned default tile).
+
+Workloads (``--workloads``):
+
+* ``demo``: ``examples/train_lm.py --preset gpu`` (width 768, depth 8, context 512,
+  batch 64): the jitted train step with AdamW and global-norm clipping, run by
+  ``jaxmp.linen.TrainState`` in float32, bfloat16, float16 + dynamic loss scaling and
+  bfloat16 + jaxmp fp8 exactly as the demo runs them, and the same model written by
+  hand in bfloat16 with Flax's ``nn.Fp8DirectDotGeneralOp`` in the blocks.
+* ``dense``: one ``nn.Dense`` 8192 x 8192 x 8192 forward + backward
+  (``benchmarks/bench_fp8.py``'s step).
+* ``block``: ``bench_fp8.py``'s pre-norm transformer block at its GPU preset.
+* ``traffic``: jaxmp's fp8 against Flax's, non-GEMM HBM bytes at 4096^3 (Dense
+  forward, forward + backward, jitted train step with Adam) and the block.
+* ``tpu``: 4096^3 matmuls in bf16, fp8 and int8, and jaxmp's fp8 Dense, compiled for
+  TPU v5e, v5p, v6e and v7 (libtpu, deviceless): the operand dtypes in the HLO and
+  the TPU cost model's estimated cycles per matmul.
+
+On a machine with a GPU the same script also times each variant on it and prints
+measured milliseconds and TFLOP/s beside the estimates.
+
+Run: ``make gpu-report`` (builds ``.venv-cuda`` with ``jax[cuda12,tpu]`` on first use),
+or ``.venv-cuda/bin/python benchmarks/gpu_report.py --workloads dense``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import pathlib
+import sys
+from typing import Any, Callable
+
+if not (os.path.exists("/dev/nvidiactl") or os.environ.get("JAX_PLATFORMS")):
+  # No GPU here: keep JAX off the CUDA backend, which would fail to start and then
+  # offer no compile-only topology either.
+  os.environ["JAX_PLATFORMS"] = "cpu"
+
+import flax.linen as nn  # pylint: disable=g-import-not-at-top
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+import optax  # pylint: disable=g-import-not-at-top
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "examples")]
+
+import bench_fp8  # pylint: disable=g-import-not-at-top
+import jaxmp  # pylint: disable=g-import-not-at-top
+import timing  # pylint: disable=g-import-not-at-top
+import train_lm  # pylint: disable=g-import-not-at-top
+import transformer  # pylint: disable=g-import-not-at-top
+from jaxmp import fp8  # pylint: disable=g-import-not-at-top
+
+OWG = fp8.OVERWRITE_WITH_GRADIENT
+MODES = {"cuBLAS": {"xla_gpu_enable_triton_gemm": False}, "Triton": {}}
+PRECISIONS = ("float32", "bf16", "fp16 + loss scaling", "bf16 + jaxmp fp8", "bf16 + Flax fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """A step to compile: ``fn(*make())``; ``make`` builds its arguments."""
+  fn: Callable[..., Any]
+  make: Callable[[], tuple]
+
+
+# ---------------------------------------------------------------------------- workloads
+
+
+def _layer_case(model, state_update, x_shape, g_shape, dtype, loss_scale=1.0) -> Case:
+  """bench_fp8's forward + backward step of ``model`` on (x, g)."""
+
+  def make():
+    kx, kg, kp = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, x_shape, jnp.float32).astype(dtype)
+    g = jax.random.normal(kg, g_shape, jnp.float32)
+    variables = model.init(kp, x)
+    return ({k: v for k, v in variables.items() if k in ("params", OWG)}, x, g)
+
+  return Case(bench_fp8.make_step(model, state_update, loss_scale), make)
+
+
+def layer_cases(workload: str) -> dict[str, Case]:
+  """The five precisions of bench_fp8's ``dense`` (8192^3) or ``block`` workload."""
+  preset = bench_fp8.PRESETS["gpu"]
+  variants = bench_fp8.variants_of(1024)
+  chosen = {"float32": variants["float32"], "bf16": variants["bf16"],
+            "fp16 + loss scaling": (jnp.float16, None, None),
+            "bf16 + jaxmp fp8": variants["jaxmp_fp8"], "bf16 + Flax fp8": variants["flax_fp8"]}
+  cases = {}
+  for name, (dtype, cls, update) in chosen.items():
+    if workload == "dense":
+      m, k, n = preset["dense"]
+      model = nn.Dense(n, use_bias=False, dtype=dtype, dot_general_cls=cls)
+      shapes = (m, k), (m, n)
+    else:
+      b = preset["block"]
+      model = bench_fp8.Block(b["d_model"], b["heads"], b["d_ff"], dtype, cls)
+      shapes = ((b["batch"], b["seq"], b["d_model"]),) * 2
+    cases[name] = _layer_case(model, update, *shapes, dtype,
+                              loss_scale=2.0**15 if dtype == jnp.float16 else 1.0)
+  return cases
+
+
+def demo_cases() -> dict[str, Case]:
+  """The demo's train step at ``--preset gpu``, five ways."""
+  preset = train_lm.PRESETS["gpu"]
+  config, batch = preset["config"], preset["batch"]
+  runs = {r.name: r for r in train_lm.RUNS}
+  tokens = lambda: jax.random.randint(jax.random.key(1), (batch, config.context + 1), 0,
+                                      config.vocab)
+
+  def jaxmp_case(run):
+    def make():
+      model = train_lm.make_model(run, config)
+      t = tokens()
+      variables = model.init(jax.random.key(0), t[:, :-1])
+      return (jaxmp.linen.TrainState.create(
+          apply_fn=model.apply, variables=variables,
+          tx=train_lm.make_optimizer(run, preset["lr"], preset["steps"])), t)
+    return Case(train_lm.step, make)
+
+  # Flax's own fp8: the model written in bfloat16 with Fp8DirectDotGeneralOp in the
+  # blocks (the head stays out of fp8, as the demo's rule keeps it), its fp8 state
+  # overwritten by its "gradient" as Flax's TrainState does.
+  flax_model = transformer.TransformerLM(config, dtype=jnp.bfloat16,
+                                         dot_general_cls=nn.Fp8DirectDotGeneralOp)
+  flax_tx = train_lm.make_optimizer(dataclasses.replace(runs["bfloat16"], loss_scale=None),
+                                    preset["lr"], preset["steps"])
+
+  def flax_make():
+    t = tokens()
+    variables = flax_model.init(jax.random.key(0), t[:, :-1])
+    return (variables, flax_tx.init(variables["params"])), t
+
+  def flax_step(state, t):
+    variables, opt_state = state
+    loss = lambda p, owg: train_lm.loss_fn(flax_model.apply, {"params": p, OWG: owg}, t)
+    value, (grads, new_owg) = jax.value_and_grad(loss, argnums=(0, 1))(
+        variables["params"], variables[OWG])
+    updates, opt_state = flax_tx.update(grads, opt_state, variables["params"])
+    params = optax.apply_updates(variables["params"], updates)
+    return ({"params": params, OWG: new_owg}, opt_state), value
+
+  return {"float32": jaxmp_case(runs["float32"]), "bf16": jaxmp_case(runs["bfloat16"]),
+          "fp16 + loss scaling": jaxmp_case(runs["float16 + loss scaling"]),
+          "bf16 + jaxmp fp8": jaxmp_case(runs["bfloat16 + fp8"]),
+          "bf16 + Flax fp8": Case(flax_step, flax_make)}
+
+
+def traffic_cases() -> dict[str, dict[str, Case]]:
+  """jaxmp's fp8 and Flax's, side by side: {case: {"jaxmp": Case, "Flax": Case}}."""
+  size = 4096
+  dims = (((1,), (0,)), ((), ()))
+  recipe = fp8.DelayedScaling()
+  flax_op = nn.Fp8DirectDotGeneralOp()
+  bf = lambda shape, seed: jax.random.normal(jax.random.key(seed), shape).astype(jnp.bfloat16)
+  operands = lambda: (bf((size, size), 0), bf((size, size), 1))
+
+  def jaxmp_fwd(x, w, state):
+    return fp8.fp8_dot_general(x, w, dims, state=state, recipe=recipe)
+
+  def flax_fwd(x, w, state):
+    return flax_op.apply({OWG: state}, x, w, dims)
+
+  def with_backward(forward):
+    def fwd_bwd(x, w, state, g):  # an explicit cotangent XLA cannot fold
+      out, vjp = jax.vjp(forward, x, w, state)
+      return out, vjp(g)
+    return fwd_bwd
+
+  jaxmp_state = lambda: fp8.init_state(recipe)
+  flax_state = lambda: flax_op.init(jax.random.key(0), jnp.ones((2, 2), jnp.bfloat16),
+                                    jnp.ones((2, 2), jnp.bfloat16), dims)[OWG]
+  cases = {
+      "Dense 4096^3 forward": {
+          "jaxmp": Case(jaxmp_fwd, lambda: (*operands(), jaxmp_state())),
+          "Flax": Case(flax_fwd, lambda: (*operands(), flax_state()))},
+      "Dense 4096^3 forward + backward": {
+          "jaxmp": Case(with_backward(jaxmp_fwd),
+                        lambda: (*operands(), jaxmp_state(), bf((size, size), 2))),
+          "Flax": Case(with_backward(flax_fwd),
+                       lambda: (*operands(), flax_state(), bf((size, size), 2)))},
+      "Dense 4096^3 train step (Adam)": dense_step_cases(size),
+  }
+  block = layer_cases("block")
+  cases["block forward + backward"] = {"jaxmp": block["bf16 + jaxmp fp8"],
+                                       "Flax": block["bf16 + Flax fp8"]}
+  return cases
+
+
+def dense_step_cases(size: int) -> dict[str, Case]:
+  """A jitted Dense train step with Adam: jaxmp by rule, and Flax's fp8 Dense."""
+  xy = lambda: (jax.random.normal(jax.random.key(0), (size, size)),
+                jax.random.normal(jax.random.key(1), (size, size)))
+  rules = jaxmp.PolicyRules("params=float32,compute=bfloat16,output=float32",
+                            [jaxmp.Rule(nn.Dense, fp8=fp8.DelayedScaling())])
+  model = jaxmp.linen.mixed_precision(nn.Dense(size), rules)
+
+  def jaxmp_make():
+    x, y = xy()
+    return (jaxmp.linen.TrainState.create(
+        apply_fn=model.apply, variables=model.init(jax.random.key(0), x[:2]),
+        tx=jaxmp.loss_scaling(optax.adam(1e-3), jaxmp.NoOpLossScale())), x, y)
+
+  def jaxmp_step(state, x, y):
+    loss, grads = state.value_and_grad(lambda v: jnp.mean((state.apply_fn(v, x) - y) ** 2))()
+    return state.apply_gradients(grads), loss
+
+  dense = nn.Dense(size, dtype=jnp.bfloat16, dot_general_cls=nn.Fp8DirectDotGeneralOp)
+  tx = optax.adam(1e-3)
+
+  def flax_make():
+    x, y = xy()
+    variables = dense.init(jax.random.key(0), x[:2])
+    return variables, tx.init(variables["params"]), x, y
+
+  def flax_step(variables, opt_state, x, y):
+    def loss(params, owg):
+      out = dense.apply({"params": params, OWG: owg}, x)
+      return jnp.mean((out.astype(jnp.float32) - y) ** 2)
+    value, (grads, new_owg) = jax.value_and_grad(loss, argnums=(0, 1))(
+        variables["params"], variables[OWG])
+    updates, opt_state = tx.update(grads, opt_state, variables["params"])
+    params = optax.apply_updates(variables["params"], updates)
+    return {"params": params, OWG: new_owg}, opt_state, value
+
+  return {"jaxmp": Case(jaxmp_step, jaxmp_make), "Flax": Case(flax_step, flax_make)}
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def audit(case: Case, mode: str) -> jaxmp.tools.AuditReport:
+  return jaxmp.tools.audit(case.fn, *jax.eval_shape(case.make), target="h100",
+                           compiler_options=MODES[mode])
+
+
+def measure(cases: dict[str, Case]) -> dict[str, timing.Timing]:
+  """Times every case on the local GPU (interleaved rounds, medians)."""
+  runs = {}
+  for name, case in cases.items():
+    args = case.make()
+    fn = jax.jit(case.fn)
+    runs[name] = functools.partial(lambda f, a: jax.block_until_ready(f(*a)), fn, args)
+  return timing.interleaved(runs, baseline=next(iter(runs)), rounds=5, calls=5)
+
+
+def precision_table(title: str, cases: dict[str, Case], on_gpu: bool) -> None:
+  reports = {name: {mode: audit(case, mode) for mode in MODES} for name, case in cases.items()}
+  measured = measure(cases) if on_gpu else {}
+  est = lambda name, mode: reports[name][mode].estimated_seconds * 1e3
+  header = ["variant", "est. ms (cuBLAS)", "vs float32", "vs bf16", "est. ms (Triton)",
+            "non-GEMM MiB", "GEMMs fp8/all", "GEMM ms", "other ms"]
+  if on_gpu:
+    header += ["measured ms", "measured TFLOP/s"]
+  print(f"\n### {title}\n")
+  print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+  for name in cases:
+    r = reports[name]["cuBLAS"]
+    row = [name, f"{est(name, 'cuBLAS'):.3f}",
+           f"{est('float32', 'cuBLAS') / est(name, 'cuBLAS'):.2f}x" if "float32" in cases else "-",
+           f"{est('bf16', 'cuBLAS') / est(name, 'cuBLAS'):.2f}x" if "bf16" in cases else "-",
+           f"{est(name, 'Triton'):.3f}", f"{r.non_gemm_bytes / 2**20:.0f}",
+           f"{sum(g.fp8 * g.count for g in r.gemms)}/{sum(g.count for g in r.gemms)}",
+           f"{r.gemm_seconds * 1e3:.3f}", f"{r.non_gemm_seconds * 1e3:.3f}"]
+    if on_gpu:
+      ms = measured[name].ms
+      row += [f"{ms:.3f}", f"{r.gemm_flops / (ms * 1e-3) / 1e12:.0f}"]
+    print("| " + " | ".join(row) + " |")
+  flops = reports[next(iter(cases))]["cuBLAS"].gemm_flops
+  print(f"\nGEMM work per step: {flops / 1e12:.3f} TFLOP (from the HLO).")
+
+
+def traffic_table() -> None:
+  print("\n### fp8: non-GEMM HBM traffic, jaxmp vs Flax (MiB per call)\n")
+  print("| case | mode | jaxmp | Flax | jaxmp GEMMs fp8/all | Flax GEMMs fp8/all |\n"
+        "|---|---|---:|---:|---|---|")
+  for case, pair in traffic_cases().items():
+    for mode in MODES:
+      r = {who: audit(c, mode) for who, c in pair.items()}
+      count = lambda rep: f"{sum(g.fp8 for g in rep.gemms)}/{len(rep.gemms)}"
+      print(f"| {case} | {mode} | {r['jaxmp'].non_gemm_bytes / 2**20:.0f} | "
+            f"{r['Flax'].non_gemm_bytes / 2**20:.0f} | {count(r['jaxmp'])} | {count(r['Flax'])} |")
+
+
+def tpu_table(generations=("v5e", "v5p", "v6e", "v7")) -> None:
+  """fp8 and int8 matmuls on TPUs, by the TPU compiler's cost model (deviceless)."""
+  size, dims = 4096, (((1,), (0,)), ((), ()))
+  S = jax.ShapeDtypeStruct
+  mat = lambda dtype: S((size, size), dtype)
+  dot = lambda out: (lambda a, b: jax.lax.dot_general(a, b, dims, preferred_element_type=out))
+  recipe = fp8.DelayedScaling(amax_history_length=16)
+  state = jax.eval_shape(lambda: fp8.init_state(recipe))
+
+  def jaxmp_fwd_bwd(x, w, state, g):
+    f = lambda x, w, s: fp8.fp8_dot_general(x, w, dims, state=s, recipe=recipe)
+    out, vjp = jax.vjp(f, x, w, state)
+    return out, vjp(g)
+
+  cases = {
+      "bf16 x bf16 -> f32": (dot(jnp.float32), (mat(jnp.bfloat16),) * 2),
+      "e4m3 x e4m3 -> f32": (dot(jnp.float32), (mat(jnp.float8_e4m3fn),) * 2),
+      "e5m2 x e4m3 -> f32": (dot(jnp.float32), (mat(jnp.float8_e5m2), mat(jnp.float8_e4m3fn))),
+      "int8 x int8 -> s32": (dot(jnp.int32), (mat(jnp.int8),) * 2),
+      "jaxmp fp8 Dense fwd+bwd (3 GEMMs)": (
+          jaxmp_fwd_bwd, (mat(jnp.bfloat16), mat(jnp.bfloat16), state, mat(jnp.bfloat16))),
+  }
+  print(f"\n### TPU: {size}^3 matmuls by the TPU cost model (deviceless)\n")
+  print("| TPU | case | GEMM operands (in the HLO) | est. cycles per GEMM | vs bf16 |\n"
+        "|---|---|---|---|---:|")
+  for gen in generations:
+    base = None
+    for name, (fn, args) in cases.items():
+      r = jaxmp.tools.audit(fn, *args, target=gen)
+      cycles = [g.cycles for g in r.gemms]
+      base = base or cycles[0]
+      operands = "; ".join(" x ".join(d.replace("float8_", "") for d in g.compute_dtypes)
+                           for g in r.gemms)
+      print(f"| {gen} ({r.device_kind}) | {name} | {operands} | "
+            f"{', '.join(map(str, cycles))} | "
+            f"{', '.join(f'{c / base:.2f}' for c in cycles)} |")
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--workloads", default="traffic,dense,block,demo,tpu")
+  args = parser.parse_args(argv)
+  on_gpu = jax.devices()[0].platform == "gpu"
+  print(f"jax {jax.__version__}; estimates from compiled H100 HLO (deviceless)"
+        + (f"; measured on {jax.devices()[0].device_kind}" if on_gpu else ""))
+  for workload in args.workloads.split(","):
+    if workload == "traffic":
+      traffic_table()
+    elif workload == "tpu":
+      tpu_table()
+    elif workload == "demo":
+      precision_table("demo train step, examples/train_lm.py --preset gpu (AdamW)",
+                      demo_cases(), on_gpu)
+    elif workload in ("dense", "block"):
+      preset = bench_fp8.PRESETS["gpu"]
+      size = ("x".join(map(str, preset["dense"])) if workload == "dense" else
+              ", ".join(f"{k} {v}" for k, v in preset["block"].items()))
+      precision_table(f"{workload} forward + backward ({size})", layer_cases(workload), on_gpu)
+    else:
+      parser.error(f"unknown workload {workload!r}; accepted: traffic, dense, block, demo, tpu")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,549 @@
+"""``audit``: what a compiled step actually runs: GEMM dtypes and backends, bytes, time.
+
+A mixed-precision policy says what a model *should* compute in; the compiler decides
+what runs. fp8 matmuls silently running as bfloat16 (or float32) GEMMs, a GEMM that
+writes float32 and a separate kernel that narrows it, quantization split into several
+passes over memory: none of it shows in the Python code, all of it shows in the
+optimized HLO. :func:`audit` compiles a function, on the local backend or deviceless
+for a GPU or TPU it does not have (:mod:`jaxmp._src.tools.targets`), and reads the
+optimized HLO text:
+
+* every GEMM (a cuBLAS/cuBLASLt call, a Triton or cuDNN GEMM fusion, a cuDNN fused
+  attention call, a CPU dot, a TPU convolution fusion): the dtypes its operands hold (followed back through widening
+  converts, so an fp8 tensor a CPU widens to float32 still reads as fp8), the dtypes
+  the product reads, the dtype it writes, its backend and FLOPs;
+* every other kernel and the HBM bytes it moves (every operand read once, every
+  output written once: an upper bound where a fusion reads part of an operand); a
+  loop's body counts its known trip count times, a conditional its cheapest branch;
+* the converts and transposes left as kernels of their own;
+* a roofline estimate of the step on GPUs: each kernel takes
+  ``max(FLOPs / peak for its arithmetic, bytes / bandwidth)``, summed (no launch
+  overheads, no overlap); the peaks are in :mod:`~jaxmp._src.tools.targets`. float32
+  GEMMs at XLA's default precision are counted at the TF32 rate (cuBLAS runs them as
+  TF32), at ``HIGHEST`` at the float32 rate. On TPUs the estimate is the TPU
+  compiler's own (``cost_analysis()["optimal_seconds"]``) and each kernel carries the
+  cost model's ``estimated_cycles``. On a CPU there is no estimate.
+
+Everything is an estimate from the compiler's output, never a measurement.
+
+Example:
+  >>> x = jnp.ones((64, 128), jnp.bfloat16)
+  >>> w = jnp.ones((128, 32), jnp.bfloat16)
+  >>> report = jaxmp.tools.audit(lambda x, w: x @ w, x, w)
+  >>> [(g.operand_dtypes, g.output_dtype, g.flops) for g in report.gemms]
+  [(('bfloat16', 'bfloat16'), 'float32', 524288)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Optional
+
+import jax
+import numpy as np
+
+from jaxmp._src.tools import hlo as hlo_lib
+from jaxmp._src.tools import table
+from jaxmp._src.tools import targets as targets_lib
+
+# Exact (value-preserving) conversions: each key's values are all representable in
+# every type of its set, so a GEMM fed through such a convert multiplies the key's values.
+_WIDER = {
+    "f8e4m3fn": {"f16", "bf16", "f32", "f64"}, "f8e5m2": {"f16", "bf16", "f32", "f64"},
+    "bf16": {"f32", "f64"}, "f16": {"f32", "f64"}, "f32": {"f64"},
+    "s8": {"s16", "s32", "s64", "f16", "bf16", "f32", "f64"},
+}
+# Ops that move or replicate values without changing them.
+_MOVES = frozenset({"bitcast", "copy", "transpose", "reshape", "broadcast", "slice",
+                    "dynamic-slice"})
+_GEMM_OPS = frozenset({"dot", "convolution", "scaled-dot"})
+_CUBLAS = {"__cublas$lt$matmul$f8": "fp8 cuBLASLt", "__cublas$lt$matmul": "cuBLASLt",
+           "__cublas$gemm": "cuBLAS"}
+_FUSION_BACKENDS = {
+    "__triton_gemm": "Triton GEMM fusion", "__triton_nested_gemm_fusion": "Triton GEMM fusion",
+    "__triton_scaled_dot_fusion": "Triton scaled-dot fusion", "__cudnn$fusion": "cuDNN GEMM fusion",
+    "__ynn_fusion": "CPU dot (YNNPACK)",
+}
+# Ops inside a kernel that only relabel or broadcast: a kernel of these plus converts
+# and transposes does nothing but change a dtype or a layout.
+_PLUMBING = frozenset({"parameter", "constant", "bitcast", "broadcast", "reshape", "tuple",
+                       "get-tuple-element"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+  """One GEMM (or convolution) kernel of the compiled program.
+
+  Attributes:
+    name: the HLO instruction.
+    backend: what runs it, e.g. ``"fp8 cuBLASLt"``, ``"cuBLASLt"``, ``"Triton GEMM
+      fusion"``, ``"CPU dot (YNNPACK)"``, ``"TPU convolution fusion"``.
+    operand_dtypes: the dtypes the two operands hold, followed back through
+      widening converts (what precision the values have).
+    compute_dtypes: the dtypes the product itself reads (a CPU reads fp8 and bfloat16
+      operands as float32).
+    output_dtype: the dtype the kernel writes to memory.
+    shape: ``"MxNxK"`` (with ``"B*"`` in front for batched products).
+    flops: ``2*M*N*K`` (times the batch), for every dot the kernel holds.
+    bytes: operand and output bytes.
+    rate: the peak the roofline used (``"fp8"``, ``"bf16"``, ``"tf32"``...), or None.
+    seconds: the roofline time of one execution, or None.
+    cycles: the TPU cost model's ``estimated_cycles``, or None.
+    count: how often it runs per call (a loop's trip count).
+  """
+
+  name: str
+  backend: str
+  operand_dtypes: tuple[str, ...]
+  compute_dtypes: tuple[str, ...]
+  output_dtype: str
+  shape: str
+  flops: int
+  bytes: int
+  rate: Optional[str] = None
+  seconds: Optional[float] = None
+  cycles: Optional[int] = None
+  count: int = 1
+
+  @property
+  def fp8(self) -> bool:
+    """Whether the product reads fp8 operands (not merely values that were fp8)."""
+    return all(d.startswith("float8") for d in self.compute_dtypes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """One non-GEMM kernel: a fusion, a copy, a reduction, a non-GEMM custom call.
+
+  Attributes:
+    name: the HLO instruction.
+    kind: the backend's kind for a custom fusion (``__triton``: a Triton
+      softmax or reduction), else the fusion kind (``kLoop``, ``kInput``...) or the
+      opcode.
+    output: the result type, e.g. ``"bf16[4096,4096]"``.
+    bytes: operand and output bytes.
+    unfused: for a kernel that only converts and/or transposes, what it does (e.g.
+      ``"convert f32->bf16"``); else None.
+    seconds: ``bytes / bandwidth`` of one execution on a GPU target, else None.
+    cycles: the TPU cost model's ``estimated_cycles``, or None.
+    count: how often it runs per call.
+  """
+
+  name: str
+  kind: str
+  output: str
+  bytes: int
+  unfused: Optional[str] = None
+  seconds: Optional[float] = None
+  cycles: Optional[int] = None
+  count: int = 1
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AuditReport:
+  """What :func:`audit` found; ``print`` it for the tables.
+
+  Attributes:
+    target: ``"h100"``, ``"v5e"``..., or the local platform (``"cpu"``).
+    device_kind: the device compiled for.
+    compiler_options: the XLA options the compile was given.
+    gemms: every GEMM, in program order.
+    kernels: every other kernel, in program order.
+    spec: the GPU peaks the roofline used, or None.
+    estimated_seconds: the step's estimated time (see the module docstring), or None.
+    hlo: the optimized HLO text.
+  """
+
+  target: str
+  device_kind: str
+  compiler_options: Mapping[str, Any]
+  gemms: tuple[Gemm, ...]
+  kernels: tuple[Kernel, ...]
+  spec: Optional[targets_lib.GpuSpec]
+  estimated_seconds: Optional[float]
+  hlo: str = dataclasses.field(repr=False)
+
+  @property
+  def gemm_flops(self) -> int:
+    return sum(g.flops * g.count for g in self.gemms)
+
+  @property
+  def non_gemm_bytes(self) -> int:
+    """HBM bytes moved by kernels that are not GEMMs, per call."""
+    return sum(k.bytes * k.count for k in self.kernels)
+
+  @property
+  def unfused(self) -> tuple[Kernel, ...]:
+    """The kernels that only convert and/or transpose."""
+    return tuple(k for k in self.kernels if k.unfused)
+
+  @property
+  def gemm_seconds(self) -> Optional[float]:
+    return _total(g.seconds for g in self.gemms for _ in range(g.count))
+
+  @property
+  def non_gemm_seconds(self) -> Optional[float]:
+    return _total(k.seconds for k in self.kernels for _ in range(k.count))
+
+  def __str__(self) -> str:
+    header = (f"audit: {self.target} ({self.device_kind})"
+              + (f", compiler options {dict(self.compiler_options)}" if self.compiler_options
+                 else ""))
+    rows = [(g.backend, " x ".join(g.operand_dtypes), " x ".join(g.compute_dtypes),
+             g.output_dtype, g.shape + (f" (x{g.count})" if g.count > 1 else ""),
+             f"{g.flops / 1e9:.3g}", _fmt_time(g.seconds, g.cycles), g.rate or "-")
+            for g in self.gemms]
+    lines = [header, table.text_table(
+        ("GEMM backend", "operands hold", "product reads", "writes", "MxNxK", "GFLOP",
+         "time", "rate"), rows, (False,) * 5 + (True, True, False))]
+    lines.append(f"{len(self.gemms)} GEMMs ({sum(g.fp8 for g in self.gemms)} on fp8 operands), "
+                 f"{self.gemm_flops / 1e9:.4g} GFLOP; {len(self.kernels)} other kernels moving "
+                 f"{self.non_gemm_bytes / 2**20:.1f} MiB")
+    unfused = self.unfused
+    if unfused:
+      lines.append(f"converts/transposes left as kernels ({len(unfused)}, "
+                   f"{sum(k.bytes * k.count for k in unfused) / 2**20:.1f} MiB):")
+      lines += [f"  {k.name}: {k.unfused} -> {k.output}" for k in unfused]
+    if self.estimated_seconds is not None:
+      if self.spec is not None:
+        lines.append(
+            f"roofline estimate: {self.estimated_seconds * 1e3:.3f} ms (GEMMs "
+            f"{self.gemm_seconds * 1e3:.3f} ms, other kernels {self.non_gemm_seconds * 1e3:.3f} "
+            f"ms; peaks {_peaks(self.spec)}, HBM {self.spec.hbm_bytes_per_second / 1e12:.2f} TB/s)")
+      else:
+        lines.append(f"TPU cost-model estimate: {self.estimated_seconds * 1e3:.3f} ms")
+    return "\n".join(lines)
+
+
+def _total(values) -> Optional[float]:
+  values = list(values)
+  if any(v is None for v in values):
+    return None
+  return float(sum(values))
+
+
+def _fmt_time(seconds: Optional[float], cycles: Optional[int]) -> str:
+  if seconds is not None:
+    return f"{seconds * 1e6:.1f} us"
+  return f"{cycles} cyc" if cycles is not None else "-"
+
+
+def _peaks(spec: targets_lib.GpuSpec) -> str:
+  return ", ".join(f"{k} {v:g}" for k, v in spec.peak_tflops.items()) + " TFLOP/s"
+
+
+# ---------------------------------------------------------------------------- HLO walk
+
+
+def _held_dtype(module: hlo_lib.Module, instruction: hlo_lib.Instruction,
+                caller: Optional[hlo_lib.Instruction]) -> str:
+  """The dtype whose values ``instruction`` carries, through exact conversions."""
+  for _ in range(64):  # a chain of moves is short; the bound only guards cycles
+    op = instruction.opcode
+    if op == "parameter" and caller is not None:
+      instruction, caller = module.parameter_source(instruction, caller), None
+    elif op in _MOVES or (op == "convert" and _widens(module, instruction)):
+      instruction = module.instruction(instruction.operands[0])
+    elif op == "fusion" and module.root(instruction.called[0]).opcode in _MOVES | {"convert"}:
+      instruction, caller = module.root(instruction.called[0]), instruction
+    else:
+      break
+  return instruction.first_array[0]
+
+
+def _widens(module: hlo_lib.Module, convert: hlo_lib.Instruction) -> bool:
+  source = module.instruction(convert.operands[0]).first_array[0]
+  return convert.first_array[0] in _WIDER.get(source, ())
+
+
+def _dtype_name(hlo_dtype: str) -> str:
+  return hlo_lib.DTYPE_NAMES.get(hlo_dtype, hlo_dtype)
+
+
+def _shape(lhs: tuple[int, ...], out: tuple[int, ...], contracting: list[int],
+           n_batch: int) -> str:
+  k = math.prod(lhs[d] for d in contracting)
+  batch, free = out[:n_batch], out[n_batch:]
+  m = math.prod(free[:-1]) if len(free) > 1 else (free[0] if free else 1)
+  n = free[-1] if len(free) > 1 else 1
+  return ("*".join(map(str, batch)) + "*" if batch else "") + f"{m}x{n}x{k}"
+
+
+def _rate(compute: tuple[str, ...], precision: str) -> str:
+  if all(d.startswith("float8") for d in compute):
+    return "fp8"
+  if any(d in ("float64",) for d in compute):
+    return "f64"
+  if all(d in ("int8", "uint8") for d in compute):
+    return "int8"
+  if any(d == "float32" for d in compute):
+    return "f32" if "highest" in precision.lower() else "tf32"
+  return "bf16"
+
+
+def _cycles(instruction: hlo_lib.Instruction) -> Optional[int]:
+  found = instruction.attribute(r'"estimated_cycles":"(\d+)"')
+  return int(found) if found else None
+
+
+def _cublas_gemm(module, ins, platform: str) -> Gemm:
+  a, b = (module.instruction(o) for o in ins.operands[:2])
+  held = tuple(_dtype_name(_held_dtype(module, x, None)) for x in (a, b))
+  compute = tuple(_dtype_name(x.first_array[0]) for x in (a, b))
+  contracting = [int(d) for d in (ins.attribute(
+      r'"lhs_contracting_dimensions":\[([^\]]*)\]') or "").replace('"', "").split(",") if d]
+  n_batch = len([d for d in (ins.attribute(r'"lhs_batch_dimensions":\[([^\]]*)\]') or "")
+                 .split(",") if d.strip('"')])
+  out_dtype, out_dims = ins.first_array
+  lhs_dims = a.first_array[1]
+  flops = 2 * math.prod(out_dims) * math.prod(lhs_dims[d] for d in contracting)
+  nbytes = sum(hlo_lib.nbytes(x.type) for x in (a, b)) + hlo_lib.nbytes(
+      f"{out_dtype}[{','.join(map(str, out_dims))}]")
+  precision = ins.attribute(r'"operand_precision":\[([^\]]*)\]') or ""
+  return Gemm(ins.name, _CUBLAS.get(ins.custom_call_target, ins.custom_call_target), held,
+              compute, _dtype_name(out_dtype), _shape(lhs_dims, out_dims, contracting, n_batch),
+              flops, nbytes, _rate(compute, precision) if platform == "gpu" else None)
+
+
+def _fused_attention(module, ins) -> Gemm:
+  """A cuDNN fused-attention call (``jax.nn.dot_product_attention(implementation="cudnn")``).
+
+  Its two products (scores and weighted sum) never leave the kernel. FLOPs are
+  counted as FlashAttention counts them, mask or not: ``4 * B * N * Tq * Tk * H``
+  forward, 2.5 times that backward (five products, the scores recomputed).
+  """
+  q, k = (module.instruction(o) for o in ins.operands[:2])
+  (b, tq, n, h), tk = q.first_array[1], k.first_array[1][1]
+  forward = 4 * b * n * tq * tk * h
+  backward = "Backward" in ins.custom_call_target
+  held = tuple(_dtype_name(_held_dtype(module, x, None)) for x in (q, k))
+  nbytes = sum(hlo_lib.nbytes(module.instruction(o).type) for o in ins.operands) + \
+      hlo_lib.nbytes(ins.type)
+  compute = tuple(_dtype_name(x.first_array[0]) for x in (q, k))
+  return Gemm(ins.name, "cuDNN fused attention" + (" (backward)" if backward else ""), held,
+              compute, _dtype_name(ins.first_array[0]), f"attention {b}*{n}*{tq}x{tk}x{h}",
+              int(forward * (2.5 if backward else 1)), nbytes, _rate(compute, ""))
+
+
+def _fused_gemm(module, ins, dots, platform: str) -> Gemm:
+  dot = max(dots, key=lambda d: math.prod(d.first_array[1]))
+  a, b = (module.instruction(o) for o in dot.operands[:2])
+  held = tuple(_dtype_name(_held_dtype(module, x, ins)) for x in (a, b))
+  compute = tuple(_dtype_name(x.first_array[0]) for x in (a, b))
+  flops = sum(hlo_lib.dot_flops(module, d) if d.opcode != "convolution"
+              else hlo_lib.convolution_flops(module, d) for d in dots)
+  if dot.opcode == "convolution":
+    labels = dot.attribute(r"dim_labels=([^,\s]+)")
+    shape = f"conv {labels}" if labels else "conv"
+  else:
+    contracting = [int(d) for d in (dot.attribute(r"lhs_contracting_dims=\{([0-9,]*)\}")
+                                    or "").split(",") if d]
+    n_batch = len([d for d in (dot.attribute(r"lhs_batch_dims=\{([0-9,]*)\}") or "").split(",")
+                   if d])
+    shape = _shape(a.first_array[1], dot.first_array[1], contracting, n_batch)
+  backend = _FUSION_BACKENDS.get(ins.backend_kind or "")
+  if backend is None:
+    kind = "convolution" if dot.opcode == "convolution" else "dot"
+    backend = {"tpu": f"TPU {kind} fusion", "cpu": f"CPU {kind}"}.get(
+        platform, f"{kind} in a {ins.fusion_kind or ins.opcode} kernel (no GEMM library)")
+  nbytes = sum(hlo_lib.nbytes(module.instruction(o).type) for o in ins.operands) + \
+      hlo_lib.nbytes(ins.type)
+  precision = dot.attribute(r"operand_precision=\{([^}]*)\}") or ""
+  return Gemm(ins.name, backend, held, compute, _dtype_name(ins.first_array[0]), shape, flops,
+              nbytes, _rate(compute, precision) if platform == "gpu" else None,
+              cycles=_cycles(ins))
+
+
+def _unfused(module, ins) -> Optional[str]:
+  body = module.body(ins.called[0]) if ins.opcode == "fusion" else [ins]
+  ops = [o for o in body if o.opcode not in _PLUMBING]
+  if not ops or any(o.opcode not in ("convert", "transpose", "copy") for o in ops):
+    return None
+  words = []
+  for o in ops:
+    if o.opcode == "convert":
+      source = module.instruction(o.operands[0]).first_array[0]
+      words.append(f"convert {source}->{o.first_array[0]}")
+    elif "transpose" not in words:
+      words.append("transpose")
+  return " + ".join(dict.fromkeys(words))
+
+
+def _kernels(module: hlo_lib.Module, computation: str, count: int, platform: str,
+             gemms: list, kernels: list) -> None:
+  """Appends the GEMMs and other kernels of ``computation``, run ``count`` times."""
+  for ins in module.computations[computation]:
+    op = ins.opcode
+    if op in hlo_lib.NO_KERNEL_OPS or op.endswith("-done"):
+      continue
+    if op == "while":
+      trips = ins.attribute(r'"known_trip_count":\{"n":"(\d+)"\}')
+      body = ins.attribute(r"\bbody=%?([\w.\-]+)")
+      _kernels(module, body, count * int(trips or 1), platform, gemms, kernels)
+      continue
+    if op in ("call", "async-start"):
+      for called in ins.called:
+        _kernels(module, called, count, platform, gemms, kernels)
+      continue
+    if op == "conditional":
+      # One branch runs. The cheapest is taken: a rarely taken fallback (an exact
+      # recheck, an overflow path) should not be charged to every step.
+      branches = []
+      for called in ins.called:
+        branch = ([], [])
+        _kernels(module, called, count, platform, *branch)
+        branches.append(branch)
+      cheapest = min(branches or [([], [])], key=lambda b: sum(x.bytes for x in b[0] + b[1]))
+      gemms.extend(cheapest[0])
+      kernels.extend(cheapest[1])
+      continue
+    if op == "custom-call" and ins.custom_call_target in _CUBLAS:
+      gemms.append(dataclasses.replace(_cublas_gemm(module, ins, platform), count=count))
+      continue
+    if op == "custom-call" and (ins.custom_call_target or "").startswith("__cudnn$fmha"):
+      gemms.append(dataclasses.replace(_fused_attention(module, ins), count=count))
+      continue
+    body = module.body(ins.called[0]) if op == "fusion" and ins.called else [ins]
+    dots = [o for o in body if o.opcode in _GEMM_OPS]
+    if dots:
+      gemms.append(dataclasses.replace(_fused_gemm(module, ins, dots, platform), count=count))
+      continue
+    nbytes = sum(hlo_lib.nbytes(module.instruction(o).type) for o in ins.operands) + \
+        hlo_lib.nbytes(ins.type)
+    dt, dims = ins.first_array
+    kind = ins.backend_kind or ins.fusion_kind or op  # e.g. __triton (a softmax), kLoop
+    kernels.append(Kernel(ins.name, kind, f"{dt}[{','.join(map(str, dims))}]",
+                          nbytes, _unfused(module, ins), cycles=_cycles(ins), count=count))
+
+
+def analyze(text: str, platform: str, spec: Optional[targets_lib.GpuSpec] = None,
+            target: str = "", device_kind: str = "",
+            compiler_options: Optional[Mapping[str, Any]] = None,
+            tpu_seconds: Optional[float] = None) -> AuditReport:
+  """An :class:`AuditReport` from optimized HLO text (what :func:`audit` compiles).
+
+  Args:
+    text: ``compiled.as_text()``.
+    platform: ``"gpu"``, ``"tpu"`` or ``"cpu"``: how fusions without a named backend
+      are described.
+    spec: peaks for a GPU roofline estimate; None for no estimate.
+    target: the report's target name.
+    device_kind: the report's device.
+    compiler_options: recorded in the report.
+    tpu_seconds: the TPU compiler's estimate of the step, recorded as is.
+
+  Returns:
+    The report.
+  """
+  module = hlo_lib.Module(text)
+  gemms, kernels = [], []
+  _kernels(module, module.entry, 1, platform, gemms, kernels)
+  estimate = tpu_seconds
+  if spec is not None:
+    bandwidth = spec.hbm_bytes_per_second
+    peaks = spec.peak_tflops
+    # A rate the chip lacks (fp8 on an A100) is costed at its bfloat16 rate.
+    gemms = [dataclasses.replace(g, rate=g.rate if g.rate in peaks else "bf16", seconds=max(
+        g.flops / (peaks.get(g.rate, peaks["bf16"]) * 1e12), g.bytes / bandwidth))
+             for g in gemms]
+    kernels = [dataclasses.replace(k, seconds=k.bytes / bandwidth) for k in kernels]
+    estimate = sum(x.seconds * x.count for x in [*gemms, *kernels])
+  return AuditReport(target or platform, device_kind or platform, dict(compiler_options or {}),
+                     tuple(gemms), tuple(kernels), spec, estimate, text)
+
+
+# ---------------------------------------------------------------------------- compile
+
+
+def _abstract(tree: Any, device: Any) -> Any:
+  """Every array-like leaf as a ShapeDtypeStruct placed on ``device``."""
+  sharding = jax.sharding.SingleDeviceSharding(device)
+
+  def leaf(x):
+    if isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct, np.generic, int, float,
+                      complex, bool)):
+      aval = jax.typeof(x) if not isinstance(x, jax.ShapeDtypeStruct) else x
+      return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding,
+                                  weak_type=getattr(aval, "weak_type", False))
+    return x
+
+  return jax.tree_util.tree_map(leaf, tree)
+
+
+def audit(fn: Any, *args: Any, target: Optional[str] = None,
+          compiler_options: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> AuditReport:
+  """Compiles ``fn(*args, **kwargs)`` and reports what runs: GEMMs, bytes, time.
+
+  ``fn`` is jitted unless it already is (a ``jax.jit`` function keeps its static
+  arguments and donations). With ``target=None`` it compiles for the local backend
+  with ``args`` as given (arrays or ``jax.ShapeDtypeStruct``). With a target it
+  compiles deviceless for that chip: every array leaf of ``args``/``kwargs`` is
+  replaced by its shape and dtype on a compile-only device, so nothing is allocated;
+  GPU targets need JAX's CUDA plugin, TPU targets ``libtpu`` (``make gpu-report``
+  builds an environment with both), and GPU targets on a machine without a GPU a
+  process started with ``JAX_PLATFORMS=cpu``. Without a GPU XLA cannot autotune, so
+  GEMM fusions get a default configuration; ``compiler_options=
+  {"xla_gpu_enable_triton_gemm": False}`` turns every dot into a cuBLAS/cuBLASLt call,
+  which is what a tuned H100 mostly runs.
+
+  Args:
+    fn: the function (or jitted function, or a Flax ``apply``) to compile.
+    *args: its positional arguments.
+    target: None (the local backend), a GPU (``"h100"``, ``"a100"``, ``"b200"``) or a
+      TPU (``"v5e"``, ``"v5p"``, ``"v6e"``, ``"v7"``).
+    compiler_options: XLA options for this compile, e.g.
+      ``{"xla_gpu_enable_triton_gemm": False}``.
+    **kwargs: its keyword arguments.
+
+  Returns:
+    An :class:`AuditReport`.
+
+  Raises:
+    TypeError: if ``fn`` is not callable, ``target`` is not a string or
+      ``compiler_options`` is not a mapping.
+    ValueError: for an unknown target (the message lists the accepted ones).
+    ImportError: if the target's plugin is not installed.
+    RuntimeError: if the CUDA plugin cannot compile deviceless in this process.
+
+  Example:
+    >>> x = jnp.ones((32, 64), jnp.float32)
+    >>> w = jnp.ones((64, 16), jnp.float32)
+    >>> fp8_dot = lambda x, w: jaxmp.fp8.fp8_dot_general(
+    ...     x, w, (((1,), (0,)), ((), ())), recipe=jaxmp.fp8.CurrentScaling())
+    >>> gemm, = jaxmp.tools.audit(fp8_dot, x, w).gemms
+    >>> gemm.operand_dtypes, gemm.compute_dtypes
+    (('float8_e4m3fn', 'float8_e4m3fn'), ('float32', 'float32'))
+  """
+  if not callable(fn):
+    raise TypeError(f"audit: fn must be callable, got {fn!r} of type {type(fn).__name__}.")
+  if compiler_options is not None and not isinstance(compiler_options, Mapping):
+    raise TypeError("audit: compiler_options must be a mapping of XLA option names to "
+                    f"values, got {type(compiler_options).__name__}.")
+  jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
+  spec, tpu_seconds = None, None
+  if target is None:
+    device = jax.devices()[0]
+    platform, name, kind = device.platform, device.platform, device.device_kind
+    if platform == "gpu":
+      spec = targets_lib.gpu_spec_for(kind)
+  else:
+    name = targets_lib.check_target(target)
+    device = targets_lib.compile_device(name)
+    args, kwargs = _abstract((args, kwargs), device)
+    kind = device.device_kind
+    platform = "tpu" if targets_lib.is_tpu(name) else "gpu"
+    spec = targets_lib.GPU_TARGETS.get(name)
+  compiled = jitted.trace(*args, **kwargs).lower().compile(
+      dict(compiler_options) if compiler_options else None)
+  if platform == "tpu":
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    tpu_seconds = cost.get("optimal_seconds")
+    if tpu_seconds is not None and tpu_seconds < 0:  # the cost model's "unknown"
+      tpu_seconds = None
+  return analyze(compiled.as_text(), platform, spec, name, kind, compiler_options or {},
+                 tpu_seconds)
+
+
+__all__ = ("AuditReport", "Gemm", "Kernel", "analyze", "audit")

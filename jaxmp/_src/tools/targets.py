@@ -1,0 +1,227 @@
+"""Compile targets for :func:`jaxmp.tools.audit`: GPUs and TPUs without the hardware.
+
+JAX's accelerator plugins compile for a device they do not have. With the CUDA plugin
+(``jax[cuda12]``) installed, ``jax.experimental.topologies.get_topology_desc(
+platform="cuda", target_config=<GpuTargetConfigProto text>)`` gives compile-only
+devices for the GPU the text describes, and XLA runs its whole GPU pipeline for it;
+with ``libtpu`` (``jax[tpu]``) the same works for TPU generations by topology name.
+Nothing here runs on a device: it only says what to compile for and, for the
+roofline estimate, how fast the chip is on paper.
+
+GPU peaks are dense (no 2:4 sparsity) tensor-core rates from NVIDIA's datasheets
+(H100 SXM5: "NVIDIA H100 Tensor Core GPU" datasheet; A100 SXM4 80GB: "NVIDIA A100
+Tensor Core GPU" datasheet; B200: "NVIDIA DGX B200" datasheet, per GPU, the sparse
+figures halved). Memory bandwidth is the one in the target description, which is
+what XLA's own cost model assumes (within 5% of the datasheets). The GPU target
+descriptions are XLA's ``xla/tools/hlo_opt/gpu_specs`` files, plus the CUDA and cuDNN
+versions the fp8 GEMM rewrite checks for.
+
+Example:
+  >>> from jaxmp._src.tools import targets
+  >>> targets.GPU_TARGETS["h100"].peak_tflops["fp8"], targets.GPU_TARGETS["h100"].peak_tflops["bf16"]
+  (1978.9, 989.4)
+  >>> targets.check_target("H100")
+  'h100'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import os
+from typing import Any, Mapping, Optional
+
+_GPU_INFO_COMMON = """\
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  threads_per_core_limit: 2048
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+"""
+
+
+def _target_config(device_info: str, capability: tuple[int, int], name: str) -> str:
+  """A GpuTargetConfigProto in text form: XLA's gpu_specs fields plus versions."""
+  major, minor = capability
+  return (f"gpu_device_info {{\n{_GPU_INFO_COMMON}{device_info}"
+          f"  cuda_compute_capability {{ major: {major} minor: {minor} }}\n}}\n"
+          # The fp8 cuBLASLt rewrite needs CUDA >= 12; cuDNN 9 for fused attention.
+          "runtime_version { major: 12 minor: 8 patch: 0 }\n"
+          "platform_name: \"CUDA\"\n"
+          "dnn_version_info { major: 9 minor: 8 }\n"
+          f"device_description_str: \"{name}\"\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+  """A GPU to compile for and its paper speeds.
+
+  Attributes:
+    name: the target name (``"h100"``).
+    device_kind: what ``jax.Device.device_kind`` says on that GPU.
+    target_config: the GpuTargetConfigProto text XLA compiles for.
+    peak_tflops: dense TFLOP/s by arithmetic: ``fp8``, ``bf16`` (also float16),
+      ``tf32`` (float32 GEMMs at XLA's default precision), ``f32`` (float32 at
+      HIGHEST precision, no tensor cores), ``f64``, ``int8`` (TOP/s).
+    hbm_bytes_per_second: memory bandwidth.
+    source: where the peaks come from.
+  """
+
+  name: str
+  device_kind: str
+  target_config: str
+  peak_tflops: Mapping[str, float]
+  hbm_bytes_per_second: float
+  source: str
+
+
+GPU_TARGETS: Mapping[str, GpuSpec] = {
+    "h100": GpuSpec(
+        "h100", "NVIDIA H100 80GB HBM3",
+        _target_config("""\
+  shared_memory_per_core: 233472
+  core_count: 132
+  fpus_per_core: 128
+  memory_bandwidth: 3352320000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 84978434048
+  shared_memory_per_block_optin: 232448
+""", (9, 0), "NVIDIA H100 80GB HBM3"),
+        {"fp8": 1978.9, "bf16": 989.4, "tf32": 494.7, "f32": 66.9, "f64": 66.9, "int8": 1978.9},
+        3.35232e12, "NVIDIA H100 Tensor Core GPU datasheet, SXM5, dense"),
+    "a100": GpuSpec(
+        "a100", "NVIDIA A100-SXM4-80GB",
+        _target_config("""\
+  shared_memory_per_core: 167936
+  core_count: 108
+  fpus_per_core: 64
+  memory_bandwidth: 2039040000000
+  l2_cache_size: 41943040
+  clock_rate_ghz: 1.41
+  device_memory_size: 85100068864
+  shared_memory_per_block_optin: 166912
+""", (8, 0), "NVIDIA A100-SXM4-80GB"),
+        # No fp8 tensor cores: XLA turns fp8 GEMMs into float16 ones on sm_80.
+        {"bf16": 312.0, "tf32": 156.0, "f32": 19.5, "f64": 19.5, "int8": 624.0},
+        2.03904e12, "NVIDIA A100 Tensor Core GPU datasheet, SXM4 80GB, dense"),
+    "b200": GpuSpec(
+        "b200", "NVIDIA B200",
+        _target_config("""\
+  shared_memory_per_core: 233472
+  core_count: 148
+  fpus_per_core: 128
+  memory_bandwidth: 7672320000000
+  l2_cache_size: 132644864
+  clock_rate_ghz: 1.965
+  device_memory_size: 191514673152
+  shared_memory_per_block_optin: 232448
+""", (10, 0), "NVIDIA B200"),
+        {"fp8": 4500.0, "bf16": 2250.0, "tf32": 1100.0, "f32": 75.0, "f64": 37.0, "int8": 4500.0},
+        7.67232e12, "NVIDIA DGX B200 datasheet, per GPU, sparse figures halved"),
+}
+
+# Single-chip topologies. "tpu7x" is v7 (Ironwood), whose chip is two devices
+# (TensorCores); the audit compiles for one of them.
+TPU_TARGETS: Mapping[str, str] = {
+    "v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e": "v6e:1x1", "v7": "tpu7x:1x1x1",
+}
+
+TARGETS = tuple(GPU_TARGETS) + tuple(TPU_TARGETS)
+
+
+def check_target(target: Any) -> str:
+  """The canonical (lower-case) target name, or a TypeError/ValueError.
+
+  Raises:
+    TypeError: if ``target`` is not a string.
+    ValueError: if it names no known target; the message lists them.
+  """
+  if not isinstance(target, str):
+    raise TypeError(f"audit: target must be a string such as 'h100', got {target!r} of type "
+                    f"{type(target).__name__}.")
+  name = target.strip().lower()
+  if name not in TARGETS:
+    raise ValueError(f"audit: unknown target {target!r}; accepted targets are "
+                     f"{', '.join(repr(t) for t in TARGETS)} (or None for the local backend).")
+  return name
+
+
+def is_tpu(target: str) -> bool:
+  return target in TPU_TARGETS
+
+
+def installed(module: str) -> bool:
+  """Whether ``module`` can be imported (without importing it)."""
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:  # its parent package is missing
+    return False
+
+
+def _require(module: str, extra: str, target: str) -> None:
+  if not installed(module):
+    raise ImportError(
+        f"audit(target={target!r}) compiles without the hardware through JAX's {extra} "
+        f"plugin, which is not installed here ({module} not found). Install "
+        f"jax[{extra}] at this JAX's version in its own environment; `make gpu-report` "
+        "builds one (.venv-cuda, which also holds libtpu).")
+
+
+@functools.lru_cache(maxsize=None)
+def compile_device(target: str) -> Any:
+  """A compile-only ``jax.Device`` for ``target`` (built once per process).
+
+  Raises:
+    ImportError: if the plugin the target needs is not installed.
+    RuntimeError: if the plugin is installed but could not describe the target
+      (for GPUs: the process's JAX initialised the CUDA backend and failed, which
+      happens without a GPU unless ``JAX_PLATFORMS=cpu`` was set before JAX started).
+  """
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  if is_tpu(target):
+    _require("libtpu", "tpu", target)
+    # Without a TPU VM, libtpu must not wait for the GCE metadata server.
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    topology = topologies.get_topology_desc(
+        topology_name=TPU_TARGETS[target], platform="tpu", chip_config_name="default",
+        chips_per_host_bounds=(1, 1, 1), num_slices=1, wrap=(False, False, False))
+  else:
+    _require("jax_plugins.xla_cuda12", "cuda12", target)
+    try:
+      topology = topologies.get_topology_desc(
+          platform="cuda", target_config=GPU_TARGETS[target].target_config, topology="1x1x1")
+    except NotImplementedError as e:
+      raise RuntimeError(
+          f"audit(target={target!r}): the CUDA plugin is installed but registered no "
+          "compile-only topology, because JAX initialised it for a GPU and that failed. On "
+          "a machine without a GPU set JAX_PLATFORMS=cpu before JAX starts (as "
+          "benchmarks/gpu_report.py does).") from e
+  return topology.devices[0]
+
+
+def gpu_spec_for(device_kind: str) -> Optional[GpuSpec]:
+  """The :class:`GpuSpec` whose GPU has this ``device_kind``, if any (H100, A100, B200)."""
+  kind = device_kind.lower()
+  for name, spec in GPU_TARGETS.items():
+    if name in kind:
+      return spec
+  return None
+
+
+__all__ = (
+    "GPU_TARGETS",
+    "TARGETS",
+    "TPU_TARGETS",
+    "GpuSpec",
+    "check_target",
+    "compile_device",
+    "gpu_spec_for",
+    "installed",
+    "is_tpu",
+)

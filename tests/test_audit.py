@@ -1,0 +1,203 @@
+"""jaxmp.tools.audit: what a compiled step runs, from the optimized HLO."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmp
+from jaxmp import fp8
+from jaxmp._src.tools import audit as audit_lib
+from jaxmp._src.tools import targets
+
+DENSE = (((1,), (0,)), ((), ()))
+
+
+def test_bf16_matmul_reports_bf16_operands_and_exact_flops():
+  x = jnp.ones((64, 128), jnp.bfloat16)
+  w = jnp.ones((128, 32), jnp.bfloat16)
+  report = jaxmp.tools.audit(lambda x, w: x @ w, x, w)
+  (gemm,) = report.gemms
+  assert gemm.operand_dtypes == ("bfloat16", "bfloat16")
+  assert gemm.flops == 2 * 64 * 128 * 32
+  assert gemm.shape == "64x32x128"
+  assert gemm.backend.startswith("CPU")
+  assert not gemm.fp8
+  # A CPU has no bfloat16 GEMM: it reads the operands as float32, converted by kernels
+  # of their own, which the report lists.
+  assert gemm.compute_dtypes == ("float32", "float32")
+  assert {k.unfused for k in report.unfused} >= {"convert bf16->f32"}
+  assert report.target == "cpu" and report.estimated_seconds is None
+  assert report.non_gemm_bytes == sum(k.bytes * k.count for k in report.kernels)
+  assert "GEMM backend" in str(report) and "bfloat16 x bfloat16" in str(report)
+
+
+def test_fp8_dot_general_reports_fp8_operands_forward_and_backward():
+  recipe = fp8.DelayedScaling(amax_history_length=4)
+  state = fp8.init_state(recipe)
+  x = jnp.ones((32, 64), jnp.bfloat16)
+  w = jnp.ones((64, 16), jnp.bfloat16)
+
+  def forward(x, w, state):
+    return fp8.fp8_dot_general(x, w, DENSE, state=state, recipe=recipe)
+
+  (gemm,) = jaxmp.tools.audit(forward, x, w, state).gemms
+  assert gemm.operand_dtypes == ("float8_e4m3fn", "float8_e4m3fn")
+  assert gemm.flops == 2 * 32 * 64 * 16
+
+  def forward_backward(x, w, state, g):
+    _, vjp = jax.vjp(forward, x, w, state)
+    return vjp(g)
+
+  report = jaxmp.tools.audit(forward_backward, x, w, state, jnp.ones((32, 16), jnp.bfloat16))
+  # dx = g w^T and dw = x^T g: the output gradient in E5M2 against E4M3 operands.
+  assert sorted(tuple(sorted(g.operand_dtypes)) for g in report.gemms) == [
+      ("float8_e4m3fn", "float8_e5m2")] * 2
+  # jaxmp computes dw as (g^T x)^T: a 16x64 product over the batch of 32.
+  assert sorted(g.shape for g in report.gemms) == ["16x64x32", "32x64x16"]
+
+
+def test_batched_einsum_shape_and_flops():
+  a = jnp.ones((3, 8, 16), jnp.float32)
+  b = jnp.ones((3, 16, 4), jnp.float32)
+  (gemm,) = jaxmp.tools.audit(lambda a, b: jnp.einsum("bij,bjk->bik", a, b), a, b).gemms
+  assert gemm.shape == "3*8x4x16"
+  assert gemm.flops == 2 * 3 * 8 * 16 * 4
+  assert gemm.operand_dtypes == ("float32", "float32")
+
+
+def test_jitted_function_keeps_its_static_arguments():
+  f = jax.jit(lambda x, n: x @ x.T * n, static_argnums=1)
+  report = jaxmp.tools.audit(f, jnp.ones((8, 4)), 3)
+  assert [g.flops for g in report.gemms] == [2 * 8 * 8 * 4]
+
+
+# A hand-written GPU module: an fp8 cuBLASLt call inside a loop of 3 iterations, and
+# a kernel that only narrows float32 to bfloat16. The parser and the roofline are
+# checked here without the CUDA plugin.
+GPU_HLO = textwrap.dedent("""\
+    HloModule m
+
+    %convert_computation (p: f32[1024,512]) -> bf16[1024,512] {
+      %wide = f32[1024,512]{1,0} parameter(0)
+      ROOT %c = bf16[1024,512]{1,0} convert(%wide)
+    }
+
+    %body (t: (f8e4m3fn[1024,256], f8e4m3fn[512,256])) -> (f8e4m3fn[1024,256], f8e4m3fn[512,256]) {
+      %t = (f8e4m3fn[1024,256]{1,0}, f8e4m3fn[512,256]{1,0}) parameter(0)
+      %a = f8e4m3fn[1024,256]{1,0} get-tuple-element(%t), index=0
+      %b = f8e4m3fn[512,256]{1,0} get-tuple-element(%t), index=1
+      %one = f32[] constant(1)
+      %gemm = (f32[1024,512]{1,0}, s8[4194304]{0}) custom-call(%a, %b, %one, %one), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]},"precision_config":{"operand_precision":["DEFAULT","DEFAULT"]}}}
+      %out = f32[1024,512]{1,0} get-tuple-element(%gemm), index=0
+      %narrow = bf16[1024,512]{1,0} fusion(%out), kind=kLoop, calls=%convert_computation
+      ROOT %r = (f8e4m3fn[1024,256]{1,0}, f8e4m3fn[512,256]{1,0}) tuple(%a, %b)
+    }
+
+    %cond (t: (f8e4m3fn[1024,256], f8e4m3fn[512,256])) -> pred[] {
+      %tc = (f8e4m3fn[1024,256]{1,0}, f8e4m3fn[512,256]{1,0}) parameter(0)
+      ROOT %go = pred[] constant(true)
+    }
+
+    ENTRY %main (a: f8e4m3fn[1024,256], b: f8e4m3fn[512,256]) -> (f8e4m3fn[1024,256], f8e4m3fn[512,256]) {
+      %a0 = f8e4m3fn[1024,256]{1,0} parameter(0)
+      %b0 = f8e4m3fn[512,256]{1,0} parameter(1)
+      %t0 = (f8e4m3fn[1024,256]{1,0}, f8e4m3fn[512,256]{1,0}) tuple(%a0, %b0)
+      ROOT %w = (f8e4m3fn[1024,256]{1,0}, f8e4m3fn[512,256]{1,0}) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+    }
+    """)
+
+
+def test_gpu_module_roofline_and_loop_count():
+  spec = targets.GPU_TARGETS["h100"]
+  report = audit_lib.analyze(GPU_HLO, "gpu", spec, "h100", spec.device_kind)
+  (gemm,) = report.gemms
+  assert (gemm.backend, gemm.operand_dtypes, gemm.output_dtype) == (
+      "fp8 cuBLASLt", ("float8_e4m3fn", "float8_e4m3fn"), "float32")
+  assert (gemm.shape, gemm.count, gemm.rate) == ("1024x512x256", 3, "fp8")
+  flops = 2 * 1024 * 512 * 256
+  gemm_bytes = 1024 * 256 + 512 * 256 + 4 * 1024 * 512
+  assert (gemm.flops, gemm.bytes) == (flops, gemm_bytes)
+  assert gemm.seconds == max(flops / 1978.9e12, gemm_bytes / 3.35232e12)
+  (narrow,) = report.kernels
+  assert narrow.unfused == "convert f32->bf16" and narrow.count == 3
+  assert narrow.bytes == (4 + 2) * 1024 * 512
+  assert report.non_gemm_bytes == 3 * narrow.bytes
+  assert report.estimated_seconds == pytest.approx(3 * (gemm.seconds + narrow.bytes / 3.35232e12))
+  assert "roofline estimate" in str(report)
+
+
+@pytest.mark.parametrize("target,error,match", [
+    (3, TypeError, "target must be a string"),
+    ("h200", ValueError, "unknown target 'h200'; accepted targets are 'h100', 'a100', 'b200', "
+                         "'v5e', 'v5p', 'v6e', 'v7'"),
+])
+def test_bad_target(target, error, match):
+  with pytest.raises(error, match=match):
+    jaxmp.tools.audit(lambda x: x, jnp.ones(2), target=target)
+
+
+def test_bad_fn_and_options():
+  with pytest.raises(TypeError, match="fn must be callable"):
+    jaxmp.tools.audit("not a function")
+  with pytest.raises(TypeError, match="compiler_options must be a mapping"):
+    jaxmp.tools.audit(lambda x: x, jnp.ones(2), compiler_options=["xla_gpu_enable_triton_gemm"])
+
+
+_H100_CHECK = textwrap.dedent("""\
+    import jax, jax.numpy as jnp, jaxmp
+    from jaxmp import fp8
+    S = jax.ShapeDtypeStruct
+    recipe = fp8.DelayedScaling(amax_history_length=16)
+    state = jax.eval_shape(lambda: fp8.init_state(recipe))
+    dims = (((1,), (0,)), ((), ()))
+    def step(x, w, state, g):
+      f = lambda x, w, s: fp8.fp8_dot_general(x, w, dims, state=s, recipe=recipe)
+      out, vjp = jax.vjp(f, x, w, state)
+      return out, vjp(g)
+    args = (S((512, 256), jnp.bfloat16), S((256, 384), jnp.bfloat16), state,
+            S((512, 384), jnp.bfloat16))
+    for options in ({"xla_gpu_enable_triton_gemm": False}, {}):
+      r = jaxmp.tools.audit(step, *args, target="h100", compiler_options=options)
+      assert r.device_kind == "NVIDIA H100 80GB HBM3", r.device_kind
+      assert len(r.gemms) == 3 and all(g.fp8 for g in r.gemms), str(r)
+      if options:
+        assert {g.backend for g in r.gemms} == {"fp8 cuBLASLt"}, str(r)
+      # Quantization fuses: no float32 or bool tensor of an operand's size in memory.
+      big = [k for k in r.kernels if k.bytes >= 512 * 256 and
+             (k.output.startswith("f32[") or k.output.startswith("pred[")) and
+             k.output.count(",") == 1 and not k.unfused]
+      assert not big, [(k.name, k.output) for k in big]
+      assert r.estimated_seconds > 0
+    bf = jaxmp.tools.audit(lambda a, b: a @ b, S((256, 256), jnp.bfloat16), S((256, 256), jnp.bfloat16),
+                           target="h100", compiler_options={"xla_gpu_enable_triton_gemm": False})
+    (g,) = bf.gemms
+    assert (g.backend, g.operand_dtypes, g.output_dtype, g.rate) == (
+        "cuBLASLt", ("bfloat16", "bfloat16"), "bfloat16", "bf16"), str(bf)
+    # cuDNN fused attention (the score matrix never reaches memory) is one kernel.
+    qkv = (S((2, 128, 4, 64), jnp.bfloat16),) * 3
+    att = jaxmp.tools.audit(
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"), *qkv,
+        target="h100")
+    (g,) = att.gemms
+    assert (g.backend, g.flops, g.operand_dtypes) == (
+        "cuDNN fused attention", 4 * 2 * 4 * 128 * 128 * 64, ("bfloat16", "bfloat16")), str(att)
+    print("ok")
+    """)
+
+
+def test_h100_deviceless():
+  if not targets.installed("jax_plugins.xla_cuda12"):
+    pytest.skip("needs jax[cuda12] plugin (make gpu-report builds it)")
+  # A fresh process: compiling for a GPU that is not there needs JAX_PLATFORMS=cpu
+  # before JAX starts.
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+  out = subprocess.run([sys.executable, "-c", _H100_CHECK], env=env, capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-4000:]
