@@ -15,8 +15,10 @@ Workloads (``--workloads``):
 * ``demo``: ``examples/train_lm.py --preset gpu`` (width 768, depth 8, context 512,
   batch 64): the jitted train step with AdamW and global-norm clipping, run by
   ``jaxmp.linen.TrainState`` in float32, bfloat16, float16 + dynamic loss scaling and
-  bfloat16 + jaxmp fp8 exactly as the demo runs them, and the same model written by
-  hand in bfloat16 with Flax's ``nn.Fp8DirectDotGeneralOp`` in the blocks.
+  bfloat16 + jaxmp fp8 exactly as the demo runs them, the same model written by
+  hand in bfloat16 with Flax's ``nn.Fp8DirectDotGeneralOp`` in the blocks, and the
+  bfloat16 and fp8 runs with ``PolicyRules(fused_attention=True)`` (cuDNN flash
+  attention: the score matrix never reaches HBM).
 * ``dense``: one ``nn.Dense`` 8192 x 8192 x 8192 forward + backward
   (``benchmarks/bench_fp8.py``'s step).
 * ``block``: ``bench_fp8.py``'s pre-norm transformer block at its GPU preset.
@@ -153,10 +155,17 @@ def demo_cases() -> dict[str, Case]:
     params = optax.apply_updates(variables["params"], updates)
     return ({"params": params, OWG: new_owg}, opt_state), value
 
+  def fused(run):
+    # The same run with PolicyRules(fused_attention=True): cuDNN flash attention.
+    rules = jaxmp.PolicyRules(run.policy) if run.policy is not None else train_lm.fp8_rules()
+    return dataclasses.replace(run, policy=dataclasses.replace(rules, fused_attention=True))
+
   return {"float32": jaxmp_case(runs["float32"]), "bf16": jaxmp_case(runs["bfloat16"]),
           "fp16 + loss scaling": jaxmp_case(runs["float16 + loss scaling"]),
           "bf16 + jaxmp fp8": jaxmp_case(runs["bfloat16 + fp8"]),
-          "bf16 + Flax fp8": Case(flax_step, flax_make)}
+          "bf16 + Flax fp8": Case(flax_step, flax_make),
+          "bf16, fused attention": jaxmp_case(fused(runs["bfloat16"])),
+          "bf16 + jaxmp fp8, fused attention": jaxmp_case(fused(runs["bfloat16 + fp8"]))}
 
 
 def traffic_cases() -> dict[str, dict[str, Case]]:

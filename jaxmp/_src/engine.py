@@ -50,6 +50,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 import jax
 import numpy as np
 
+from jaxmp._src import attention as attention_lib
 from jaxmp._src import dtypes as dtypes_lib
 from jaxmp._src import float32_ops as float32_ops_lib
 from jaxmp._src import rules as rules_lib
@@ -101,7 +102,8 @@ def resolve(rules: rules_lib.PolicyRules, path: str, module_type: type,
 
 
 NOT_A_DTYPE_FIELD = object()
-"""Returned by :meth:`Call.dtype_field` for a field the engine leaves alone."""
+"""Returned by :meth:`Call.dtype_field` and :meth:`Call.attention_field` for a field
+the engine leaves alone."""
 
 ANNOTATION = "jaxmp_call_"
 """Prefix of the named scope each module call runs in when a :class:`Call` annotates:
@@ -167,6 +169,18 @@ class Call:
     if value is not None and not _is_float_dtype_value(value):
       return NOT_A_DTYPE_FIELD
     return precision.policy.compute_dtype
+
+  def attention_field(self, value: Any) -> Any:
+    """What a module's ``attention_fn`` field holds while it runs.
+
+    With ``PolicyRules(fused_attention=True)``, the fused attention of
+    :mod:`jaxmp._src.attention` standing in for ``value`` (which still runs where the
+    fused one cannot); otherwise, or for a field that is not a function,
+    :data:`NOT_A_DTYPE_FIELD` (leave it alone).
+    """
+    if not self.rules.fused_attention or not callable(value) or attention_lib.is_fused(value):
+      return NOT_A_DTYPE_FIELD
+    return attention_lib.fused_attention_fn(value)
 
   def _cast_leaf(self, x: Any, dtype: np.dtype) -> Any:
     if not tree_lib.is_float_array(x) or x.dtype == dtype:

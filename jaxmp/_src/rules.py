@@ -229,6 +229,9 @@ class PolicyRules:
     module_dtypes: ``"policy"`` (default): a module's own computation-dtype field
       (``dtype``) is its resolved compute dtype while it runs; ``"model"``: the fields
       keep what the model set, and a field that says float32 computes in float32.
+    fused_attention: whether Flax attention layers (those with an ``attention_fn``)
+      compute attention with ``jax.nn.dot_product_attention``: cuDNN's fused kernel
+      on GPUs, XLA's elsewhere (:mod:`jaxmp._src.attention`). Default ``False``.
 
   Frozen and hashable, so it can be a static argument of ``jax.jit``.
 
@@ -244,6 +247,7 @@ class PolicyRules:
   float32_normalization: bool = True
   float32_ops: frozenset = frozenset(float32_ops_lib.DEFAULT)
   module_dtypes: str = "policy"
+  fused_attention: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "default", policy_lib.get_policy(self.default))
@@ -253,6 +257,10 @@ class PolicyRules:
           f"{self.float32_normalization!r} of type {type(self.float32_normalization).__name__}.")
     object.__setattr__(self, "float32_ops",
                        float32_ops_lib.check(self.float32_ops, "PolicyRules"))
+    if not isinstance(self.fused_attention, (bool, np.bool_)):
+      raise TypeError(
+          f"PolicyRules fused_attention must be True or False, got {self.fused_attention!r} "
+          f"of type {type(self.fused_attention).__name__}.")
     if not isinstance(self.module_dtypes, str):
       raise TypeError(f"PolicyRules module_dtypes must be one of {MODULE_DTYPES}, got "
                       f"{self.module_dtypes!r} of type {type(self.module_dtypes).__name__}.")

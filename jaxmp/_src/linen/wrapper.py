@@ -59,18 +59,23 @@ def _params_in(module: nn.Module, dtype: np.dtype, call: engine.Call):
   return injection.instance_attribute(module, "param", param)
 
 
-def _has_dtype_field(module: nn.Module) -> bool:
-  return "dtype" in getattr(module, "__dataclass_fields__", {})
+def _field_values(module: nn.Module, precision, call: engine.Call) -> dict[str, Any]:
+  """The dataclass fields the engine sets while the module runs: ``dtype``, ``attention_fn``."""
+  fields = getattr(module, "__dataclass_fields__", {})
+  chosen = {}
+  if "dtype" in fields:
+    chosen["dtype"] = call.dtype_field(module.dtype, precision)
+  if "attention_fn" in fields:
+    chosen["attention_fn"] = call.attention_field(module.attention_fn)
+  return {k: v for k, v in chosen.items() if v is not engine.NOT_A_DTYPE_FIELD}
 
 
 def _module_in(module: nn.Module, precision, call: engine.Call) -> contextlib.ExitStack:
-  """Params read in the compute dtype, and the ``dtype`` field the engine chose."""
+  """Params read in the compute dtype, and the fields the engine chose."""
   stack = contextlib.ExitStack()
   stack.enter_context(_params_in(module, precision.policy.compute_dtype, call))
-  if _has_dtype_field(module):
-    value = call.dtype_field(module.dtype, precision)
-    if value is not engine.NOT_A_DTYPE_FIELD:
-      stack.enter_context(injection.instance_attribute(module, "dtype", value))
+  for name, value in _field_values(module, precision, call).items():
+    stack.enter_context(injection.instance_attribute(module, name, value))
   return stack
 
 

@@ -313,21 +313,25 @@ class MixedPrecision(nnx.Module):
       if r.path in fp8_modules:
         fp8_nnx.install(r.module, fp8_modules[r.path])
         precision = dataclasses.replace(precision, fp8=fp8_modules[r.path].recipe)
-      _set_dtype_field(r.module, precision, call)
+      _set_fields(r.module, precision, call)
       module_type = _ORIGINAL.get(type(r.module), type(r.module))
       object.__setattr__(r.module, "__class__", _intercepting_class(module_type))
       object.__setattr__(r.module, _CALL_ATTRIBUTE,
                          _ModuleCall(r.path, module_type, precision, call))
 
 
-def _set_dtype_field(module: nnx.Module, precision: rules_lib.ModulePrecision,
-                     call: engine.Call) -> None:
-  """Sets the copy's ``dtype`` attribute to what the engine chose (see Call.dtype_field)."""
-  if "dtype" not in vars(module):
-    return
-  value = call.dtype_field(vars(module)["dtype"], precision)
-  if value is not engine.NOT_A_DTYPE_FIELD:
-    object.__setattr__(module, "dtype", value)
+def _set_fields(module: nnx.Module, precision: rules_lib.ModulePrecision,
+                call: engine.Call) -> None:
+  """Sets the copy's ``dtype`` and ``attention_fn`` to what the engine chose."""
+  attributes = vars(module)
+  chosen = {}
+  if "dtype" in attributes:
+    chosen["dtype"] = call.dtype_field(attributes["dtype"], precision)
+  if "attention_fn" in attributes:
+    chosen["attention_fn"] = call.attention_field(attributes["attention_fn"])
+  for name, value in chosen.items():
+    if value is not engine.NOT_A_DTYPE_FIELD:
+      object.__setattr__(module, name, value)
 
 
 class _Snapshot:

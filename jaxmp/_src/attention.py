@@ -1,0 +1,129 @@
+"""Fused attention for wrapped Flax attention layers: the score matrix never reaches memory.
+
+Flax's attention layers (``nn.MultiHeadDotProductAttention``, ``nnx.MultiHeadAttention``)
+compute ``softmax(q k^T) v`` in separate steps, so the ``[batch, heads, q, kv]`` score
+matrix goes through memory forward and backward. With ``PolicyRules(...,
+fused_attention=True)`` the wrapper gives those layers, for the duration of their
+call, an ``attention_fn`` that computes the same attention with
+``jax.nn.dot_product_attention``:
+
+* where cuDNN's fused flash-attention kernel can take the call (it is installed, the
+  dtype is bfloat16 or float16, the head size and shapes are ones it supports), the
+  GPU lowering runs it (``jax.lax.platform_dependent``: ``cuda`` gets cuDNN, every
+  other platform XLA's implementation, so one traced step serves both);
+* otherwise XLA's implementation, the same maths in one jitted function.
+
+Both accumulate the scores and compute the softmax in float32 whatever the compute
+dtype (as the float32 op list asks) and hand back the values' dtype. The layer's own
+attention function runs instead where the fused one cannot stand in for it: dropout
+on the attention weights, sown attention weights (``module=``), an explicit
+``precision``, custom einsums, or query/key/value with more than one batch dimension.
+
+Example:
+  >>> import flax.linen as nn
+  >>> rules = jaxmp.PolicyRules("params=float32,compute=bfloat16,output=float32",
+  ...                           fused_attention=True)
+  >>> model = jaxmp.linen.mixed_precision(nn.MultiHeadDotProductAttention(num_heads=2), rules)
+  >>> x = jnp.ones((1, 4, 8))
+  >>> variables = model.init(jax.random.key(0), x)
+  >>> model.apply(variables, x).shape
+  (1, 4, 8)
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+_NOT_GIVEN = object()
+
+
+def _cudnn_can_take(query, key, value, bias, mask, is_causal) -> bool:
+  """Whether JAX's cuDNN attention accepts these arguments (traced abstractly)."""
+  try:
+    jax.eval_shape(functools.partial(jax.nn.dot_product_attention, implementation="cudnn",
+                                     is_causal=is_causal),
+                   query, key, value, bias, mask)
+  except (RuntimeError, ValueError, TypeError, NotImplementedError):
+    return False  # no cuDNN here, or a dtype/shape it does not support
+  return True
+
+
+def attend(query: jax.Array, key: jax.Array, value: jax.Array,
+           bias: Optional[jax.Array] = None, mask: Optional[jax.Array] = None,
+           is_causal: bool = False) -> jax.Array:
+  """``softmax(q k^T / sqrt(d) + bias, masked) v``: cuDNN's fused kernel on GPUs, else XLA's.
+
+  Args:
+    query: ``[batch, q_length, heads, depth]``.
+    key: ``[batch, kv_length, kv_heads, depth]``.
+    value: like ``key``.
+    bias: added to the scores, broadcastable to ``[batch, heads, q_length, kv_length]``.
+    mask: where the scores count (bool), broadcastable like ``bias``.
+    is_causal: also mask every key after its query (cuDNN then skips those blocks).
+
+  Returns:
+    ``[batch, q_length, heads, depth]`` in the inputs' dtype.
+  """
+  implementation = functools.partial(jax.nn.dot_product_attention, is_causal=is_causal)
+  xla = functools.partial(implementation, implementation="xla")
+  if _cudnn_can_take(query, key, value, bias, mask, is_causal):
+    return jax.lax.platform_dependent(
+        query, key, value, bias, mask,
+        cuda=functools.partial(implementation, implementation="cudnn"), default=xla)
+  return xla(query, key, value, bias, mask)
+
+
+def _falls_back(query, dropout_rate, deterministic, module, precision, einsums) -> bool:
+  dropout = dropout_rate > 0.0 and not deterministic
+  return (dropout or module is not None or precision is not None
+          or any(e is not None for e in einsums) or query.ndim != 4)
+
+
+def fused_attention_fn(original: Callable[..., Any]) -> Callable[..., Any]:
+  """A Flax-compatible ``attention_fn`` computing with :func:`attend`.
+
+  Takes the keyword arguments Flax's linen and NNX attention layers pass their
+  ``attention_fn``; where the fused computation cannot stand in (see the module
+  docstring), calls ``original`` with exactly the arguments it was given.
+
+  Args:
+    original: the layer's own attention function.
+
+  Returns:
+    The function to set as the layer's ``attention_fn`` for the call.
+  """
+  accepted = inspect.signature(original).parameters
+
+  def attention(query, key, value, bias=None, mask=None, broadcast_dropout=_NOT_GIVEN,
+                dropout_rng=_NOT_GIVEN, dropout_rate=0.0, deterministic=False, dtype=None,
+                precision=None, module=None, force_fp32_for_softmax=_NOT_GIVEN,
+                is_causal=False, qk_attn_weights_einsum=None, attn_weights_value_einsum=None):
+    given = dict(bias=bias, mask=mask, broadcast_dropout=broadcast_dropout,
+                 dropout_rng=dropout_rng, dropout_rate=dropout_rate,
+                 deterministic=deterministic, dtype=dtype, precision=precision, module=module,
+                 force_fp32_for_softmax=force_fp32_for_softmax, is_causal=is_causal,
+                 qk_attn_weights_einsum=qk_attn_weights_einsum,
+                 attn_weights_value_einsum=attn_weights_value_einsum)
+    einsums = (qk_attn_weights_einsum, attn_weights_value_einsum)
+    if _falls_back(query, dropout_rate, deterministic, module, precision, einsums):
+      kwargs = {k: v for k, v in given.items() if k in accepted and v is not _NOT_GIVEN}
+      return original(query, key, value, **kwargs)
+    dtype = jnp.result_type(query, key, value) if dtype is None else dtype
+    query, key, value = (x.astype(dtype) for x in (query, key, value))
+    mask = None if mask is None else mask.astype(bool)
+    return attend(query, key, value, bias, mask, is_causal)
+
+  return attention
+
+
+def is_fused(attention_fn: Any) -> bool:
+  """Whether ``attention_fn`` came from :func:`fused_attention_fn`."""
+  return getattr(attention_fn, "__qualname__", "").startswith("fused_attention_fn.")
+
+
+__all__ = ("attend", "fused_attention_fn", "is_fused")
