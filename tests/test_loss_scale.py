@@ -415,7 +415,7 @@ def test_immutable():
   with pytest.raises(AttributeError, match="immutable"):
     ls.min_scale = 0.0
   with pytest.raises(AttributeError, match="immutable"):
-    jaxmp.StaticLossScale(2.0)._loss_scale = 3.0
+    jaxmp.StaticLossScale(2.0).scale_value = 3.0  # no new attributes either
 
 
 def test_repr_names_every_field():

@@ -387,7 +387,10 @@ def _require_state(opt_state: Any, caller: str) -> LossScalingState:
   return state
 
 
-def get_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
+_REQUIRED = object()
+
+
+def get_loss_scale(opt_state: Any, default: Any = _REQUIRED) -> loss_scale_lib.LossScale:
   """The current loss scale, found anywhere in a (nested) optimizer state.
 
   Looks through tuples, lists, dicts, NamedTuples and every pytree (``optax.chain``,
@@ -397,22 +400,31 @@ def get_loss_scale(opt_state: Any) -> loss_scale_lib.LossScale:
 
   Args:
     opt_state: an optimizer state containing exactly one ``LossScalingState``.
+    default: what to return for a state with no ``LossScalingState`` (e.g.
+      ``jaxmp.NoOpLossScale()`` for code that runs with and without loss scaling);
+      without it, such a state is an error.
 
   Returns:
     Its loss scale; multiply the next loss by it, e.g. with
     ``get_loss_scale(opt_state).value_and_grad(loss_fn)``.
 
   Raises:
-    ValueError: if the state holds no ``LossScalingState``, more than one, or one
-      inside an ``optax.MultiSteps`` (nest ``loss_scaling(MultiSteps(opt, k))``).
+    ValueError: if the state holds no ``LossScalingState`` and no ``default`` is
+      given, more than one, or one inside an ``optax.MultiSteps`` (nest
+      ``loss_scaling(MultiSteps(opt, k))``).
 
   Example:
     >>> import optax
     >>> tx = optax.chain(jaxmp.loss_scaling(optax.sgd(1.0), jaxmp.StaticLossScale(8.0)))
     >>> jaxmp.get_loss_scale(tx.init(jnp.zeros(2))).loss_scale
     Array(8., dtype=float32)
+    >>> jaxmp.get_loss_scale(optax.sgd(1.0).init(jnp.zeros(2)), default=jaxmp.NoOpLossScale())
+    NoOpLossScale()
   """
-  return _require_state(opt_state, "get_loss_scale").loss_scale
+  if default is _REQUIRED:
+    return _require_state(opt_state, "get_loss_scale").loss_scale
+  state = find_state(opt_state, "get_loss_scale")
+  return default if state is None else state.loss_scale
 
 
 def loss_scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:

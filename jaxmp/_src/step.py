@@ -90,12 +90,6 @@ def check_loss_scale(loss_scale: Any, where: str) -> loss_scale_lib.LossScale:
       f"{type(loss_scale).__name__}.")
 
 
-def loss_scale_of(opt_state: Any) -> loss_scale_lib.LossScale:
-  """The loss scale in ``opt_state``, or :class:`jaxmp.NoOpLossScale` if it has none."""
-  state = loss_scaling_lib.find_state(opt_state, "loss_scale_of")
-  return loss_scale_lib.NoOpLossScale() if state is None else state.loss_scale
-
-
 def accumulate_gradients(a: Gradients, b: Gradients) -> Gradients:
   """Combines two micro-batches' gradients: params summed, fp8 state max-combined.
 
@@ -208,7 +202,6 @@ __all__ = (
     "accumulate_gradients",
     "check_loss_scale",
     "keep_on_skip",
-    "loss_scale_of",
     "merge_fp8",
     "step_was_finite",
 )

@@ -59,7 +59,7 @@ def _assert_trees_equal(a, b):
 
 def _step(wrapped, optimizer, x, y):
   loss, grads = jaxmp.nnx.value_and_grad(_mse)(
-      wrapped, x, y, loss_scale=jaxmp._src.step.loss_scale_of(optimizer.opt_state))
+      wrapped, x, y, loss_scale=jaxmp.get_loss_scale(optimizer.opt_state, default=jaxmp.NoOpLossScale()))
   jaxmp.nnx.apply_gradients(optimizer, wrapped, grads)
   return loss
 

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxmp._src import loss_scale as loss_scale_lib
+from jaxmp._src import loss_scaling as loss_scaling_lib
 from jaxmp._src import step as step_lib
 from jaxmp._src.fp8 import state as fp8_state_lib
 
@@ -285,7 +286,7 @@ class TrainState(flax.struct.PyTreeNode):
   @property
   def loss_scale(self) -> loss_scale_lib.LossScale:
     """The loss scale the next loss is multiplied by (NoOp without loss scaling)."""
-    return step_lib.loss_scale_of(self.opt_state)
+    return loss_scaling_lib.get_loss_scale(self.opt_state, default=loss_scale_lib.NoOpLossScale())
 
   def value_and_grad(self, fun: Callable[..., Any], *,
                      has_aux: bool = False) -> Callable[..., Any]:
