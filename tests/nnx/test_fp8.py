@@ -11,9 +11,9 @@ from flax import nnx
 import jaxmp
 from jaxmp._src.fp8 import maxgrad
 from jaxmp import fp8
-from tests.test_nnx import build
-from tests.test_nnx import LinenBlock
-from tests.test_nnx import twin_models
+from tests.nnx.test_wrapper import build
+from tests.nnx.test_wrapper import LinenBlock
+from tests.nnx.test_wrapper import twin_models
 
 BF16 = "params=float32,compute=bfloat16,output=float32"
 RECIPE = fp8.DelayedScaling(amax_history_length=4)
