@@ -80,9 +80,14 @@ def train(name: str, args, train_data, val_data) -> float:
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
       return loss, updates
 
-    scale = jaxmp._src.step.loss_scale_of(state.opt_state)
+    # A float32 run has no loss-scaling state; NoOpLossScale makes its scale a no-op.
+    scale = jaxmp.get_loss_scale(state.opt_state, default=jaxmp.NoOpLossScale())
     (loss, updates), grads = scale.value_and_grad(loss_fn, has_aux=True)(state.params)
-    state = state.apply_gradients(grads=grads, batch_stats=updates["batch_stats"])
+    # A step that loss scaling skips must not write its batch statistics either: an
+    # overflowed forward pass can leave inf in the running mean.
+    batch_stats = jaxmp.select_tree(jaxmp.all_finite(grads), updates["batch_stats"],
+                                    state.batch_stats)
+    state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
     return state, loss
 
   @jax.jit
