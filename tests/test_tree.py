@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jaxmp
+from jaxmp._src import tree as tree_lib
 
 FLOATS = (jnp.float32, jnp.float16, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e5m2)
 
@@ -176,6 +177,33 @@ def test_all_finite_sum_overflow_falls_back_to_exact_check():
     assert bool(fn({"a": big, "b": -big}))
     assert bool(fn([big, big]))
     assert not bool(fn([big, big.at[2].set(jnp.nan)]))
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_all_finite_on_accelerators_is_one_reduction_per_leaf_without_a_branch(platform):
+  # A conditional taking the gradients as operands would make XLA write them to memory.
+  tree = {"w": jnp.ones((8, 8)), "b": jnp.ones(8, jnp.bfloat16)}
+  lower = lambda p: jax.jit(jaxmp.all_finite).trace(tree).lower(lowering_platforms=(p,)).as_text()
+  text, cpu = lower(platform), lower("cpu")
+  # One reduction per leaf, of x * 0; the CPU form adds the exact check's own
+  # reductions behind one more conditional (the platform choice is a conditional on a
+  # constant, which XLA removes).
+  assert text.count("stablehlo.reduce") == 2 and text.count("stablehlo.multiply") == 2
+  assert cpu.count("stablehlo.reduce") > 2
+  assert text.count("stablehlo.case") == cpu.count("stablehlo.case") - 1
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_all_finite_accelerator_form_is_exact(dtype):
+  # The GPU/TPU form (sum of x * 0), run here directly: exact for every value.
+  biggest = jnp.finfo(dtype).max
+  finite = [jnp.full((6,), biggest, dtype), jnp.full((6,), -biggest, dtype), jnp.zeros(3, dtype)]
+  assert bool(tree_lib._finite_by_zero_product(*finite))
+  for bad in (np.inf, -np.inf, np.nan):
+    if dtype == jnp.float8_e4m3fn and np.isinf(bad):
+      continue  # no infinity in e4m3fn
+    poisoned = finite[:1] + [finite[1].at[4].set(bad)]
+    assert not bool(tree_lib._finite_by_zero_product(*poisoned)), (dtype, bad)
 
 
 # ---- select_tree -----------------------------------------------------------------------------

@@ -106,13 +106,20 @@ def all_finite(tree: Any) -> jax.Array:
   Non-float leaves (integers, bools, keys, ``None``) are finite by definition, and an
   empty tree is finite. Floating-point NumPy arrays and scalars and Python floats
   count like arrays (:func:`is_float_leaf`); being concrete, they are checked on the
-  host, in their own dtype. For JAX arrays the check is a float32 sum per leaf, added up: any inf or NaN
-  makes that total non-finite, and a plain sum is the cheapest reduction XLA has
-  (about 4x cheaper than a boolean ``all(isfinite)`` on a CPU, where it fuses with
-  nothing else). Only when the total is not finite, which finite values can also cause
-  by overflowing the sum, does an exact element-wise check decide (a ``lax.cond``, so
-  it costs nothing on the common path; under ``vmap`` both run). No host round-trip,
-  no temporary the size of the tree.
+  host, in their own dtype. For JAX arrays the check is one float32 reduction per
+  leaf, chosen per backend when the computation is lowered:
+
+  - on GPUs and TPUs, the sum of ``x * 0``: zero for finite values, NaN as soon as
+    one value is inf or NaN, so it is exact on its own. It reads each gradient once,
+    and XLA can fuse it into the kernel that produced the gradient;
+  - on CPUs, where the multiply is not free, a plain sum (about 4x cheaper than a
+    boolean ``all(isfinite)`` there): any inf or NaN makes it non-finite, and only
+    when it is not finite, which finite values can also cause by overflowing the sum,
+    does an exact element-wise check decide (a ``lax.cond``, so it costs nothing on
+    the common path; under ``vmap`` both run). On a GPU that ``cond`` would make XLA
+    write the gradients it takes as operands to memory, hence the other form there.
+
+  No host round-trip, no temporary the size of the tree.
 
   Args:
     tree: any pytree, e.g. gradients.
@@ -132,12 +139,25 @@ def all_finite(tree: Any) -> jax.Array:
   leaves = [x for x in values if isinstance(x, jax.Array)]
   if not leaves:
     return jnp.array(True)
-  # fp8 has no arithmetic of its own on some backends, so it is summed as float32.
-  sums_ok = jnp.isfinite(sum(jnp.sum(x.astype(jnp.float32) if x.dtype.itemsize == 1 else x,
-                                     dtype=jnp.float32) for x in leaves))
+  return jax.lax.platform_dependent(*leaves, cpu=_finite_by_sum, default=_finite_by_zero_product)
+
+
+def _with_arithmetic(x: jax.Array) -> jax.Array:
+  # fp8 has no arithmetic of its own on some backends, so it is reduced as float32.
+  return x.astype(jnp.float32) if x.dtype.itemsize == 1 else x
+
+
+def _finite_by_sum(*leaves: jax.Array) -> jax.Array:
+  """Plain sums, with an exact check only when they are not finite (for CPUs)."""
+  sums_ok = jnp.isfinite(sum(jnp.sum(_with_arithmetic(x), dtype=jnp.float32) for x in leaves))
   # The fast branch returns sums_ok (True there) rather than a constant so that, inside
   # shard_map, both branches vary over the same mesh axes.
-  return jax.lax.cond(sums_ok, lambda: sums_ok, lambda: _exactly_all_finite(leaves))
+  return jax.lax.cond(sums_ok, lambda: sums_ok, lambda: _exactly_all_finite(list(leaves)))
+
+
+def _finite_by_zero_product(*leaves: jax.Array) -> jax.Array:
+  """Sums of ``x * 0``: exact in one pass (``inf * 0`` and ``nan * 0`` are NaN)."""
+  return jnp.isfinite(sum(jnp.sum(_with_arithmetic(x) * 0, dtype=jnp.float32) for x in leaves))
 
 
 def select_tree(pred: Any, on_true: T, on_false: T) -> T:

@@ -187,6 +187,11 @@ _H100_CHECK = textwrap.dedent("""\
     (g,) = att.gemms
     assert (g.backend, g.flops, g.operand_dtypes) == (
         "cuDNN fused attention", 4 * 2 * 4 * 128 * 128 * 64, ("bfloat16", "bfloat16")), str(att)
+    # The finite check of a gradient tree compiles to reductions with no conditional
+    # (a conditional would make XLA write the gradients it takes to memory).
+    finite = jaxmp.tools.audit(jaxmp.all_finite, {"w": S((512, 512), jnp.float32)},
+                               target="h100")
+    assert "conditional(" not in finite.hlo, finite.hlo
     print("ok")
     """)
 
