@@ -13,6 +13,7 @@ import threading
 
 import flax.linen as nn
 import jax
+from jax.extend import core as jax_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -169,8 +170,7 @@ def test_softmax_is_float32_inside_wrapped_modules_only():
   wrapped = jaxmp.linen.mixed_precision(Attend(), "float16")
   variables = wrapped.init(jax.random.key(0), x)
   jaxpr = jax.make_jaxpr(lambda v: wrapped.apply(v, x))(variables)
-  exps = [str(e.invars[0].aval.dtype) for e in jaxpr.eqns if e.primitive.name == "exp"]
-  assert exps == ["float32"]
+  assert _exp_dtypes(jaxpr) == ["float32"]
   # The softmax's result feeds the next matmul in the compute dtype.
   assert _dot_dtypes(lambda v: wrapped.apply(v, x), variables) == ["float16", "float16"]
   # Outside a wrapped call the function is JAX's own again.
@@ -178,6 +178,54 @@ def test_softmax_is_float32_inside_wrapped_modules_only():
   half = jnp.ones(3, jnp.float16)
   assert [str(e.invars[0].aval.dtype) for e in jax.make_jaxpr(jax.nn.softmax)(half).eqns
           if e.primitive.name == "exp"] == ["float16"]
+
+
+def _exp_dtypes(jaxpr) -> list[str]:
+  """The input dtypes of every exp in ``jaxpr``, nested jaxprs (custom VJPs) included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "exp":
+      found.append(str(eqn.invars[0].aval.dtype))
+    for sub in jax_core.jaxprs_in_params(eqn.params):
+      found += _exp_dtypes(sub)
+  return found
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_softmax_gradient_works_from_the_rounded_probabilities(dtype):
+  # Forward: float32 arithmetic, rounded once. Backward: float32 arithmetic on the
+  # rounded probabilities y (the values the next matmul saw): y * (g - sum(g * y)).
+  class Probs(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return jax.nn.softmax(x, axis=-1)
+
+  x = jax.random.normal(jax.random.key(0), (3, 5)) * 4
+  g = jax.random.normal(jax.random.key(1), (3, 5))
+  wrapped = jaxmp.linen.mixed_precision(Probs(), jaxmp.PolicyRules(
+      str(np.dtype(dtype)), [jaxmp.Rule("", output_dtype=str(np.dtype(dtype)))]))
+  xh, gh = x.astype(dtype), g.astype(dtype)
+  y, vjp = jax.vjp(lambda x: wrapped.apply({}, x), xh)
+  (dx,) = vjp(gh)
+  y_ref = np.asarray(jax.nn.softmax(np.asarray(xh, np.float32), axis=-1)).astype(dtype)
+  np.testing.assert_array_equal(np.asarray(y), y_ref)
+  y32, g32 = y_ref.astype(np.float32), np.asarray(gh, np.float32)
+  dx_ref = (y32 * (g32 - (g32 * y32).sum(-1, keepdims=True))).astype(dtype)
+  assert dx.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(dx), dx_ref)
+
+
+def test_softmax_with_where_keeps_jax_semantics_in_float32():
+  class Masked(nn.Module):
+    @nn.compact
+    def __call__(self, x, mask):
+      return jax.nn.softmax(x, where=mask)
+
+  x = jnp.arange(6.0).reshape(2, 3).astype(jnp.bfloat16)
+  mask = jnp.array([[True, True, False], [True, False, True]])
+  out = jaxmp.linen.mixed_precision(Masked(), "bfloat16").apply({}, x, mask)
+  expected = jax.nn.softmax(x.astype(jnp.float32), where=mask).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
 
 
 def test_log_softmax_and_logsumexp_return_float32():
