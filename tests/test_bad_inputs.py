@@ -172,6 +172,36 @@ CASES = [
     ("DelayedScaling margin float", lambda: fp8.DelayedScaling(margin=1.5), TypeError, "got 1.5"),
     ("CurrentScaling negative margin", lambda: fp8.CurrentScaling(margin=-1), ValueError,
      "got -1"),
+    ("CurrentScaling power_of_two string", lambda: fp8.CurrentScaling(power_of_two="yes"),
+     TypeError, "power_of_two must be a bool, got 'yes'"),
+    ("DelayedScaling power_of_two int", lambda: fp8.DelayedScaling(power_of_two=1), TypeError,
+     "got 1 of type int"),
+    ("RowwiseScaling negative margin", lambda: fp8.RowwiseScaling(margin=-1), ValueError,
+     "got -1"),
+    ("RowwiseScaling unknown gradient format", lambda: fp8.RowwiseScaling(
+        gradient_format="e3m4"), ValueError, "unknown gradient_format 'e3m4'; accepted values "
+     "are 'e4m3', 'e5m2'"),
+    ("RowwiseScaling gradient format dtype", lambda: fp8.RowwiseScaling(
+        gradient_format=jnp.float8_e5m2), TypeError, "gradient_format must be a string"),
+    ("BlockScaling block size 0", lambda: fp8.BlockScaling(block_size=0), ValueError, "got 0"),
+    ("BlockScaling block size float", lambda: fp8.BlockScaling(block_size=128.0), TypeError,
+     "got 128.0 of type float"),
+    ("MXScaling unknown gradient format", lambda: fp8.MXScaling(gradient_format="fp8"),
+     ValueError, "'fp8'"),
+    ("GemmRecipes with delayed scaling", lambda: fp8.GemmRecipes(forward=fp8.DelayedScaling()),
+     TypeError, "DelayedScaling keeps one state per tensor"),
+    ("GemmRecipes a string", lambda: fp8.GemmRecipes(weight_grad="rowwise"), TypeError,
+     "got 'rowwise' of type str"),
+    ("GemmRecipes all None", lambda: fp8.GemmRecipes(), ValueError, "every GEMM is None"),
+    ("compile_target unknown", lambda: fp8.compile_target("h300").__enter__(), ValueError,
+     "unknown target 'h300'; accepted targets are a100, b200, cpu, h100, h200, v5e"),
+    ("compile_target not a string", lambda: fp8.compile_target(100).__enter__(), TypeError,
+     "got 100 of type int"),
+    ("fp8_dot_general state with block scaling", lambda: fp8.fp8_dot_general(
+        X, W, DIMS, state=STATE, recipe=fp8.BlockScaling()), ValueError, "keeps no state"),
+    ("fp8_dot_general out_sharding with row scaling", lambda: fp8.fp8_dot_general(
+        X, W, DIMS, out_sharding=jax.sharding.PartitionSpec(), recipe=fp8.RowwiseScaling()),
+     ValueError, "per-tensor recipes only"),
     ("init_state not a recipe", lambda: fp8.init_state("delayed"), TypeError, "got 'delayed'"),
     ("fp8_dot_general integer operand", lambda: fp8.fp8_dot_general(
         X.astype(jnp.int32), W, DIMS, state=STATE, recipe=RECIPE), TypeError, "dtype int32"),

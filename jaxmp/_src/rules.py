@@ -121,7 +121,8 @@ class Rule:
       ``re.fullmatch``-ed against the module's '/'-joined path.
     policy: the policy for matched modules (anything :func:`jaxmp.get_policy`
       accepts); ``None`` keeps the default policy.
-    fp8: an fp8 recipe (``jaxmp.fp8.DelayedScaling()``, ``jaxmp.fp8.CurrentScaling()``)
+    fp8: an fp8 recipe (``jaxmp.fp8.DelayedScaling()``, ``jaxmp.fp8.CurrentScaling()``,
+      ``RowwiseScaling()``, ``BlockScaling()``, ``MXScaling()``, or a ``GemmRecipes``)
       that turns the matched matmul layers' dot products into fp8; ``None`` for none.
     output_dtype: the dtype matched modules hand their output back in. By default an
       override is local: the output goes back in the caller's compute dtype. A policy

@@ -40,4 +40,21 @@ def make_varying(x: jax.Array, axes: Any) -> jax.Array:
   return jax.lax.pvary(x, missing)  # jax < 0.9
 
 
-__all__ = ("make_varying", "varying_axes")
+def like_primal(ct: jax.Array, primal_axes: frozenset, reduce: Any) -> jax.Array:
+  """``ct`` made to vary over exactly the mesh axes its primal varies over.
+
+  Inside ``shard_map`` an operand replicated over an axis (a kernel, the fp8 state)
+  meets per-device data, so its cotangent comes out per device; a custom VJP must
+  hand back a cotangent of its primal's type. ``reduce`` combines it over the extra
+  axes: ``psum`` for the operand gradients, as JAX's own transpose of the implicit
+  broadcast does for a plain ``dot_general``, and ``pmax`` for the fp8 state, whose
+  new amaxes are maxima (the amax of the whole global batch). Axes the primal varies
+  over and the cotangent does not are added with ``pcast``.
+  """
+  extra = tuple(sorted(varying_axes(ct) - primal_axes, key=str))
+  if extra:
+    ct = reduce(ct, extra)
+  return make_varying(ct, primal_axes)
+
+
+__all__ = ("like_primal", "make_varying", "varying_axes")

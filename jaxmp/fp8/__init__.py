@@ -1,9 +1,16 @@
-"""fp8 matmuls with delayed or current scaling, framework-free.
+"""fp8 matmuls, framework-free: per-tensor, row-wise, block-wise and MXFP8 scaling.
 
-- Recipes: :class:`DelayedScaling` (scale from previous steps' amaxes, state in the
-  ``_overwrite_with_gradient`` collection) and :class:`CurrentScaling` (scale from
-  this step's amax, no state). E4M3 forward operands, E5M2 output gradients, float32
-  scaling arithmetic and accumulation.
+- Per-tensor recipes: :class:`DelayedScaling` (scale from previous steps' amaxes,
+  state in the ``_overwrite_with_gradient`` collection) and :class:`CurrentScaling`
+  (scale from this step's amax, no state); E4M3 forward operands, E5M2 output
+  gradients. Finer current scaling: :class:`RowwiseScaling` (torchao rowwise),
+  :class:`BlockScaling` (DeepSeek-V3's 1x128 / 128x128) and :class:`MXScaling` (OCP
+  MXFP8, E8M0 scales). :class:`GemmRecipes` gives the forward, input-gradient and
+  weight-gradient GEMMs a recipe each, or the compute dtype. float32 scaling
+  arithmetic and accumulation throughout.
+- What runs where: :func:`compile_target` names the chip being compiled for, and a
+  recipe whose GEMMs do not run as fp8 GEMMs there warns
+  (:class:`Fp8FallbackWarning`).
 - Pure functions: :func:`fp8_dot_general` (a drop-in ``dot_general``) and
   :func:`fp8_einsum`, over explicit state from :func:`init_state`.
 - Training: :mod:`jaxmp.fp8.state` (``for_grad``, ``merge``, ``accumulate``,
@@ -26,20 +33,34 @@ Example:
 
 from jaxmp._src.fp8.dot_general import fp8_dot_general
 from jaxmp._src.fp8.dot_general import fp8_einsum
+from jaxmp._src.fp8.recipes import BlockScaling
 from jaxmp._src.fp8.recipes import CurrentScaling
 from jaxmp._src.fp8.recipes import DelayedScaling
+from jaxmp._src.fp8.recipes import GemmRecipes
+from jaxmp._src.fp8.recipes import MXScaling
 from jaxmp._src.fp8.recipes import Recipe
+from jaxmp._src.fp8.recipes import RowwiseScaling
 from jaxmp._src.fp8.state import OVERWRITE_WITH_GRADIENT
 from jaxmp._src.fp8.state import DelayedScalingState
 from jaxmp._src.fp8.state import init_state
+from jaxmp._src.fp8.support import Fp8FallbackWarning
+from jaxmp._src.fp8.support import compile_target
+from jaxmp._src.fp8.support import current_target
 from jaxmp.fp8 import state
 
 __all__ = (
     "OVERWRITE_WITH_GRADIENT",
+    "BlockScaling",
     "CurrentScaling",
     "DelayedScaling",
     "DelayedScalingState",
+    "Fp8FallbackWarning",
+    "GemmRecipes",
+    "MXScaling",
     "Recipe",
+    "RowwiseScaling",
+    "compile_target",
+    "current_target",
     "fp8_dot_general",
     "fp8_einsum",
     "init_state",

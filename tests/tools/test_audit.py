@@ -132,6 +132,41 @@ def test_gpu_module_roofline_and_loop_count():
   assert "roofline estimate" in str(report)
 
 
+# cuDNN's MXFP8 block-scaled GEMM, as XLA lowers jax.nn.scaled_matmul for a Blackwell
+# GPU (cuDNN >= 9.10): fp8 operands and E8M0 scales, inside a called computation.
+MX_HLO = textwrap.dedent("""\
+    HloModule m
+
+    %mm (lhs: f8e4m3fn[1,256,512], rhs: f8e4m3fn[1,128,512], ls: f8e8m0fnu[1,256,16], rs: f8e8m0fnu[1,128,16]) -> bf16[1,256,128] {
+      %lhs = f8e4m3fn[1,256,512]{2,1,0} parameter(0)
+      %rhs = f8e4m3fn[1,128,512]{2,1,0} parameter(1)
+      %ls = f8e8m0fnu[1,256,16]{2,1,0} parameter(2)
+      %rs = f8e8m0fnu[1,128,16]{2,1,0} parameter(3)
+      %cc = (bf16[1,256,128]{2,1,0}, u8[0]{0}) custom-call(%lhs, %rhs, %ls, %rs), custom_call_target="__cudnn$blockScaledDot"
+      ROOT %out = bf16[1,256,128]{2,1,0} get-tuple-element(%cc), index=0
+    }
+
+    ENTRY %main (a: f8e4m3fn[1,256,512], b: f8e4m3fn[1,128,512], c: f8e8m0fnu[1,256,16], d: f8e8m0fnu[1,128,16]) -> bf16[1,256,128] {
+      %a = f8e4m3fn[1,256,512]{2,1,0} parameter(0)
+      %b = f8e4m3fn[1,128,512]{2,1,0} parameter(1)
+      %c = f8e8m0fnu[1,256,16]{2,1,0} parameter(2)
+      %d = f8e8m0fnu[1,128,16]{2,1,0} parameter(3)
+      ROOT %call = bf16[1,256,128]{2,1,0} call(%a, %b, %c, %d), to_apply=%mm
+    }
+    """)
+
+
+def test_cudnn_block_scaled_gemm_is_an_mx_gemm():
+  spec = targets.GPU_TARGETS["b200"]
+  report = audit_lib.analyze(MX_HLO, "gpu", spec, "b200", spec.device_kind)
+  (gemm,) = report.gemms
+  assert (gemm.backend, gemm.operand_dtypes, gemm.output_dtype, gemm.shape) == (
+      "MX cuDNN block-scaled GEMM", ("float8_e4m3fn", "float8_e4m3fn"), "bfloat16",
+      "1*256x128x512")
+  assert (gemm.flops, gemm.rate, gemm.fp8) == (2 * 256 * 128 * 512, "fp8", True)
+  assert gemm.bytes == 256 * 512 + 128 * 512 + 256 * 16 + 128 * 16 + 2 * 256 * 128
+
+
 @pytest.mark.parametrize("target,error,match", [
     (3, TypeError, "target must be a string"),
     ("h200", ValueError, "unknown target 'h200'; accepted targets are 'h100', 'a100', 'b200', "

@@ -38,9 +38,12 @@ import numpy as np
 
 from jaxmp._src import sharding
 from jaxmp._src.fp8 import maxgrad
+from jaxmp._src.fp8 import per_gemm as per_gemm_lib
 from jaxmp._src.fp8 import quantize as q
 from jaxmp._src.fp8 import recipes as recipes_lib
+from jaxmp._src.fp8 import scaled_gemm
 from jaxmp._src.fp8 import state as state_lib
+from jaxmp._src.fp8 import support
 
 F32 = np.dtype(np.float32)
 
@@ -139,23 +142,6 @@ def _write(x: jax.Array, aval: tuple) -> jax.Array:
   return x.astype(dtype)
 
 
-def _like_primal(ct: jax.Array, primal_axes: frozenset, reduce: Any) -> jax.Array:
-  """``ct`` made to vary over exactly the mesh axes its primal varies over.
-
-  Inside ``shard_map`` an operand replicated over an axis (a kernel, the fp8 state)
-  meets per-device data, so its cotangent comes out per device; a custom VJP must
-  hand back a cotangent of its primal's type. ``reduce`` combines it over the extra
-  axes: ``psum`` for the operand gradients, as JAX's own transpose of the implicit
-  broadcast does for a plain ``dot_general``, and ``pmax`` for the fp8 state, whose
-  new amaxes are maxima (the amax of the whole global batch). Axes the primal varies
-  over and the cotangent does not are added with ``pcast``.
-  """
-  extra = tuple(sorted(sharding.varying_axes(ct) - primal_axes, key=str))
-  if extra:
-    ct = reduce(ct, extra)
-  return sharding.make_varying(ct, primal_axes)
-
-
 def _remaining(ndim: int, *removed: Sequence[int]) -> list:
   gone = set(i for dims in removed for i in dims)
   return [i for i in range(ndim) if i not in gone]
@@ -172,7 +158,8 @@ def _transposed_out_sharding(primal: jax.Array, axes: Sequence[int]) -> Any:
 
 
 def _operand_grad(g: jax.Array, other: jax.Array, primal: jax.Array, dimension_numbers: tuple,
-                  primal_is_lhs: bool, scale: jax.Array, dtype: np.dtype) -> jax.Array:
+                  primal_is_lhs: bool, scale: jax.Array, dtype: np.dtype,
+                  exact_scale: bool) -> jax.Array:
   """The gradient of one dot_general operand, for fp8 ``g`` and ``other``.
 
   ``dimension_numbers`` are the forward ones, from ``primal``'s point of view
@@ -182,7 +169,9 @@ def _operand_grad(g: jax.Array, other: jax.Array, primal: jax.Array, dimension_n
   permuted back into ``primal``'s layout. The float32 product is multiplied by
   ``scale`` and cast to ``dtype`` *before* the permutation: ``dot -> multiply ->
   convert`` is the chain XLA folds into one scaled fp8 GEMM on GPUs, and the
-  permutation then moves the narrow result.
+  permutation then moves the narrow result. With power-of-two scales
+  (``exact_scale``) a bfloat16 gradient comes out of the GEMM directly
+  (:func:`~jaxmp._src.fp8.scaled_gemm.rescaled_dot`).
   """
   (p_contract, o_contract), (p_batch, o_batch) = dimension_numbers
   p_free = _remaining(primal.ndim, p_contract, p_batch)
@@ -198,10 +187,9 @@ def _operand_grad(g: jax.Array, other: jax.Array, primal: jax.Array, dimension_n
   p_contract_in_result = [p_contract[i] for i in np.argsort(o_contract)]
   result_axes = list(p_batch) + p_free + p_contract_in_result
   out_axes = tuple(int(i) for i in np.argsort(result_axes))
-  out = jax.lax.dot_general(
-      g, other, dims, preferred_element_type=F32,
+  out = scaled_gemm.rescaled_dot(
+      g, other, dims, scale, dtype, exact_scale=exact_scale,
       out_sharding=_transposed_out_sharding(primal, result_axes))
-  out = (out * scale).astype(dtype)
   return jax.lax.transpose(out, out_axes)
 
 
@@ -210,12 +198,13 @@ def _forward(lhs, rhs, state, cfg: _Config):
   if isinstance(recipe, recipes_lib.DelayedScaling):
     st = state_lib.DelayedScalingState(*(_read(x) for x in state))
     algo, margin = recipe.amax_compute, recipe.margin
+    pow2 = recipe.power_of_two
     x_scale = q.scale_from_amax(q.amax_from_history(st.input_amax_history, algo),
-                                st.input_scale.reshape(()), q.E4M3, margin)
+                                st.input_scale.reshape(()), q.E4M3, margin, pow2)
     k_scale = q.scale_from_amax(q.amax_from_history(st.kernel_amax_history, algo),
-                                st.kernel_scale.reshape(()), q.E4M3, margin)
+                                st.kernel_scale.reshape(()), q.E4M3, margin, pow2)
     g_scale = q.scale_from_amax(q.amax_from_history(st.output_grad_amax_history, algo),
-                                st.output_grad_scale.reshape(()), q.E5M2, margin)
+                                st.output_grad_scale.reshape(()), q.E5M2, margin, pow2)
     x_history = q.record_amax(
         st.input_amax_history, q.shared_amax(lhs, st.input_amax_history))
     k_history = q.record_amax(
@@ -224,14 +213,14 @@ def _forward(lhs, rhs, state, cfg: _Config):
     histories = (x_history, k_history, g_history)
   else:
     one = jnp.ones((), F32)
-    x_scale = q.scale_from_amax(q.amax(lhs), one, q.E4M3, recipe.margin)
-    k_scale = q.scale_from_amax(q.amax(rhs), one, q.E4M3, recipe.margin)
+    x_scale = q.scale_from_amax(q.amax(lhs), one, q.E4M3, recipe.margin, recipe.power_of_two)
+    k_scale = q.scale_from_amax(q.amax(rhs), one, q.E4M3, recipe.margin, recipe.power_of_two)
     g_scale, histories = None, None
   q_lhs = q.quantize(lhs, q.E4M3, x_scale)
   q_rhs = q.quantize(rhs, q.E4M3, k_scale)
-  out = jax.lax.dot_general(q_lhs, q_rhs, cfg.dimension_numbers, preferred_element_type=F32,
-                            out_sharding=cfg.out_sharding)
-  out = (out * (x_scale * k_scale)).astype(cfg.out_dtype)
+  out = scaled_gemm.rescaled_dot(q_lhs, q_rhs, cfg.dimension_numbers, x_scale * k_scale,
+                                 cfg.out_dtype, exact_scale=recipe.power_of_two,
+                                 out_sharding=cfg.out_sharding)
   return out, (q_lhs, q_rhs, x_scale, k_scale, g_scale, histories)
 
 
@@ -242,20 +231,22 @@ def _backward(cfg: _Config, residuals, g):
     x_history, k_history, old_g_history = histories
     g_history = q.record_amax(old_g_history, q.shared_amax(g, old_g_history))
   else:
-    g_scale = q.scale_from_amax(q.amax(g), jnp.ones((), F32), q.E5M2, recipe.margin)
+    g_scale = q.scale_from_amax(q.amax(g), jnp.ones((), F32), q.E5M2, recipe.margin,
+                                recipe.power_of_two)
   q_g = q.quantize(g, q.E5M2, g_scale)
   (lc, rc), (lb, rb) = cfg.dimension_numbers
+  pow2 = recipe.power_of_two
   d_lhs = _operand_grad(q_g, q_rhs, q_lhs, cfg.dimension_numbers, primal_is_lhs=True,
-                        scale=k_scale * g_scale, dtype=cfg.lhs_dtype)
+                        scale=k_scale * g_scale, dtype=cfg.lhs_dtype, exact_scale=pow2)
   d_rhs = _operand_grad(q_g, q_lhs, q_rhs, ((rc, lc), (rb, lb)), primal_is_lhs=False,
-                        scale=x_scale * g_scale, dtype=cfg.rhs_dtype)
-  d_lhs = _like_primal(d_lhs, cfg.lhs_varying, jax.lax.psum)
-  d_rhs = _like_primal(d_rhs, cfg.rhs_varying, jax.lax.psum)
+                        scale=x_scale * g_scale, dtype=cfg.rhs_dtype, exact_scale=pow2)
+  d_lhs = sharding.like_primal(d_lhs, cfg.lhs_varying, jax.lax.psum)
+  d_rhs = sharding.like_primal(d_rhs, cfg.rhs_varying, jax.lax.psum)
   if cfg.state_avals is None:
     return d_lhs, d_rhs, None
   values = (x_scale, x_history, k_scale, k_history, g_scale, g_history)
   new_state = state_lib.DelayedScalingState(
-      *(_write(_like_primal(v, axes, jax.lax.pmax), aval)
+      *(_write(sharding.like_primal(v, axes, jax.lax.pmax), aval)
         for v, aval, axes in zip(values, cfg.state_avals, cfg.state_varying)))
   return d_lhs, d_rhs, new_state
 
@@ -275,15 +266,22 @@ _fp8_dot_jit = jax.jit(_fp8_dot, static_argnums=(3,))
 def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
                     preferred_element_type: Any = None, out_sharding: Any = None, *,
                     state: Any = None, recipe: Optional[recipes_lib.Recipe] = None) -> jax.Array:
-  """``jax.lax.dot_general`` computed in fp8, with delayed or current scaling.
+  """``jax.lax.dot_general`` computed in fp8, under any jaxmp fp8 recipe.
 
   A drop-in ``dot_general``: ``functools.partial(fp8_dot_general, state=...,
   recipe=...)`` can be passed wherever ``lax.dot_general`` is called, e.g.
   ``nn.Dense(dot_general=...)``. ``lhs`` is treated as the input (activation) and
   ``rhs`` as the kernel, as Flax's dense layers pass them.
 
-  With delayed scaling the cotangent of ``state`` under ``jax.grad`` is the state to
-  use on the next step (see :mod:`jaxmp.fp8.state` for how to apply it soundly).
+  Per-tensor recipes (:class:`~jaxmp.fp8.DelayedScaling`,
+  :class:`~jaxmp.fp8.CurrentScaling`) quantize each tensor once for every GEMM that
+  reads it. With delayed scaling the cotangent of ``state`` under ``jax.grad`` is the
+  state to use on the next step (see :mod:`jaxmp.fp8.state` for how to apply it
+  soundly). The finer recipes and :class:`~jaxmp.fp8.GemmRecipes` quantize each
+  GEMM's operands along that GEMM's contracted dimension
+  (:mod:`jaxmp._src.fp8.per_gemm`). A recipe whose GEMMs do not run as fp8 GEMMs on
+  the chip being compiled for warns while tracing
+  (:class:`~jaxmp.fp8.Fp8FallbackWarning`, :func:`~jaxmp.fp8.compile_target`).
 
   Args:
     lhs: the input, any floating-point dtype.
@@ -296,11 +294,14 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, prec
       Accumulation is float32 either way.
     out_sharding: forwarded to the forward product's ``lax.dot_general`` (Flax NNX
       passes it); the backward products lay gradients out like their operands.
+      Per-tensor recipes only.
     state: a :class:`~jaxmp.fp8.DelayedScalingState` (or a mapping with its six
       variable names) for delayed scaling, float32 or converted with
       :func:`jaxmp.fp8.state.for_grad`; ``None`` for current scaling.
-    recipe: :class:`~jaxmp.fp8.DelayedScaling` (the default) or
-      :class:`~jaxmp.fp8.CurrentScaling`.
+    recipe: :class:`~jaxmp.fp8.DelayedScaling` (the default),
+      :class:`~jaxmp.fp8.CurrentScaling`, :class:`~jaxmp.fp8.RowwiseScaling`,
+      :class:`~jaxmp.fp8.BlockScaling`, :class:`~jaxmp.fp8.MXScaling` or
+      :class:`~jaxmp.fp8.GemmRecipes`.
 
   Returns:
     The product, of ``lhs``/``rhs``'s result dtype or ``preferred_element_type``.
@@ -309,8 +310,9 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, prec
     TypeError: for integer or complex operands, a non-float
       ``preferred_element_type``, a recipe that is not a jaxmp recipe, or state of
       the wrong type.
-    ValueError: for missing state under delayed scaling, state given with current
-      scaling, or state whose history length does not match the recipe.
+    ValueError: for missing state under delayed scaling, state given with a recipe
+      that keeps none, state whose history length does not match the recipe, or an
+      ``out_sharding`` with a recipe other than per tensor.
 
   Example:
     >>> from jaxmp import fp8
@@ -327,6 +329,9 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, prec
   _check_operand("rhs", rhs)
   dimension_numbers = _canonical_dimension_numbers(dimension_numbers)
   out_dtype = _output_dtype(lhs, rhs, preferred_element_type)
+  recipe = recipes_lib.per_gemm(recipe)
+  target = support.current_target()
+  support.warn_on_fallback(recipe, target)
   if isinstance(recipe, recipes_lib.DelayedScaling):
     state = _as_state(state, recipe)
     state_avals = tuple((x.shape, x.dtype) for x in state)
@@ -337,6 +342,13 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, prec
           f"fp8_dot_general: {recipe!r} keeps no state, but state= was given; pass "
           "state=None, or use DelayedScaling for stateful scaling.")
     state_avals = state_varying = None
+  if isinstance(recipe, recipes_lib.GemmRecipes):
+    if out_sharding is not None:
+      raise ValueError(
+          f"fp8_dot_general: out_sharding={out_sharding!r} is supported by the per-tensor "
+          f"recipes only, not by {recipe!r}; shard the operands instead.")
+    cfg = per_gemm_lib.config(lhs, rhs, dimension_numbers, recipe, out_dtype, target.mx)
+    return per_gemm_lib.dot(lhs, rhs, cfg)
   cfg = _Config(dimension_numbers, recipe, np.dtype(lhs.dtype), np.dtype(rhs.dtype),
                 out_dtype, out_sharding, state_avals, sharding.varying_axes(lhs), sharding.varying_axes(rhs),
                 state_varying)

@@ -108,9 +108,25 @@ def quantize(x: jax.Array, fp8_dtype: Any, scale: jax.Array) -> jax.Array:
     >>> q.quantize(jnp.array([1.0, 500.0, -1000.0, jnp.inf]), q.E4M3, jnp.float32(1.0))
     Array([1, 448, -448, nan], dtype=float8_e4m3fn)
   """
-  bound = fp8_max(fp8_dtype)
   x = x.astype(F32)
-  scaled = jnp.clip(x / jnp.asarray(scale, F32), -bound, bound)
+  return saturate(x / jnp.asarray(scale, F32), x, fp8_dtype)
+
+
+def saturate(scaled: jax.Array, x: jax.Array, fp8_dtype: Any) -> jax.Array:
+  """``scaled`` (float32) clipped to the fp8 range and rounded, keeping ``x``'s inf/NaN.
+
+  The last step of every quantization: ``scaled`` is ``x`` (float32) divided or
+  multiplied by its scale; values beyond ``fp8_max`` saturate, and where ``x`` is
+  inf or NaN the result is not finite (NaN in E4M3, inf or NaN in E5M2).
+
+  Example:
+    >>> from jaxmp._src.fp8 import quantize as q
+    >>> x = jnp.array([1.0, 1000.0, jnp.inf])
+    >>> q.saturate(x * 2, x, q.E4M3)
+    Array([2, 448, nan], dtype=float8_e4m3fn)
+  """
+  bound = fp8_max(fp8_dtype)
+  scaled = jnp.clip(scaled, -bound, bound)
   # Clipping saturates finite values beyond the range, but must not turn an inf
   # into a finite number: an overflow upstream (e.g. a loss-scaled backward pass in
   # float16) has to stay visible so that loss scaling skips the step. NaN stays NaN
@@ -177,35 +193,59 @@ def valid_history(history: jax.Array) -> jax.Array:
   return jnp.where(jnp.isfinite(history) & (history > 0), history, jnp.zeros_like(history))
 
 
+def round_down_to_power_of_two(x: jax.Array) -> jax.Array:
+  """``2**floor(log2(x))`` for positive normal float32 ``x``, exactly (the mantissa cleared).
+
+  Zero stays zero and inf stays inf; callers only pass finite positive values.
+
+  Example:
+    >>> from jaxmp._src.fp8 import quantize as q
+    >>> q.round_down_to_power_of_two(jnp.array([448 / 3.0, 1.0, 0.75], jnp.float32))
+    Array([128. ,   1. ,   0.5], dtype=float32)
+  """
+  bits = jax.lax.bitcast_convert_type(jnp.asarray(x, F32), np.uint32)
+  return jax.lax.bitcast_convert_type(bits & np.uint32(0xFF800000), F32)
+
+
 def scale_from_amax(amax_value: jax.Array, previous_scale: jax.Array, fp8_dtype: Any,
-                    margin: int = 0) -> jax.Array:
+                    margin: int = 0, power_of_two: bool = False) -> jax.Array:
   """The scale that maps ``amax_value`` to ``fp8_max / 2**margin``.
 
   Computed as TransformerEngine and Flax do, ``1 / ((fp8_max / amax) / 2**margin)``
-  in float32, so the stored scales are bit-identical to theirs. Where that is not a
-  finite positive number (amax 0, inf or NaN, or so small that ``fp8_max / amax``
-  overflows) the result is ``previous_scale``, itself replaced by 1 when it is not
-  finite and > 0.
+  in float32, so the stored scales are bit-identical to theirs. With
+  ``power_of_two`` the quantization multiplier ``(fp8_max / amax) / 2**margin`` is
+  first rounded down to a power of two (torchao's rounding), so the scale is the
+  power of two at or above ``amax * 2**margin / fp8_max`` and every multiplication by
+  it is exact. Where the result is not a finite positive number (amax 0, inf or NaN,
+  or so small that ``fp8_max / amax`` overflows) it is ``previous_scale``, itself
+  replaced by 1 when it is not finite and > 0. Works element-wise on arrays of
+  amaxes (one scale per row or block).
 
   Args:
-    amax_value: a float32 scalar.
-    previous_scale: the scale to fall back on, a float32 scalar.
+    amax_value: a float32 scalar or array.
+    previous_scale: the scale to fall back on, a float32 scalar (or an array of the
+      amaxes' shape).
     fp8_dtype: the format the scale is for.
     margin: headroom in powers of two.
+    power_of_two: round the scale up to a power of two.
 
   Returns:
-    A finite, positive float32 scalar.
+    Finite, positive float32 scales of ``amax_value``'s shape.
 
   Example:
     >>> from jaxmp._src.fp8 import quantize as q
     >>> float(q.scale_from_amax(jnp.float32(0.0), jnp.float32(0.0), q.E4M3))
     1.0
+    >>> float(q.scale_from_amax(jnp.float32(3.0), jnp.float32(1.0), q.E4M3, power_of_two=True))
+    0.0078125
   """
   amax_value = jnp.asarray(amax_value, F32)
   fallback = valid_scale(previous_scale)
   one = jnp.asarray(1.0, F32)
   inverse = (jnp.asarray(fp8_max(fp8_dtype), F32) / amax_value) / jnp.asarray(2.0**margin, F32)
   ok = (amax_value > 0) & jnp.isfinite(amax_value) & (inverse > 0) & jnp.isfinite(inverse)
+  if power_of_two:
+    inverse = round_down_to_power_of_two(inverse)
   # Select on the inverse and take one reciprocal of the selection, as Flax and
   # TransformerEngine do: besides giving their rounding (1 / (448 / a) is not always
   # a / 448 in float32), the select keeps XLA from rewriting 1 / (m / a) into a / m
@@ -330,6 +370,8 @@ __all__ = (
     "fp8_max",
     "quantize",
     "record_amax",
+    "round_down_to_power_of_two",
+    "saturate",
     "scale_from_amax",
     "shared_amax",
     "valid_history",

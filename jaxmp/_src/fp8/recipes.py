@@ -1,18 +1,26 @@
 """fp8 recipes: how each matmul operand's scale is chosen.
 
-An fp8 matmul divides each operand by a per-tensor scale so that its values fit the
-narrow fp8 range, multiplies in fp8 with a wide accumulator, and multiplies the
-result by the product of the scales. A recipe says where the scales come from:
+An fp8 matmul divides each operand by scales so that its values fit the narrow fp8
+range, multiplies in fp8 with a wide (float32) accumulator, and multiplies the result
+back. A recipe says where the scales come from and which elements share one:
 
-- :class:`DelayedScaling` (TransformerEngine's and Flax's default): the scale used
-  this step comes from the largest absolute value (amax) seen on *previous* steps,
-  kept in a per-tensor amax history that travels with the model as state.
-- :class:`CurrentScaling` (torchao's default, Qwix): the scale comes from this step's
-  amax of the very tensor being quantized; no state, one extra reduction per tensor.
+- per tensor: :class:`DelayedScaling` (TransformerEngine's and Flax's default; the
+  scale comes from the amaxes of *previous* steps, kept as state) and
+  :class:`CurrentScaling` (torchao's default, Qwix: from this step's amax, no state);
+- :class:`RowwiseScaling` (torchao "rowwise"): one scale per row of each GEMM operand
+  along the contracted dimension (per token, per output channel);
+- :class:`BlockScaling` (DeepSeek-V3): 1x128 tiles of activations and gradients,
+  128x128 blocks of weights;
+- :class:`MXScaling` (OCP Microscaling MXFP8): 32-element blocks along the contracted
+  dimension sharing a power-of-two E8M0 scale.
 
-Both quantize the forward operands (input and kernel) to E4M3 (``float8_e4m3fn``, max
-448) and the output gradient to E5M2 (``float8_e5m2``, max 57344), do all scale
-arithmetic in float32 whatever the compute dtype, and accumulate in float32.
+The per-tensor recipes quantize the input and kernel to E4M3 (``float8_e4m3fn``, max
+448) and the output gradient to E5M2 (``float8_e5m2``, max 57344); the finer recipes
+use E4M3 everywhere by default, as their authors do. All scale arithmetic is float32
+whatever the compute dtype, and accumulation is float32. Which recipe each of a
+layer's three GEMMs (forward, input gradient, weight gradient) uses, or whether it
+stays in the compute dtype, is :class:`~jaxmp.fp8.GemmRecipes`' business
+(:mod:`jaxmp._src.fp8.gemm_recipes`).
 
 Recipes are frozen, hashable dataclasses: they can be static arguments of ``jit`` and
 fields of Flax modules.
@@ -20,9 +28,9 @@ fields of Flax modules.
 Example:
   >>> from jaxmp import fp8
   >>> fp8.DelayedScaling(amax_history_length=16, amax_compute="most_recent")
-  DelayedScaling(amax_history_length=16, margin=0, amax_compute='most_recent')
-  >>> fp8.CurrentScaling()
-  CurrentScaling(margin=0)
+  DelayedScaling(amax_history_length=16, margin=0, amax_compute='most_recent', power_of_two=False)
+  >>> fp8.RowwiseScaling()
+  RowwiseScaling(margin=0, power_of_two=True, gradient_format='e4m3')
 """
 
 from __future__ import annotations
@@ -30,9 +38,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 AMAX_COMPUTE_ALGORITHMS = ("max", "most_recent")
+
+FORMATS = ("e4m3", "e5m2")
+"""The fp8 element formats a recipe's gradient may use: ``float8_e4m3fn``, ``float8_e5m2``."""
 
 # The largest margin whose scales stay normal float32 numbers. A scale is
 # s = amax * 2**margin / fp8_max, and the op dequantizes with the product of two of them
@@ -60,6 +71,29 @@ def _check_margin(cls_name: str, margin: Any) -> None:
         f"{cls_name}: margin must be in [0, {MAX_MARGIN}] (beyond it the product of two "
         f"scales, amax * 2**margin / 448 each, overflows float32 for amaxes up to 2**16 "
         f"and fp8 would run unscaled), got {margin!r}.")
+
+
+def _check_power_of_two(recipe: Any) -> None:
+  value = recipe.power_of_two
+  if not isinstance(value, bool):
+    raise TypeError(f"{type(recipe).__name__}: power_of_two must be a bool, got {value!r} of "
+                    f"type {type(value).__name__}.")
+
+
+def _check_format(recipe: Any) -> None:
+  value = recipe.gradient_format
+  if not isinstance(value, str):
+    raise TypeError(f"{type(recipe).__name__}: gradient_format must be a string, one of "
+                    f"{FORMATS}, got {value!r} of type {type(value).__name__}.")
+  if value not in FORMATS:
+    raise ValueError(f"{type(recipe).__name__}: unknown gradient_format {value!r}; accepted "
+                     f"values are {', '.join(repr(f) for f in FORMATS)}.")
+
+
+def _normalise_ints(recipe: Any, *names: str) -> None:
+  # numpy integers become ints, so that equal recipes hash equally.
+  for name in names:
+    object.__setattr__(recipe, name, int(getattr(recipe, name)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +125,15 @@ class DelayedScaling:
       < 128`` gives 56.
     amax_compute: ``"max"`` (the largest amax in the history) or ``"most_recent"``
       (the amax of the previous step).
+    power_of_two: round each scale up to a power of two (the quantization multiplier
+      ``fp8_max / amax`` down, as torchao does). The scales then multiply exactly, and
+      a 16-bit GEMM output is produced directly in its own dtype by the fp8 GEMM (no
+      float32 output and separate narrowing kernel), bit-identical to scaling in
+      float32. Off by default.
 
   Raises:
-    TypeError: if ``amax_history_length`` or ``margin`` is not an int.
+    TypeError: if ``amax_history_length`` or ``margin`` is not an int, or
+      ``power_of_two`` not a bool.
     ValueError: if ``amax_history_length < 1``, ``margin`` is outside ``[0, 56]`` or
       ``amax_compute`` is not one of ``"max"``, ``"most_recent"``.
 
@@ -107,6 +147,7 @@ class DelayedScaling:
   amax_history_length: int = 1024
   margin: int = 0
   amax_compute: str = "max"
+  power_of_two: bool = False
 
   def __post_init__(self):
     length = self.amax_history_length
@@ -121,9 +162,8 @@ class DelayedScaling:
       raise ValueError(
           f"DelayedScaling: unknown amax_compute {self.amax_compute!r}; accepted values "
           f"are {', '.join(repr(a) for a in AMAX_COMPUTE_ALGORITHMS)}.")
-    # Normalise numpy integers so that equal recipes hash equally.
-    object.__setattr__(self, "amax_history_length", int(length))
-    object.__setattr__(self, "margin", int(self.margin))
+    _check_power_of_two(self)
+    _normalise_ints(self, "amax_history_length", "margin")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,27 +179,216 @@ class CurrentScaling:
   Attributes:
     margin: the scale is multiplied by ``2**margin``; an int in ``[0, 56]`` (see
       :class:`DelayedScaling`).
+    power_of_two: round each scale up to a power of two (see :class:`DelayedScaling`).
 
   Raises:
-    TypeError: if ``margin`` is not an int.
+    TypeError: if ``margin`` is not an int or ``power_of_two`` not a bool.
     ValueError: if ``margin`` is outside ``[0, 56]``.
 
   Example:
     >>> from jaxmp import fp8
     >>> fp8.CurrentScaling(margin=1)
-    CurrentScaling(margin=1)
+    CurrentScaling(margin=1, power_of_two=False)
   """
 
   margin: int = 0
+  power_of_two: bool = False
 
   def __post_init__(self):
     _check_margin("CurrentScaling", self.margin)
-    object.__setattr__(self, "margin", int(self.margin))
+    _check_power_of_two(self)
+    _normalise_ints(self, "margin")
 
 
-Recipe = Union[DelayedScaling, CurrentScaling]
+@dataclasses.dataclass(frozen=True)
+class RowwiseScaling:
+  """Row-wise current scaling (torchao's "rowwise" recipe).
 
-RECIPE_TYPES = (DelayedScaling, CurrentScaling)
+  Every GEMM operand gets one scale per row along the dimension the GEMM contracts:
+  in the forward GEMM one per token of the input and one per output channel of the
+  kernel, in the input-gradient GEMM one per token of the output gradient and one per
+  input channel of the kernel, in the weight-gradient GEMM one per channel of the
+  input and of the output gradient (their rows along the tokens). Each scale is
+  ``1 / ((fp8_max / amax_row) / 2**margin)``, rounded up to a power of two by default
+  (torchao's default for this recipe); a row whose amax is zero or not finite uses
+  scale 1. The GEMM itself multiplies the fp8 operands with float32 accumulation and
+  the product is multiplied by the outer product of the two operands' row scales.
+
+  Attributes:
+    margin: headroom in powers of two, an int in ``[0, 56]``.
+    power_of_two: power-of-two scales (default ``True``, as torchao).
+    gradient_format: the output gradient's format, ``"e4m3"`` (torchao's default for
+      this recipe) or ``"e5m2"``; input and kernel are E4M3.
+
+  Raises:
+    TypeError: for a non-int ``margin``, a non-bool ``power_of_two`` or a non-string
+      ``gradient_format``.
+    ValueError: for a ``margin`` outside ``[0, 56]`` or an unknown ``gradient_format``.
+
+  Example:
+    >>> from jaxmp import fp8
+    >>> fp8.RowwiseScaling(power_of_two=False).gradient_format
+    'e4m3'
+  """
+
+  margin: int = 0
+  power_of_two: bool = True
+  gradient_format: str = "e4m3"
+
+  def __post_init__(self):
+    _check_margin("RowwiseScaling", self.margin)
+    _check_power_of_two(self)
+    _check_format(self)
+    _normalise_ints(self, "margin")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScaling:
+  """Block-wise current scaling (DeepSeek-V3's fine-grained fp8).
+
+  Activations and gradients are scaled per ``1 x block_size`` tile (one row, that many
+  consecutive elements along the contracted dimension); weights per ``block_size x
+  block_size`` block, so the same blocks serve the forward GEMM and, transposed, the
+  input-gradient GEMM. In the weight-gradient GEMM (which contracts the tokens) both
+  operands are tiled along the tokens. Every operand is E4M3; a group's scale is
+  ``1 / ((448 / amax_group) / 2**margin)``, 1 for an all-zero or non-finite group.
+  Dimensions that are not a multiple of ``block_size`` end in a partial group, scaled
+  from its own elements (equivalently: zero-padded to a multiple, as zeros never raise
+  an amax and add nothing to a product).
+
+  XLA has no block-scaled fp8 GEMM, so the product is computed from the dequantized
+  operands (float32, or bfloat16 where power-of-two scales make that exact) with
+  float32 accumulation: the same sum of the same fp8 products, in a wider GEMM.
+
+  Attributes:
+    block_size: the tile and block edge, an int >= 1 (DeepSeek-V3: 128).
+    margin: headroom in powers of two, an int in ``[0, 56]``.
+    power_of_two: round scales up to powers of two (TransformerEngine's block scaling
+      does; DeepSeek-V3's paper uses ``amax / 448``). Default ``False``.
+
+  Raises:
+    TypeError: for a non-int ``block_size`` or ``margin`` or a non-bool ``power_of_two``.
+    ValueError: for ``block_size < 1`` or a ``margin`` outside ``[0, 56]``.
+
+  Example:
+    >>> from jaxmp import fp8
+    >>> fp8.BlockScaling().block_size
+    128
+  """
+
+  block_size: int = 128
+  margin: int = 0
+  power_of_two: bool = False
+
+  def __post_init__(self):
+    size = self.block_size
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+      raise TypeError(f"BlockScaling: block_size must be an int >= 1, got {size!r} of type "
+                      f"{type(size).__name__}.")
+    if size < 1:
+      raise ValueError(f"BlockScaling: block_size must be >= 1, got {size!r}.")
+    _check_margin("BlockScaling", self.margin)
+    _check_power_of_two(self)
+    _normalise_ints(self, "block_size", "margin")
+
+
+@dataclasses.dataclass(frozen=True)
+class MXScaling:
+  """MXFP8 (OCP Microscaling Formats v1.0): 32-element blocks with E8M0 scales.
+
+  Every GEMM operand is split into blocks of 32 consecutive elements along the
+  contracted dimension (a last partial block is zero-padded); each block shares the
+  scale ``2**e`` with ``e = floor(log2(amax_block)) - emax`` (``emax`` 8 for E4M3, 15
+  for E5M2), stored as E8M0 (the biased exponent ``e + 127``; ``0xFF`` is NaN, for a
+  block holding inf or NaN), and its elements are ``x / 2**e`` rounded to the element
+  format and clamped to its max. An all-zero block gets the smallest scale, ``2**-127``.
+  See :mod:`jaxmp._src.fp8.mx`.
+
+  Attributes:
+    gradient_format: the output gradient's element format, ``"e4m3"`` (the default, as
+      TransformerEngine and Megatron) or ``"e5m2"``.
+
+  Raises:
+    TypeError: for a non-string ``gradient_format``.
+    ValueError: for an unknown ``gradient_format``.
+
+  Example:
+    >>> from jaxmp import fp8
+    >>> fp8.MXScaling(gradient_format="e5m2")
+    MXScaling(gradient_format='e5m2')
+  """
+
+  gradient_format: str = "e4m3"
+
+  def __post_init__(self):
+    _check_format(self)
+
+
+GEMM_RECIPE_TYPES = (CurrentScaling, RowwiseScaling, BlockScaling, MXScaling)
+"""The recipes one GEMM of :class:`GemmRecipes` may use (current scaling: no state)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmRecipes:
+  """A recipe for each of an fp8 layer's three GEMMs, or its compute dtype.
+
+  A matmul layer ``y = x @ w`` runs three GEMMs in training: the forward GEMM, the
+  input-gradient GEMM ``dx = g @ w.T`` and the weight-gradient GEMM ``dw = x.T @ g``.
+  Each field gives one of them a current-scaling recipe (:class:`CurrentScaling`,
+  :class:`RowwiseScaling`, :class:`BlockScaling`, :class:`MXScaling`) or ``None``,
+  which computes that GEMM in the operands' own dtype (the compute dtype) as a plain
+  ``dot_general`` would. ``GemmRecipes(RowwiseScaling(), RowwiseScaling(), None)`` is
+  torchao's "rowwise with high-precision weight gradient". A single recipe ``r`` used
+  as a layer's recipe means ``GemmRecipes(r, r, r)``.
+
+  Attributes:
+    forward: the forward GEMM's recipe, or ``None``.
+    input_grad: the input-gradient GEMM's recipe, or ``None``.
+    weight_grad: the weight-gradient GEMM's recipe, or ``None``.
+
+  Raises:
+    TypeError: for a field that is not one of those recipes or ``None`` (e.g.
+      :class:`DelayedScaling`, whose state is per tensor, shared by the GEMMs).
+    ValueError: if every field is ``None`` (no GEMM in fp8: drop the fp8 rule).
+
+  Example:
+    >>> from jaxmp import fp8
+    >>> recipe = fp8.GemmRecipes(forward=fp8.RowwiseScaling(), input_grad=fp8.RowwiseScaling())
+    >>> recipe.weight_grad is None, hash(recipe) == hash(fp8.GemmRecipes(
+    ...     fp8.RowwiseScaling(), fp8.RowwiseScaling(), None))
+    (True, True)
+  """
+
+  forward: Any = None
+  input_grad: Any = None
+  weight_grad: Any = None
+
+  def __post_init__(self):
+    for name in ("forward", "input_grad", "weight_grad"):
+      value = getattr(self, name)
+      if value is not None and not isinstance(value, GEMM_RECIPE_TYPES):
+        hint = (" DelayedScaling keeps one state per tensor, shared by the GEMMs that read "
+                "it: use it as the layer's whole recipe." if isinstance(
+                    value, DelayedScaling) else "")
+        raise TypeError(
+            f"GemmRecipes: {name} must be None (the compute dtype) or one of "
+            f"{', '.join(t.__name__ for t in GEMM_RECIPE_TYPES)}, got {value!r} of type "
+            f"{type(value).__name__}.{hint}")
+    if self.forward is None and self.input_grad is None and self.weight_grad is None:
+      raise ValueError("GemmRecipes: every GEMM is None, so nothing would run in fp8; give "
+                       "at least one GEMM a recipe, or drop the fp8 rule.")
+
+  @property
+  def gemms(self) -> tuple[Optional[Any], Optional[Any], Optional[Any]]:
+    """``(forward, input_grad, weight_grad)``."""
+    return (self.forward, self.input_grad, self.weight_grad)
+
+
+Recipe = Union[DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MXScaling,
+               GemmRecipes]
+
+RECIPE_TYPES = (DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MXScaling,
+                GemmRecipes)
 
 
 def check_recipe(recipe: Any, where: str = "fp8") -> Recipe:
@@ -173,13 +402,13 @@ def check_recipe(recipe: Any, where: str = "fp8") -> Recipe:
     ``recipe``.
 
   Raises:
-    TypeError: if ``recipe`` is not a :class:`DelayedScaling` or :class:`CurrentScaling`
-      instance (a class instead of an instance, a string, a Flax module, ...).
+    TypeError: if ``recipe`` is not an instance of one of the recipe classes (a class
+      instead of an instance, a string, a Flax module, ...).
 
   Example:
     >>> from jaxmp import fp8
     >>> jaxmp._src.fp8.recipes.check_recipe(fp8.CurrentScaling())
-    CurrentScaling(margin=0)
+    CurrentScaling(margin=0, power_of_two=False)
   """
   if isinstance(recipe, RECIPE_TYPES):
     return recipe
@@ -187,14 +416,45 @@ def check_recipe(recipe: Any, where: str = "fp8") -> Recipe:
   if isinstance(recipe, type) and issubclass(recipe, RECIPE_TYPES):
     hint = f" Pass an instance, e.g. {recipe.__name__}()."
   raise TypeError(
-      f"{where}: recipe must be a jaxmp.fp8.DelayedScaling or jaxmp.fp8.CurrentScaling "
-      f"instance, got {recipe!r} of type {type(recipe).__name__}.{hint}")
+      f"{where}: recipe must be a jaxmp.fp8.DelayedScaling or another jaxmp.fp8 recipe "
+      f"instance (CurrentScaling, RowwiseScaling, BlockScaling, MXScaling, GemmRecipes), got "
+      f"{recipe!r} of type {type(recipe).__name__}.{hint}")
+
+
+def per_gemm(recipe: Recipe) -> Union[DelayedScaling, CurrentScaling, GemmRecipes]:
+  """The recipe in the form the fp8 op runs it.
+
+  The per-tensor recipes run as they are (one quantization of each tensor serves every
+  GEMM that reads it); a finer recipe ``r`` becomes ``GemmRecipes(r, r, r)``; and a
+  :class:`GemmRecipes` whose three GEMMs all use the same :class:`CurrentScaling` is
+  that :class:`CurrentScaling`, so the two spellings compute the same bits.
+
+  Example:
+    >>> from jaxmp import fp8
+    >>> jaxmp._src.fp8.recipes.per_gemm(fp8.MXScaling())
+    GemmRecipes(forward=MXScaling(gradient_format='e4m3'), input_grad=MXScaling(gradient_format='e4m3'), weight_grad=MXScaling(gradient_format='e4m3'))
+  """
+  if isinstance(recipe, (DelayedScaling, CurrentScaling)):
+    return recipe
+  if isinstance(recipe, GemmRecipes):
+    first = recipe.forward
+    if isinstance(first, CurrentScaling) and all(r == first for r in recipe.gemms):
+      return first
+    return recipe
+  return GemmRecipes(recipe, recipe, recipe)
 
 
 __all__ = (
+    "FORMATS",
+    "GEMM_RECIPE_TYPES",
     "MAX_MARGIN",
+    "BlockScaling",
     "CurrentScaling",
     "DelayedScaling",
+    "GemmRecipes",
+    "MXScaling",
     "Recipe",
+    "RowwiseScaling",
     "check_recipe",
+    "per_gemm",
 )

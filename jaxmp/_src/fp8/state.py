@@ -130,11 +130,11 @@ def init_state(recipe: recipes_lib.Recipe) -> Optional[DelayedScalingState]:
   step quantizes with scale 1 and records the first amaxes.
 
   Args:
-    recipe: a :class:`~jaxmp.fp8.DelayedScaling` or :class:`~jaxmp.fp8.CurrentScaling`.
+    recipe: any jaxmp fp8 recipe.
 
   Returns:
-    A :class:`DelayedScalingState` for delayed scaling; ``None`` for current scaling,
-    which has no state.
+    A :class:`DelayedScalingState` for delayed scaling; ``None`` for every other
+    recipe (current scaling, per tensor, row, block or MX, keeps no state).
 
   Raises:
     TypeError: if ``recipe`` is not a jaxmp fp8 recipe.
@@ -146,7 +146,7 @@ def init_state(recipe: recipes_lib.Recipe) -> Optional[DelayedScalingState]:
     (Array([1.], dtype=float32), Array([0., 0., 0.], dtype=float32))
   """
   recipe = recipes_lib.check_recipe(recipe, "init_state")
-  if isinstance(recipe, recipes_lib.CurrentScaling):
+  if not isinstance(recipe, recipes_lib.DelayedScaling):
     return None
   scale = jnp.ones((1,), F32)
   history = jnp.zeros((recipe.amax_history_length,), F32)

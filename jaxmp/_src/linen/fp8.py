@@ -6,8 +6,8 @@ Flax's variable names (``input_scale``, ``input_amax_history``, ``kernel_scale``
 ``(1,)``, histories ``(amax_history_length,)``, float32), so Flax's
 ``TrainState.apply_gradients`` works unchanged and checkpoints of Flax's
 ``nn.Fp8DotGeneral`` carry over (the module is named ``Fp8DotGeneral_0`` rather than
-``Fp8DirectDotGeneralOp_0``). With :class:`~jaxmp.fp8.CurrentScaling` they create no
-variables at all.
+``Fp8DirectDotGeneralOp_0``). With any other recipe (current scaling per tensor, row,
+block or MX, or a :class:`~jaxmp.fp8.GemmRecipes`) they create no variables at all.
 
 For training that stays sound when a layer is reused, unused, or a step is skipped,
 update the collection with :mod:`jaxmp.fp8.state` (``for_grad`` inside the loss,
@@ -44,7 +44,7 @@ _TRAIN_HINT = ("Train linen fp8 models with jaxmp.linen.value_and_grad and "
 
 def _read_state(module: nn.Module, recipe: recipes_lib.Recipe
                 ) -> Optional[state_lib.DelayedScalingState]:
-  if isinstance(recipe, recipes_lib.CurrentScaling):
+  if not isinstance(recipe, recipes_lib.DelayedScaling):
     return None
   length = recipe.amax_history_length
   values = {}
@@ -68,8 +68,8 @@ class Fp8DotGeneral(nn.Module):
   recipe=...)``. The first operand is the input, the second the kernel.
 
   Attributes:
-    recipe: :class:`~jaxmp.fp8.DelayedScaling` (default, history length 1024) or
-      :class:`~jaxmp.fp8.CurrentScaling`.
+    recipe: any jaxmp fp8 recipe; :class:`~jaxmp.fp8.DelayedScaling` (history length
+      1024) by default.
 
   Raises:
     TypeError: at construction, if ``recipe`` is not a jaxmp fp8 recipe.
@@ -113,8 +113,7 @@ class Fp8Einsum(nn.Module):
   as ``nn.Einsum`` does; ``Rule(nn.Einsum, fp8=...)`` does that for existing models.
 
   Attributes:
-    recipe: :class:`~jaxmp.fp8.DelayedScaling` (default) or
-      :class:`~jaxmp.fp8.CurrentScaling`.
+    recipe: any jaxmp fp8 recipe; :class:`~jaxmp.fp8.DelayedScaling` by default.
 
   Raises:
     TypeError: at construction, if ``recipe`` is not a jaxmp fp8 recipe.

@@ -10,8 +10,8 @@ delayed-scaling state as :class:`Fp8State` variables under Flax's names
   and ``nnx.LinearGeneral(dot_general=...)``;
 * :class:`Fp8Einsum` is a drop-in ``einsum_op`` for ``nnx.Einsum(einsum_op=...)``.
 
-Both compute :func:`~jaxmp.fp8.fp8_dot_general` / :func:`~jaxmp.fp8.fp8_einsum`; with
-:class:`~jaxmp.fp8.CurrentScaling` they hold no variables. ``Rule(nnx.Linear,
+Both compute :func:`~jaxmp.fp8.fp8_dot_general` / :func:`~jaxmp.fp8.fp8_einsum`; with any recipe
+but :class:`~jaxmp.fp8.DelayedScaling` they hold no variables. ``Rule(nnx.Linear,
 fp8=...)`` under :func:`jaxmp.nnx.mixed_precision` creates them for an unchanged model
 (:func:`fp8_layers`, :func:`new_fp8_module`, :func:`install`).
 
@@ -84,7 +84,7 @@ _TRAIN_HINT = ("Train NNX fp8 models with jaxmp.nnx.value_and_grad (it different
 
 
 def _read_state(module: nnx.Module) -> Optional[state_lib.DelayedScalingState]:
-  if isinstance(module.recipe, recipes_lib.CurrentScaling):
+  if not isinstance(module.recipe, recipes_lib.DelayedScaling):
     return None
   return state_lib.DelayedScalingState(
       *(getattr(module, name).get_value() for name in state_lib.DelayedScalingState._fields))
@@ -109,8 +109,8 @@ class Fp8DotGeneral(nnx.Module):
   every state update, and is refused while tracing.
 
   Args:
-    recipe: :class:`~jaxmp.fp8.DelayedScaling` (default, history length 1024) or
-      :class:`~jaxmp.fp8.CurrentScaling` (no variables).
+    recipe: any jaxmp fp8 recipe; :class:`~jaxmp.fp8.DelayedScaling` (history length
+      1024) by default, the only one with variables.
 
   Raises:
     TypeError: if ``recipe`` is not a jaxmp fp8 recipe.
@@ -151,8 +151,7 @@ class Fp8Einsum(nnx.Module):
   which keeps the input and kernel roles fixed.
 
   Args:
-    recipe: :class:`~jaxmp.fp8.DelayedScaling` (default) or
-      :class:`~jaxmp.fp8.CurrentScaling`.
+    recipe: any jaxmp fp8 recipe; :class:`~jaxmp.fp8.DelayedScaling` by default.
 
   Raises:
     TypeError: if ``recipe`` is not a jaxmp fp8 recipe.

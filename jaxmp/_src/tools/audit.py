@@ -9,7 +9,8 @@ for a GPU or TPU it does not have (:mod:`jaxmp._src.tools.targets`), and reads t
 optimized HLO text:
 
 * every GEMM (a cuBLAS/cuBLASLt call, a Triton or cuDNN GEMM fusion, a cuDNN fused
-  attention call, a CPU dot, a TPU convolution fusion): the dtypes its operands hold (followed back through widening
+  attention call, cuDNN's MXFP8 block-scaled GEMM, a CPU dot, a TPU convolution
+  fusion): the dtypes its operands hold (followed back through widening
   converts, so an fp8 tensor a CPU widens to float32 still reads as fp8), the dtypes
   the product reads, the dtype it writes, its backend and FLOPs;
 * every other kernel and the HBM bytes it moves (every operand read once, every
@@ -36,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any, Mapping, Optional
@@ -43,6 +45,7 @@ from typing import Any, Mapping, Optional
 import jax
 import numpy as np
 
+from jaxmp._src.fp8 import support as fp8_support
 from jaxmp._src.tools import hlo as hlo_lib
 from jaxmp._src.tools import table
 from jaxmp._src.tools import targets as targets_lib
@@ -326,6 +329,25 @@ def _fused_attention(module, ins) -> Gemm:
               int(forward * (2.5 if backward else 1)), nbytes, _rate(compute, ""))
 
 
+def _block_scaled_gemm(module, ins) -> Gemm:
+  """cuDNN's block-scaled (MXFP8) GEMM: ``(B, M, K) x (B, N, K)`` with per-block scales.
+
+  ``jax.nn.scaled_matmul`` on a Blackwell GPU (cuDNN >= 9.10). The operands are fp8
+  (the scales, one E8M0 byte per 32 elements, are the third and fourth operands) and
+  the GEMM runs at the fp8 rate.
+  """
+  a, b = (module.instruction(o) for o in ins.operands[:2])
+  (*batch, m, k), n = a.first_array[1], b.first_array[1][-2]
+  held = tuple(_dtype_name(_held_dtype(module, x, None)) for x in (a, b))
+  compute = tuple(_dtype_name(x.first_array[0]) for x in (a, b))
+  nbytes = sum(hlo_lib.nbytes(module.instruction(o).type) for o in ins.operands) + \
+      hlo_lib.nbytes(ins.type)
+  out_dtype, out_dims = ins.first_array
+  return Gemm(ins.name, "MX cuDNN block-scaled GEMM", held, compute, _dtype_name(out_dtype),
+              _shape((*batch, m, k), out_dims, [len(batch) + 1], len(batch)),
+              2 * math.prod(batch) * m * n * k, nbytes, _rate(compute, ""))
+
+
 def _fused_gemm(module, ins, dots, platform: str) -> Gemm:
   dot = max(dots, key=lambda d: math.prod(d.first_array[1]))
   a, b = (module.instruction(o) for o in dot.operands[:2])
@@ -400,6 +422,9 @@ def _kernels(module: hlo_lib.Module, computation: str, count: int, platform: str
       continue
     if op == "custom-call" and ins.custom_call_target in _CUBLAS:
       gemms.append(dataclasses.replace(_cublas_gemm(module, ins, platform), count=count))
+      continue
+    if op == "custom-call" and ins.custom_call_target == "__cudnn$blockScaledDot":
+      gemms.append(dataclasses.replace(_block_scaled_gemm(module, ins), count=count))
       continue
     if op == "custom-call" and (ins.custom_call_target or "").startswith("__cudnn$fmha"):
       gemms.append(dataclasses.replace(_fused_attention(module, ins), count=count))
@@ -534,8 +559,12 @@ def audit(fn: Any, *args: Any, target: Optional[str] = None,
     kind = device.device_kind
     platform = "tpu" if targets_lib.is_tpu(name) else "gpu"
     spec = targets_lib.GPU_TARGETS.get(name)
-  compiled = jitted.trace(*args, **kwargs).lower().compile(
-      dict(compiler_options) if compiler_options else None)
+  # fp8 recipes decide at trace time what their GEMMs lower to (and warn where they
+  # fall back): tell them which chip this compile is for.
+  with fp8_support.compile_target(name) if name in fp8_support.TARGETS else \
+      contextlib.nullcontext():
+    traced = jitted.trace(*args, **kwargs)
+  compiled = traced.lower().compile(dict(compiler_options) if compiler_options else None)
   if platform == "tpu":
     cost = compiled.cost_analysis() or {}
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost

@@ -50,10 +50,12 @@ def _target_config(device_info: str, capability: tuple[int, int], name: str) -> 
   major, minor = capability
   return (f"gpu_device_info {{\n{_GPU_INFO_COMMON}{device_info}"
           f"  cuda_compute_capability {{ major: {major} minor: {minor} }}\n}}\n"
-          # The fp8 cuBLASLt rewrite needs CUDA >= 12; cuDNN 9 for fused attention.
+          # The fp8 cuBLASLt rewrite needs CUDA >= 12; cuDNN 9 for fused attention,
+          # 9.10 for XLA to lower MXFP8 block-scaled dots to cuDNN on Blackwell (jax
+          # 0.10.2 accepts cuDNN 9.8 and later; pip installs the newest 9.x).
           "runtime_version { major: 12 minor: 8 patch: 0 }\n"
           "platform_name: \"CUDA\"\n"
-          "dnn_version_info { major: 9 minor: 8 }\n"
+          "dnn_version_info { major: 9 minor: 10 }\n"
           f"device_description_str: \"{name}\"\n")
 
 

@@ -1,0 +1,180 @@
+"""MXFP8 (OCP Microscaling Formats v1.0): 32-element blocks sharing an E8M0 scale.
+
+The OCP MX v1.0 conversion, block by block (32 consecutive elements along the
+contracted dimension of a canonical ``(B, R, C)`` operand, ``C`` zero-padded to a
+multiple of 32, see :mod:`~jaxmp._src.fp8.grouped`):
+
+1. ``amax = max|x|`` over the block;
+2. ``e = floor(log2(amax)) - emax`` with ``emax = floor(log2(fp8_max))``: 8 for E4M3,
+   15 for E5M2; ``e`` is clamped to ``[-127, 127]``, the E8M0 range, and a block
+   whose amax is 0 (or below 2**-126, where float32 stops being normal) gets the
+   smallest scale ``2**-127`` (the reference implementation's rule: amax 0 reads as
+   the smallest normal float32, whose ``e`` clamps to -127);
+3. the scale ``2**e`` is stored as E8M0, the unsigned biased exponent ``e + 127``
+   (``0x00`` is ``2**-127``, ``0xFE`` is ``2**127``, ``0xFF`` is NaN). A block holding
+   inf or NaN gets the NaN scale, so the whole block dequantizes to NaN;
+4. the elements are ``x / 2**e`` rounded to the element format (round to nearest
+   even) and clamped to its max: the top of the block, up to ``2 * 2**floor(log2
+   amax)``, can exceed ``fp8_max * 2**e`` and saturates, as the spec says.
+
+Dividing by ``2**e`` is exact in float32 (a power of two), computed as a product
+with ``2**-e``, which is a normal float32 for every ``e`` this produces (``e <= 119``
+for finite float32 inputs), so no backend that flushes subnormals to zero (XLA:CPU
+does) changes a bit. Dequantizing a block with scale ``2**-127`` multiplies by a
+subnormal float32, which such a backend reads as 0: only blocks whose amax is below
+``2**-118`` are affected.
+
+This is the OCP rule. JAX's ``jax.nn.scaled_dot_general`` and TransformerEngine round
+the scale *up* instead (``2**ceil(log2(amax / fp8_max))``, no saturation): a
+different, equally valid choice that this module does not follow.
+
+The GEMM: on a Blackwell GPU (``sm_100``) the product of two MXFP8 operands is
+``jax.nn.scaled_matmul``, which XLA lowers to cuDNN's block-scaled GEMM (cuDNN 9.10 or
+newer); everywhere else, and on other GPUs, the operands are dequantized to bfloat16
+(exact: an E4M3 or E5M2 value times a power of two) and multiplied in a bfloat16 GEMM
+with float32 accumulation.
+
+Example:
+  >>> from jaxmp._src.fp8 import mx, quantize as q
+  >>> x = jnp.array([[[0.0] * 31 + [3.0]]])
+  >>> block = mx.quantize(x, q.E4M3)
+  >>> int(block.scale.view(jnp.uint8)[0, 0, 0]) - 127   # floor(log2 3) - 8
+  -7
+  >>> float(mx.dequantize(block)[0, 0, 31])
+  3.0
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp._src import dtypes as dtypes_lib
+from jaxmp._src.fp8 import grouped
+from jaxmp._src.fp8 import quantize as q
+
+F32 = np.dtype(np.float32)
+BF16 = np.dtype(jnp.bfloat16)
+E8M0 = np.dtype(jnp.float8_e8m0fnu)
+BLOCK = 32
+"""Elements per MX block (OCP MX v1.0, all MX formats)."""
+GROUPING = grouped.Grouping(1, BLOCK)
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+
+
+def emax(fp8_dtype: Any) -> int:
+  """The element format's largest exponent: 8 for E4M3 (max 448), 15 for E5M2 (57344)."""
+  return math.floor(math.log2(dtypes_lib.float_format(fp8_dtype).max))
+
+
+def _pow2(exponent: jax.Array) -> jax.Array:
+  """``2**exponent`` for int32 exponents in ``[-126, 127]``, exactly (built from bits)."""
+  bits = (exponent + E8M0_BIAS).astype(np.uint32) << np.uint32(23)
+  return jax.lax.bitcast_convert_type(bits, F32)
+
+
+def shared_exponents(amax: jax.Array, fp8_dtype: Any) -> jax.Array:
+  """The E8M0 codes (``uint8``) of blocks with these amaxes (float32).
+
+  ``clamp(floor(log2(amax)) - emax, -127, 127) + 127``, read exactly from the float32
+  exponent field; 0 for an amax below ``2**-126``; ``0xFF`` (NaN) for inf or NaN.
+  """
+  amax = jnp.asarray(amax, F32)
+  biased = (jax.lax.bitcast_convert_type(amax, np.uint32) >> np.uint32(23)).astype(np.int32)
+  # biased - 127 is floor(log2(amax)) for normal amaxes; 0 (zero, subnormal) clamps to -127.
+  exponent = jnp.clip(biased - E8M0_BIAS - emax(fp8_dtype), -E8M0_BIAS, E8M0_BIAS)
+  codes = jnp.where(biased == 0, 0, exponent + E8M0_BIAS)
+  return jnp.where(jnp.isfinite(amax), codes, E8M0_NAN).astype(np.uint8)
+
+
+def to_e8m0(codes: jax.Array) -> jax.Array:
+  """``uint8`` codes as ``float8_e8m0fnu`` (the same bits)."""
+  return jax.lax.bitcast_convert_type(codes.astype(np.uint8), E8M0)
+
+
+def decode(scale: jax.Array) -> jax.Array:
+  """E8M0 scales as float32 ``2**(code - 127)``: NaN for ``0xFF``, ``2**-127`` for 0."""
+  codes = jax.lax.bitcast_convert_type(scale, np.uint8).astype(np.int32)
+  value = _pow2(jnp.maximum(codes - E8M0_BIAS, -126))
+  value = jnp.where(codes == 0, np.float32(2.0**-127), value)
+  return jnp.where(codes == E8M0_NAN, np.float32(np.nan), value)
+
+
+def quantize(x: jax.Array, fp8_dtype: Any) -> grouped.Quantized:
+  """``x`` (``(B, R, C)``) in MXFP8: elements in ``fp8_dtype``, one E8M0 scale per 32.
+
+  Returns:
+    ``Quantized(data, scale)``: data ``(B, R, C')`` with ``C'`` the next multiple of
+    32 (zero-padded), scale ``(B, R, C' / 32)`` in ``float8_e8m0fnu``.
+  """
+  codes = shared_exponents(grouped.amax(x, GROUPING), fp8_dtype)
+  exponent = codes.astype(np.int32) - E8M0_BIAS
+  # x * 2**-e (exact); a NaN-scale block keeps its elements (multiplier 1) and its
+  # inf/NaN stay non-finite; the NaN scale makes the whole block NaN when dequantized.
+  multiplier = jnp.where(codes == E8M0_NAN, np.float32(1.0), _pow2(-jnp.clip(exponent, -127, 126)))
+  padded = grouped.pad(x, GROUPING).astype(F32)
+  b, r, c = padded.shape
+  blocks = jnp.reshape(padded, (b, r, c // BLOCK, BLOCK))
+  data = q.saturate(blocks * multiplier[..., None], blocks, fp8_dtype)
+  return grouped.Quantized(jnp.reshape(data, padded.shape), to_e8m0(codes))
+
+
+def dequantize(x: grouped.Quantized, dtype: Any = F32) -> jax.Array:
+  """``element * 2**e`` block by block, in ``dtype`` (still padded)."""
+  b, r, c = x.data.shape
+  blocks = jnp.reshape(x.data, (b, r, c // BLOCK, BLOCK)).astype(dtype)
+  return jnp.reshape(blocks * decode(x.scale).astype(dtype)[..., None], x.data.shape)
+
+
+def _dequantized_gemm(a: grouped.Quantized, b: grouped.Quantized, out_dtype: Any) -> jax.Array:
+  dims = (((2,), (2,)), ((0,), (0,)))
+  preferred = out_dtype if np.dtype(out_dtype) == BF16 else F32
+  out = jax.lax.dot_general(dequantize(a, BF16), dequantize(b, BF16), dims,
+                            preferred_element_type=preferred)
+  return out.astype(out_dtype)
+
+
+def _cudnn_gemm(a: grouped.Quantized, b: grouped.Quantized, out_dtype: Any) -> jax.Array:
+  return jax.nn.scaled_matmul(a.data, b.data, a.scale, b.scale,
+                              preferred_element_type=np.dtype(out_dtype))
+
+
+def gemm(a: grouped.Quantized, b: grouped.Quantized, out_dtype: Any,
+         block_scaled_gemm: bool = False) -> jax.Array:
+  """``(B, P, C) x (B, Q, C) -> (B, P, Q)`` for two MXFP8 operands, float32 accumulation.
+
+  Args:
+    a: the first operand, from :func:`quantize`.
+    b: the second operand.
+    out_dtype: the product's dtype.
+    block_scaled_gemm: use ``jax.nn.scaled_matmul`` (cuDNN's block-scaled GEMM) when
+      lowering for CUDA; only Blackwell GPUs run it natively (the fp8 support module
+      decides). Other platforms always take the dequantizing path.
+
+  Returns:
+    The product in ``out_dtype``.
+  """
+  if not block_scaled_gemm:
+    return _dequantized_gemm(a, b, out_dtype)
+  return jax.lax.platform_dependent(
+      a, b, cuda=lambda a, b: _cudnn_gemm(a, b, out_dtype),
+      default=lambda a, b: _dequantized_gemm(a, b, out_dtype))
+
+
+__all__ = (
+    "BLOCK",
+    "E8M0",
+    "GROUPING",
+    "decode",
+    "dequantize",
+    "emax",
+    "gemm",
+    "quantize",
+    "shared_exponents",
+    "to_e8m0",
+)

@@ -1,0 +1,158 @@
+"""An fp8 matmul with a recipe per GEMM: the custom VJP behind :class:`~jaxmp.fp8.GemmRecipes`.
+
+A layer's product ``y = dot_general(x, w)`` runs three GEMMs in training, each under
+its own recipe (or in the compute dtype when the recipe is ``None``), on canonical
+operands (:mod:`~jaxmp._src.fp8.layout`: ``x`` as ``(B, M, K)``, ``w`` as ``(B, N, K)``,
+the output gradient ``g`` as ``(B, M, N)``):
+
+=============  ==============================  ====================================
+GEMM           operands (role)                 contracted
+=============  ==============================  ====================================
+forward        ``x`` (input), ``w`` (kernel)   ``K``: per token / per out channel
+input grad     ``g`` (gradient), ``w.T``       ``N``: per token / per in channel
+weight grad    ``g.T`` (gradient), ``x.T``     ``M``: per channel, along the tokens
+=============  ==============================  ====================================
+
+Each operand is quantized along the dimension its GEMM contracts, with the grouping
+and format its recipe gives its role (:func:`grouping`, :func:`fp8_format`). The
+forward pass quantizes ``x`` and ``w`` for the forward GEMM and, for the backward
+GEMMs, ``w.T`` and ``x.T`` along their own contracted dimensions; the backward pass
+keeps those (fp8 data and scales, or the operand itself for a compute-dtype GEMM) as
+residuals and quantizes the output gradient twice, once per backward GEMM.
+
+Example:
+  >>> from jaxmp import fp8
+  >>> recipe = fp8.GemmRecipes(fp8.RowwiseScaling(), fp8.RowwiseScaling(), None)
+  >>> x, w = jnp.ones((4, 8)), jnp.full((8, 2), 0.5)
+  >>> fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), recipe=recipe)[0]
+  Array([4., 4.], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp._src import sharding
+from jaxmp._src.fp8 import grouped
+from jaxmp._src.fp8 import layout as layout_lib
+from jaxmp._src.fp8 import mx
+from jaxmp._src.fp8 import quantize as q
+from jaxmp._src.fp8 import recipes as recipes_lib
+from jaxmp._src.fp8 import scaled_gemm
+
+INPUT, KERNEL, GRADIENT = "input", "kernel", "output_grad"
+_FORMATS = {"e4m3": q.E4M3, "e5m2": q.E5M2}
+
+Operand = Union[grouped.Quantized, jax.Array]
+
+
+class Config(NamedTuple):
+  """Everything static about one per-GEMM fp8 matmul (hashable)."""
+  recipes: recipes_lib.GemmRecipes
+  dimension_numbers: tuple
+  lhs: layout_lib.Layout
+  rhs: layout_lib.Layout
+  lhs_dtype: np.dtype
+  rhs_dtype: np.dtype
+  out_dtype: np.dtype
+  block_scaled_gemm: bool = False
+  lhs_varying: frozenset = frozenset()
+  rhs_varying: frozenset = frozenset()
+
+
+def grouping(recipe: Any, role: str) -> grouped.Grouping:
+  """Which elements of an operand in ``role`` share a scale under ``recipe``."""
+  if isinstance(recipe, recipes_lib.CurrentScaling):
+    return grouped.TENSOR
+  if isinstance(recipe, recipes_lib.RowwiseScaling):
+    return grouped.ROW
+  if isinstance(recipe, recipes_lib.MXScaling):
+    return mx.GROUPING
+  size = recipe.block_size
+  return grouped.Grouping(size if role == KERNEL else 1, size)
+
+
+def fp8_format(recipe: Any, role: str) -> np.dtype:
+  """The fp8 format of an operand in ``role`` under ``recipe``."""
+  if role != GRADIENT or isinstance(recipe, recipes_lib.BlockScaling):
+    return q.E4M3
+  if isinstance(recipe, recipes_lib.CurrentScaling):
+    return q.E5M2
+  return _FORMATS[recipe.gradient_format]
+
+
+def quantize(x: jax.Array, recipe: Any, role: str) -> Operand:
+  """A canonical operand prepared for a GEMM under ``recipe`` (itself for ``None``)."""
+  if recipe is None:
+    return x
+  fmt = fp8_format(recipe, role)
+  if isinstance(recipe, recipes_lib.MXScaling):
+    return mx.quantize(x, fmt)
+  group = grouping(recipe, role)
+  scale = grouped.scales(x, group, fmt, recipe.margin, recipe.power_of_two)
+  return grouped.quantize(x, group, fmt, scale)
+
+
+def _gemm(a: Operand, b: Operand, recipe: Any, roles: tuple, shape: tuple, out_dtype: Any,
+          cfg: Config) -> jax.Array:
+  """``(B, P, C) x (B, Q, C) -> (B, P, Q)`` under ``recipe``, or in the operands' dtype."""
+  if recipe is None:
+    dtype = jnp.result_type(a.dtype, b.dtype)
+    return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), scaled_gemm.CANONICAL,
+                               preferred_element_type=out_dtype)
+  groupings = tuple(grouping(recipe, role) for role in roles)
+  return scaled_gemm.gemm(a, b, recipe, groupings, shape, out_dtype, cfg.block_scaled_gemm)
+
+
+def _forward(lhs: jax.Array, rhs: jax.Array, cfg: Config):
+  forward, input_grad, weight_grad = cfg.recipes.gemms
+  x, w = cfg.lhs.to_canonical(lhs), cfg.rhs.to_canonical(rhs)  # (B, M, K), (B, N, K)
+  out = _gemm(quantize(x, forward, INPUT), quantize(w, forward, KERNEL), forward,
+              (INPUT, KERNEL), (cfg.lhs.rows, cfg.rhs.rows), cfg.out_dtype, cfg)
+  out = jnp.reshape(out, layout_lib.output_shape(cfg.lhs, cfg.rhs))
+  residuals = (quantize(layout_lib.swap(w), input_grad, KERNEL),   # (B, K, N)
+               quantize(layout_lib.swap(x), weight_grad, INPUT))   # (B, K, M)
+  return out, residuals
+
+
+def _backward(cfg: Config, residuals, g):
+  _, input_grad, weight_grad = cfg.recipes.gemms
+  w_t, x_t = residuals
+  m, n, k = cfg.lhs.rows, cfg.rhs.rows, cfg.lhs.contracted
+  g = jnp.reshape(g, (cfg.lhs.batch, m, n))
+  d_lhs = _gemm(quantize(g, input_grad, GRADIENT), w_t, input_grad, (GRADIENT, KERNEL),
+                (m, k), cfg.lhs_dtype, cfg)                                  # (B, M, K)
+  d_rhs = _gemm(quantize(layout_lib.swap(g), weight_grad, GRADIENT), x_t, weight_grad,
+                (GRADIENT, INPUT), (n, k), cfg.rhs_dtype, cfg)               # (B, N, K)
+  d_lhs = sharding.like_primal(cfg.lhs.from_canonical(d_lhs), cfg.lhs_varying, jax.lax.psum)
+  d_rhs = sharding.like_primal(cfg.rhs.from_canonical(d_rhs), cfg.rhs_varying, jax.lax.psum)
+  return d_lhs, d_rhs
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dot(lhs, rhs, cfg):
+  return _forward(lhs, rhs, cfg)[0]
+
+
+_dot.defvjp(_forward, _backward)
+dot = jax.jit(_dot, static_argnums=(2,))
+"""``dot(lhs, rhs, cfg)``: the per-GEMM fp8 matmul (jitted: one dispatch outside jit)."""
+
+
+def config(lhs: jax.Array, rhs: jax.Array, dimension_numbers: tuple,
+           recipes: recipes_lib.GemmRecipes, out_dtype: np.dtype,
+           block_scaled_gemm: bool) -> Config:
+  """The static configuration of ``dot(lhs, rhs, ...)``."""
+  (lc, rc), (lb, rb) = dimension_numbers
+  return Config(recipes, dimension_numbers, layout_lib.Layout.of(lhs.shape, lc, lb),
+                layout_lib.Layout.of(rhs.shape, rc, rb), np.dtype(lhs.dtype),
+                np.dtype(rhs.dtype), np.dtype(out_dtype), block_scaled_gemm,
+                sharding.varying_axes(lhs), sharding.varying_axes(rhs))
+
+
+__all__ = ("Config", "config", "dot", "fp8_format", "grouping", "quantize")

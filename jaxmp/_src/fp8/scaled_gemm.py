@@ -1,0 +1,138 @@
+"""One scaled fp8 GEMM: how a recipe's quantized operands are multiplied.
+
+Per recipe (operands canonical, ``(B, P, C) x (B, Q, C) -> (B, P, Q)``, see
+:mod:`~jaxmp._src.fp8.layout`):
+
+- **per tensor, per row** (``CurrentScaling``, ``RowwiseScaling``): no scale varies
+  along the contracted dimension, so the GEMM multiplies the fp8 operands themselves
+  (float32 accumulation) and the product is multiplied by the outer product of the
+  two operands' scales: ``acc * (scale_a[p] * scale_b[q])``. XLA lowers this to an fp8
+  GEMM (cuBLASLt on Hopper and Blackwell) with the scaling in the epilogue or a fused
+  elementwise kernel (:func:`rescaled_dot`).
+- **blocks** (``BlockScaling``): scales vary along the contracted dimension and XLA
+  has no block-scaled fp8 GEMM, so the operands are dequantized (float32, or
+  bfloat16 where power-of-two scales make it exact) and multiplied with float32
+  accumulation: the same sum of the same products, by a wider GEMM. Emulating the
+  published kernel instead, as per-block partial products (a batched fp8 GEMM with
+  ``K / 128`` float32 partial outputs, then scaled and summed), compiles for an H100
+  to fp8 GEMMs but writes ``K / 128`` times the output to memory: about 6x slower
+  than the dequantized GEMM at 4096^3 by the audit's estimate.
+- **MX** (``MXScaling``): :func:`jaxmp._src.fp8.mx.gemm`.
+
+Example:
+  >>> from jaxmp._src.fp8 import scaled_gemm, quantize as q
+  >>> a = q.quantize(jnp.ones((1, 2, 4)), q.E4M3, jnp.float32(0.5))
+  >>> b = q.quantize(jnp.ones((1, 3, 4)), q.E4M3, jnp.float32(0.25))
+  >>> scaled_gemm.rescaled_dot(a, b, scaled_gemm.CANONICAL, jnp.float32(0.125),
+  ...                          jnp.bfloat16, exact_scale=True)
+  Array([[[4, 4, 4],
+          [4, 4, 4]]], dtype=bfloat16)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp._src.fp8 import grouped
+from jaxmp._src.fp8 import mx
+from jaxmp._src.fp8 import recipes as recipes_lib
+
+F32 = np.dtype(np.float32)
+BF16 = np.dtype(jnp.bfloat16)
+CANONICAL = (((2,), (2,)), ((0,), (0,)))
+"""Dimension numbers of a canonical product: contract the last axes, batch the first."""
+
+
+def fuses_output(out_dtype: Any, exact_scale: bool) -> bool:
+  """Whether the GEMM writes ``out_dtype`` itself rather than float32 then narrowed.
+
+  Only for bfloat16 outputs with power-of-two scales: multiplying by a power of two
+  commutes with rounding (barring overflow and subnormals), so ``round(acc) * s ==
+  round(acc * s)``, and XLA folds the scale into the fp8 GEMM, which writes bfloat16.
+  (float16 would round the unscaled accumulator, which can exceed its range.)
+  """
+  return exact_scale and np.dtype(out_dtype) == BF16
+
+
+def rescaled_dot(a: jax.Array, b: jax.Array, dimension_numbers: Any, scale: jax.Array,
+                 out_dtype: Any, *, exact_scale: bool = False,
+                 out_sharding: Any = None) -> jax.Array:
+  """``dot_general(a, b) * scale`` in ``out_dtype``, for fp8 ``a`` and ``b``.
+
+  With float32 scales, the product is float32 (``preferred_element_type``), scaled in
+  float32 and cast: ``dot -> multiply -> convert``. With power-of-two scales and a
+  bfloat16 output (:func:`fuses_output`) the GEMM writes bfloat16 and the scale is
+  applied in bfloat16, which is exact: the same bits, and on GPUs no float32 output
+  and no separate narrowing kernel.
+
+  Args:
+    a: the first fp8 operand.
+    b: the second fp8 operand.
+    dimension_numbers: as for ``lax.dot_general``.
+    scale: float32, broadcastable to the product (a scalar, or an outer product of
+      row scales).
+    out_dtype: the result's dtype.
+    exact_scale: whether ``scale`` is a power of two.
+    out_sharding: forwarded to ``lax.dot_general``.
+
+  Returns:
+    The scaled product.
+  """
+  if fuses_output(out_dtype, exact_scale):
+    out = jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=out_dtype,
+                              out_sharding=out_sharding)
+    return out * scale.astype(out_dtype)
+  out = jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=F32,
+                            out_sharding=out_sharding)
+  return (out * scale).astype(out_dtype)
+
+
+def _outer(scale_a: jax.Array, scale_b: jax.Array) -> jax.Array:
+  """``(B, P, 1) x (B, Q, 1) -> (B, P, Q)``: the scale of every product element."""
+  return scale_a * jnp.swapaxes(scale_b, 1, 2)
+
+
+def _dequantized_dot(a: grouped.Quantized, b: grouped.Quantized, grouping_a: grouped.Grouping,
+                     grouping_b: grouped.Grouping, out_dtype: Any, exact: bool) -> jax.Array:
+  dtype = BF16 if exact else F32
+  preferred = out_dtype if fuses_output(out_dtype, exact) else F32
+  precision = None if exact else jax.lax.Precision.HIGHEST
+  out = jax.lax.dot_general(grouped.dequantize(a, grouping_a, dtype),
+                            grouped.dequantize(b, grouping_b, dtype), CANONICAL,
+                            precision=precision, preferred_element_type=preferred)
+  return out.astype(out_dtype)
+
+
+def gemm(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, groupings: tuple,
+         shape: tuple, out_dtype: Any, block_scaled_gemm: bool = False) -> jax.Array:
+  """The product of two quantized canonical operands under ``recipe``.
+
+  Args:
+    a: the first operand (``(B, P', C')`` data, padded to whole groups).
+    b: the second operand (``(B, Q', C')``).
+    recipe: the GEMM's recipe (``CurrentScaling``, ``RowwiseScaling``,
+      ``BlockScaling`` or ``MXScaling``).
+    groupings: the two operands' :class:`~.grouped.Grouping`.
+    shape: ``(P, Q)``, the product's unpadded rows and columns.
+    out_dtype: the product's dtype.
+    block_scaled_gemm: for MX, use the block-scaled GEMM when lowering for CUDA.
+
+  Returns:
+    ``(B, P, Q)`` in ``out_dtype``.
+  """
+  p, q_ = shape
+  if isinstance(recipe, recipes_lib.MXScaling):
+    out = mx.gemm(a, b, out_dtype, block_scaled_gemm)
+  elif isinstance(recipe, recipes_lib.BlockScaling):
+    out = _dequantized_dot(a, b, *groupings, out_dtype, recipe.power_of_two)
+  else:
+    out = rescaled_dot(a.data, b.data, CANONICAL, _outer(a.scale, b.scale), out_dtype,
+                       exact_scale=recipe.power_of_two)
+  return out[:, :p, :q_]
+
+
+__all__ = ("CANONICAL", "fuses_output", "gemm", "rescaled_dot")

@@ -1,0 +1,365 @@
+"""Every recipe against a plain NumPy implementation of its published formula (tests/fp8/reference.py).
+
+Bit-exact where the formula is exact: fp8 encodings and rounding, E8M0 scales, the
+current-scaling scale (float32 arithmetic, power-of-two rounding), the row, tile,
+block and MX groupings with their partial-group rule, and the edge cases (zeros,
+all-zero groups, inf, NaN, tiny and huge amaxes, saturation). The GEMMs accumulate in
+float32 in some order, so they are compared with the float64 product of the
+reference's quantized operands at float32 accumulation accuracy.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmp import fp8
+from jaxmp._src.fp8 import mx
+from jaxmp._src.fp8 import per_gemm
+from jaxmp._src.fp8 import quantize as q
+from jaxmp._src.fp8 import recipes as recipes_lib
+from jaxmp._src.fp8 import scaled_gemm
+from tests.fp8 import reference as ref
+
+FMT = {"e4m3": q.E4M3, "e5m2": q.E5M2}
+
+
+def _bits(x):
+  return np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8))
+
+
+def _assert_same_codes(actual_fp8, expected_codes, fmt):
+  """fp8 arrays equal bit for bit (any NaN pattern matches any NaN)."""
+  actual_nan = np.isnan(ref.decode(_bits(actual_fp8), fmt))
+  expected_nan = np.isnan(ref.decode(expected_codes, fmt))
+  np.testing.assert_array_equal(actual_nan, expected_nan)
+  np.testing.assert_array_equal(np.where(actual_nan, 0, _bits(actual_fp8)),
+                                np.where(expected_nan, 0, expected_codes))
+
+
+# ---------------------------------------------------------------- encodings and rounding
+
+
+@pytest.mark.parametrize("fmt, cases", [
+    ("e4m3", {448.0: 0x7E, 1.0: 0x38, -1.0: 0xB8, 2.0**-6: 0x08, 2.0**-9: 0x01,
+              7 / 8 * 2.0**-6: 0x07, 1.0625: 0x38, 1.1875: 0x3A, 0.0: 0x00, 240.0: 0x77}),
+    ("e5m2", {57344.0: 0x7B, 1.0: 0x3C, 2.0**-14: 0x04, 2.0**-16: 0x01, np.inf: 0x7C,
+              -np.inf: 0xFC, 1.125: 0x3C, 1.375: 0x3E, -0.0: 0x80}),
+])
+def test_reference_encoder_follows_the_format_definitions(fmt, cases):
+  # Ties: 1.0625 lies halfway between 1 and 1.125 in E4M3 and goes to the even 1.0;
+  # 1.1875 between 1.125 and 1.25 goes to 1.25; E5M2 likewise 1.125 -> 1, 1.375 -> 1.5.
+  values = np.array(list(cases), np.float64)
+  np.testing.assert_array_equal(ref.encode(values, fmt), np.array(list(cases.values())))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_every_fp8_code_round_trips_through_jaxmp_quantize(fmt):
+  codes = np.arange(256, dtype=np.uint8)
+  values = ref.decode(codes, fmt)
+  finite = np.isfinite(values) | (np.isinf(values) & (fmt == "e5m2"))
+  quantized = q.quantize(jnp.asarray(values[finite], jnp.float32), FMT[fmt], jnp.float32(1))
+  np.testing.assert_array_equal(_bits(quantized), codes[finite])
+  np.testing.assert_array_equal(ref.encode(values[finite], fmt), codes[finite])
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_rounding_to_fp8_is_round_to_nearest_even_as_the_reference(fmt):
+  values = ref.decode(np.arange(256, dtype=np.uint8), fmt)
+  grid = np.unique(values[np.isfinite(values)])
+  midpoints = (grid[:-1] + grid[1:]) / 2       # exact ties
+  rng = np.random.default_rng(0)
+  between = grid[:-1] + (grid[1:] - grid[:-1]) * rng.uniform(size=grid.size - 1)
+  x = np.concatenate([midpoints, between]).astype(np.float32)
+  _assert_same_codes(q.quantize(jnp.asarray(x), FMT[fmt], jnp.float32(1)),
+                     ref.encode(x.astype(np.float64), fmt), fmt)
+
+
+def test_e8m0_scales_are_biased_exponents_with_a_nan_code():
+  codes = np.array([0, 1, 100, 126, 127, 128, 200, 254, 255], np.uint8)
+  decoded = np.asarray(mx.decode(mx.to_e8m0(jnp.asarray(codes))))
+  expected = np.where(codes == 255, np.nan, np.ldexp(1.0, codes.astype(int) - 127))
+  np.testing.assert_array_equal(decoded, expected.astype(np.float32))
+  # Codes read from amaxes: floor(log2(amax)) - emax + 127; 0xFF for inf/NaN; 0 below 2**-126.
+  amax = np.array([1.0, 3.0, 448.0, 0.0, 1e-40, 2.0**-126, 3e38, np.inf, np.nan], np.float32)
+  expected = [127 - 8, 128 - 8, 135 - 8, 0, 0, 0, 127 + 127 - 8, 255, 255]
+  np.testing.assert_array_equal(np.asarray(mx.shared_exponents(amax, q.E4M3)), expected)
+  np.testing.assert_array_equal(np.asarray(mx.shared_exponents(amax[:3], q.E5M2)),
+                                [127 - 15, 128 - 15, 135 - 15])
+
+
+# ---------------------------------------------------------------- scales
+
+
+def test_power_of_two_scales_round_the_multiplier_down_as_torchao():
+  amax = np.array([0.0, 1e-30, 0.003, 1.0, 3.0, 447.0, 448.0, 449.0, 1e5, 3e38, np.inf, np.nan],
+                  np.float32)
+  for fmt in ("e4m3", "e5m2"):
+    for margin in (0, 3):
+      actual = q.scale_from_amax(amax, jnp.float32(1), FMT[fmt], margin, power_of_two=True)
+      expected = ref.current_scale(amax, fmt, margin, power_of_two=True)
+      np.testing.assert_array_equal(np.asarray(actual), expected)
+      plain = q.scale_from_amax(amax, jnp.float32(1), FMT[fmt], margin)
+      np.testing.assert_array_equal(np.asarray(plain), ref.current_scale(amax, fmt, margin))
+  scales = ref.current_scale(amax[1:-3], "e4m3", power_of_two=True)
+  assert np.all(np.frexp(scales)[0] == 0.5)                     # powers of two
+  assert np.all(scales.astype(np.float64) * 448 >= amax[1:-3])  # the amax still fits
+
+
+# ---------------------------------------------------------------- groupings
+
+
+def _edge_case_operand(shape, seed=0):
+  """Random values with an all-zero row and block, an inf, a NaN and a huge outlier."""
+  x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+  x[0, 1, :] = 0.0                        # an all-zero row (and every group in it)
+  x[0, 2, 5] = np.inf
+  x[-1, -1, 3] = np.nan
+  x[0, 0, 7] = 3e4
+  return x
+
+
+@pytest.mark.parametrize("recipe, role, rows, cols", [
+    (fp8.RowwiseScaling(power_of_two=False), "input", 1, None),
+    (fp8.RowwiseScaling(), "kernel", 1, None),
+    (fp8.RowwiseScaling(margin=2, gradient_format="e5m2"), "output_grad", 1, None),
+    (fp8.BlockScaling(), "input", 1, 128),
+    (fp8.BlockScaling(), "kernel", 128, 128),
+    (fp8.BlockScaling(power_of_two=True), "output_grad", 1, 128),
+    (fp8.BlockScaling(block_size=16, margin=1), "kernel", 16, 16),
+    (fp8.CurrentScaling(), "output_grad", None, None),
+])
+def test_current_scaling_groups_match_the_reference(recipe, role, rows, cols):
+  # 150 x 300: neither a multiple of 128 nor of 16: the last groups are partial.
+  x = _edge_case_operand((2, 150, 300))
+  fmt = "e5m2" if per_gemm.fp8_format(recipe, role) == q.E5M2 else "e4m3"
+  got = per_gemm.quantize(jnp.asarray(x), recipe, role)
+  if rows is None:  # per tensor: one group, batch included
+    codes, scale = ref.quantize_groups(x.reshape(1, 1, -1), 1, x.size, fmt, recipe.margin,
+                                       recipe.power_of_two)
+    codes = codes.reshape(x.shape)
+  else:
+    codes, scale = ref.quantize_groups(x, rows, cols or x.shape[2], fmt, recipe.margin,
+                                       recipe.power_of_two)
+  np.testing.assert_array_equal(np.asarray(got.scale).reshape(scale.shape), scale)
+  _assert_same_codes(got.data, codes, fmt)
+
+
+def test_all_zero_and_non_finite_groups_get_scale_one_and_stay_non_finite():
+  x = _edge_case_operand((2, 150, 300))
+  got = per_gemm.quantize(jnp.asarray(x), fp8.BlockScaling(), "kernel")
+  scale = np.asarray(got.scale)
+  assert scale[0, 0, 0] == 1.0          # holds the inf: non-finite amax
+  assert scale[1, 1, 0] == 1.0          # the block of batch 1 holding the NaN
+  data = ref.decode(_bits(got.data), "e4m3")
+  assert np.isnan(data[0, 2, 5]) and np.isnan(data[1, 149, 3])
+  rows = per_gemm.quantize(jnp.asarray(x), fp8.RowwiseScaling(), "input")
+  assert np.asarray(rows.scale)[0, 1, 0] == 1.0 and not _bits(rows.data)[0, 1].any()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_mx_blocks_match_the_ocp_conversion(fmt):
+  x = _edge_case_operand((2, 3, 70))    # 70 = 2 blocks + a partial block of 6
+  x[1, 0, :32] = 0.0                    # an all-zero block
+  x[1, 1, :32] = np.linspace(1, 2, 32) * 2.0**-120  # amax below 2**-118: smallest scale
+  x[1, 2, :32] = np.linspace(-1.9, 1.9, 32) * 2.0**10  # top of the binade saturates
+  x[0, 0, 40:64] *= 2.0**100            # a huge block
+  x[1, 0, 40] = np.nan                  # a NaN in the block after the all-zero one
+  got = mx.quantize(jnp.asarray(x), FMT[fmt])
+  codes, scale_codes = ref.mx_quantize(x, fmt)
+  np.testing.assert_array_equal(_bits(got.scale), scale_codes)
+  _assert_same_codes(got.data, codes, fmt)
+  assert got.data.shape == (2, 3, 96) and got.scale.shape == (2, 3, 3)
+  # Saturation: amax 1.9 * 2**10 -> e = 10 - emax, elements up to 1.9 * 2**emax, clamped.
+  assert _bits(got.scale)[1, 2, 0] == 127 + 10 - ref.EMAX[fmt]
+  assert ref.decode(_bits(got.data), fmt)[1, 2, 0] == -ref.FORMATS[fmt][2]
+  assert _bits(got.scale)[1, 1, 0] == 0                          # 2**-127
+  assert ref.decode(_bits(got.data), fmt)[1, 1, 31] == 2.0**8     # 2**-119 * 2**127
+  # Dequantized bit for bit; NaN for the blocks holding inf or NaN. (The 2**-127 scale is
+  # a subnormal float32, which XLA:CPU flushes to zero: those blocks are left out.)
+  expected = ref.mx_dequantize(codes, scale_codes, fmt)
+  actual = np.asarray(mx.dequantize(got))
+  normal = np.isfinite(expected) & (np.repeat(scale_codes, 32, axis=-1) > 0)
+  np.testing.assert_array_equal(actual[normal], expected[normal].astype(np.float32))
+  assert np.isnan(actual[0, 2, :32]).all() and np.isnan(actual[1, 0, 32:64]).all()
+  assert _bits(got.scale)[0, 2, 0] == _bits(got.scale)[1, 0, 1] == 0xFF
+
+
+# ---------------------------------------------------------------- GEMMs
+
+
+def _reference_operand(x3, recipe, role):
+  """The reference's dequantized canonical operand (float64) under ``recipe``."""
+  if recipe is None:
+    return x3.astype(np.float64)
+  fmt = "e5m2" if per_gemm.fp8_format(recipe, role) == q.E5M2 else "e4m3"
+  if isinstance(recipe, fp8.MXScaling):
+    codes, scales = ref.mx_quantize(x3, fmt)
+    return ref.mx_dequantize(codes, scales, fmt)[..., :x3.shape[2]]
+  grouping = per_gemm.grouping(recipe, role)
+  rows = grouping.rows or x3.shape[1]
+  cols = grouping.cols or x3.shape[2]
+  if grouping.rows is None:
+    flat = x3.reshape(1, 1, -1)
+    codes, scale = ref.quantize_groups(flat, 1, flat.shape[2], fmt, recipe.margin,
+                                       recipe.power_of_two)
+    return ref.dequantize_groups(codes, scale, 1, flat.shape[2], fmt).reshape(x3.shape)
+  codes, scale = ref.quantize_groups(x3, rows, cols, fmt, recipe.margin, recipe.power_of_two)
+  return ref.dequantize_groups(codes, scale, rows, cols, fmt)[:, :x3.shape[1], :x3.shape[2]]
+
+
+def _reference_gemms(x3, w3, g3, recipes):
+  """y, dx, dw in canonical form: forward (M,K)x(N,K), dgrad (M,N)x(K,N), wgrad (N,M)x(K,M)."""
+  forward, input_grad, weight_grad = recipes.gemms
+  t = lambda a: np.swapaxes(a, 1, 2)
+  y = np.einsum("bmk,bnk->bmn", _reference_operand(x3, forward, "input"),
+                _reference_operand(w3, forward, "kernel"))
+  dx = np.einsum("bmn,bkn->bmk", _reference_operand(g3, input_grad, "output_grad"),
+                 _reference_operand(t(w3), input_grad, "kernel"))
+  dw = np.einsum("bnm,bkm->bnk", _reference_operand(t(g3), weight_grad, "output_grad"),
+                 _reference_operand(t(x3), weight_grad, "input"))
+  return y, dx, dw
+
+
+RECIPES = {
+    "current": fp8.GemmRecipes(fp8.CurrentScaling(), fp8.CurrentScaling(margin=1), None),
+    "rowwise": fp8.RowwiseScaling(),
+    "rowwise float32 scales": fp8.RowwiseScaling(power_of_two=False, gradient_format="e5m2"),
+    "block": fp8.BlockScaling(block_size=16),
+    "block power of two": fp8.BlockScaling(block_size=16, power_of_two=True),
+    "mx": fp8.MXScaling(),
+    "mx e5m2 gradients": fp8.MXScaling(gradient_format="e5m2"),
+    "mixed": fp8.GemmRecipes(fp8.MXScaling(), fp8.BlockScaling(block_size=8),
+                             fp8.RowwiseScaling()),
+}
+
+
+def _forward_backward(recipe, dims, lhs, rhs, g):
+  """The product and both operand gradients, in one jitted computation."""
+  @jax.jit
+  def run(lhs, rhs, g):
+    y, vjp = jax.vjp(lambda a, b: fp8.fp8_dot_general(a, b, dims, recipe=recipe), lhs, rhs)
+    return (y, *vjp(g))
+  return run(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(g))
+
+
+def _close(actual, expected):
+  # float32 accumulation of at most a few hundred products: 1e-5 of the largest term.
+  scale = np.max(np.abs(expected)) + 1e-30
+  np.testing.assert_array_less(np.abs(np.asarray(actual, np.float64) - expected) / scale, 2e-5)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_dense_gemms_match_the_reference(name):
+  recipes = recipes_lib.per_gemm(RECIPES[name])
+  k = jax.random.split(jax.random.key(1), 3)
+  x = np.asarray(jax.random.normal(k[0], (24, 40)))
+  w = np.asarray(jax.random.normal(k[1], (40, 36)))
+  g = np.asarray(jax.random.normal(k[2], (24, 36)))
+  y, dx, dw = _forward_backward(RECIPES[name], (((1,), (0,)), ((), ())), x, w, g)
+  ry, rdx, rdw = _reference_gemms(x[None], w.T[None], g[None], recipes)
+  _close(y, ry[0])
+  _close(dx, rdx[0])
+  _close(dw, rdw[0].T)
+
+
+def test_general_dimension_numbers_contract_the_flattened_dimensions():
+  # lhs [batch 2, m 3, k1 4, k2 10], rhs [k2 10, batch 2, k1 4, n 5]: K = 40, blocks of 8
+  # run along the flattened (k1, k2) in dimension-number order.
+  recipe = fp8.GemmRecipes(fp8.BlockScaling(block_size=8), fp8.MXScaling(),
+                           fp8.RowwiseScaling(power_of_two=False))
+  dims = (((2, 3), (2, 0)), ((0,), (1,)))
+  k = jax.random.split(jax.random.key(2), 3)
+  lhs = np.asarray(jax.random.normal(k[0], (2, 3, 4, 10)))
+  rhs = np.asarray(jax.random.normal(k[1], (10, 2, 4, 5)))
+  g = np.asarray(jax.random.normal(k[2], (2, 3, 5)))
+  y, dlhs, drhs = _forward_backward(recipe, dims, lhs, rhs, g)
+  x3 = lhs.reshape(2, 3, 40)
+  w3 = np.transpose(rhs, (1, 3, 2, 0)).reshape(2, 5, 40)
+  ry, rdx, rdw = _reference_gemms(x3, w3, g, recipe)
+  _close(y, ry)
+  _close(dlhs, rdx.reshape(2, 3, 4, 10))
+  _close(drhs, np.transpose(rdw.reshape(2, 5, 4, 10), (3, 0, 2, 1)))
+
+
+# ---------------------------------------------------------------- power-of-two outputs
+
+
+def test_bfloat16_output_with_power_of_two_scales_is_bit_exact_with_float32_scaling():
+  k = jax.random.split(jax.random.key(3), 3)
+  a = q.quantize(jax.random.normal(k[0], (64, 96)) * 30, q.E4M3, jnp.float32(0.125))
+  b = q.quantize(jax.random.normal(k[1], (96, 80)), q.E5M2, jnp.float32(2.0**-7))
+  dims = (((1,), (0,)), ((), ()))
+  for scale in (2.0**-20, 2.0**-3, 1.0, 2.0**9):
+    scale = jnp.float32(scale)
+    fused = scaled_gemm.rescaled_dot(a, b, dims, scale, jnp.bfloat16, exact_scale=True)
+    wide = scaled_gemm.rescaled_dot(a, b, dims, scale, jnp.bfloat16, exact_scale=False)
+    np.testing.assert_array_equal(np.asarray(fused.view(jnp.uint16)),
+                                  np.asarray(wide.view(jnp.uint16)))
+
+
+@pytest.mark.parametrize("recipe", [fp8.CurrentScaling(power_of_two=True),
+                                    fp8.DelayedScaling(4, power_of_two=True),
+                                    fp8.RowwiseScaling()])
+def test_power_of_two_recipes_write_bfloat16_from_the_gemm(recipe):
+  x, w, g = (jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((32, 48), (48, 16), (32, 16)))
+  state = fp8.init_state(recipe)
+
+  def step(x, w, g):
+    f = lambda x, w: fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), state=state,
+                                         recipe=recipe)
+    y, vjp = jax.vjp(f, x, w)
+    return (y, *vjp(g)[:2])
+
+  outputs = [np.dtype(e.params["preferred_element_type"]).name
+             for e in _all_eqns(jax.make_jaxpr(step)(x, w, g).jaxpr)
+             if e.primitive.name == "dot_general"]
+  assert outputs == ["bfloat16"] * 3
+  recipe_f32 = dataclasses.replace(recipe, power_of_two=False)
+  outputs = [np.dtype(e.params["preferred_element_type"]).name
+             for e in _all_eqns(jax.make_jaxpr(
+                 lambda x, w: fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), recipe=recipe_f32,
+                                                  state=fp8.init_state(recipe_f32)))(x, w).jaxpr)
+             if e.primitive.name == "dot_general"]
+  assert outputs == ["float32"]
+
+
+def test_power_of_two_outputs_equal_the_float32_output_path_bit_for_bit(monkeypatch):
+  recipe = fp8.CurrentScaling(power_of_two=True)
+  k = jax.random.split(jax.random.key(4), 3)
+  x, w, g = (jax.random.normal(key, shape).astype(jnp.bfloat16)
+             for key, shape in zip(k, ((64, 256), (256, 48), (64, 48))))
+  dims = (((1,), (0,)), ((), ()))
+
+  @jax.jit
+  def step(x, w, g):
+    f = lambda x, w: fp8.fp8_dot_general(x, w, dims, recipe=recipe)
+    y, vjp = jax.vjp(f, x, w)
+    return (y, *vjp(g))
+
+  def gemm_outputs():
+    return [np.dtype(e.params["preferred_element_type"]).name
+            for e in _all_eqns(jax.make_jaxpr(step)(x, w, g).jaxpr)
+            if e.primitive.name == "dot_general"]
+
+  assert gemm_outputs() == ["bfloat16"] * 3
+  fused = step(x, w, g)
+  # The float32-output path (as for scales that are not powers of two): the same bits.
+  monkeypatch.setattr(scaled_gemm, "fuses_output", lambda out_dtype, exact_scale: False)
+  jax.clear_caches()
+  assert gemm_outputs() == ["float32"] * 3
+  for a, b in zip(fused, step(x, w, g)):
+    np.testing.assert_array_equal(np.asarray(a.view(jnp.uint16)), np.asarray(b.view(jnp.uint16)))
+  jax.clear_caches()
+
+
+def _all_eqns(jaxpr):
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in (value if isinstance(value, (tuple, list)) else (value,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _all_eqns(inner)

@@ -1,0 +1,122 @@
+"""A recipe per GEMM: each of the forward, input-gradient and weight-gradient GEMMs runs its own.
+
+Each GEMM of ``GemmRecipes(a, b, c)`` is checked bit for bit against the same GEMM of
+the single recipe it names, and a ``None`` GEMM against a plain ``lax.dot_general`` in
+the compute dtype.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmp import fp8
+from jaxmp._src.fp8 import recipes as recipes_lib
+
+DIMS = (((1,), (0,)), ((), ()))
+
+
+@pytest.fixture(scope="module")
+def operands():
+  k = jax.random.split(jax.random.key(0), 3)
+  return tuple(jax.random.normal(key, shape).astype(jnp.bfloat16)
+               for key, shape in zip(k, ((48, 200), (200, 64), (48, 64))))
+
+
+def _run(op, operands):
+  """(y, dx, dw) of ``op(x, w)`` for the cotangent ``g``, jitted."""
+  @jax.jit
+  def run(x, w, g):
+    y, vjp = jax.vjp(op, x, w)
+    return (y, *vjp(g))
+  return [np.asarray(a.astype(jnp.float32)) for a in run(*operands)]
+
+
+_FP8_RUNS = {}
+
+
+def _fp8(recipe):
+  return lambda x, w: fp8.fp8_dot_general(x, w, DIMS, recipe=recipe)
+
+
+def _fp8_run(recipe, operands):
+  """``_run(_fp8(recipe))``, computed once per recipe for the module's operands."""
+  if recipe not in _FP8_RUNS:
+    _FP8_RUNS[recipe] = _run(_fp8(recipe), operands)
+  return _FP8_RUNS[recipe]
+
+
+def test_each_gemm_runs_the_recipe_it_is_given(operands):
+  rows, blocks, mx = fp8.RowwiseScaling(), fp8.BlockScaling(block_size=32), fp8.MXScaling()
+  y, dx, dw = _fp8_run(fp8.GemmRecipes(rows, blocks, mx), operands)
+  np.testing.assert_array_equal(y, _fp8_run(rows, operands)[0])
+  np.testing.assert_array_equal(dx, _fp8_run(blocks, operands)[1])
+  np.testing.assert_array_equal(dw, _fp8_run(mx, operands)[2])
+  # ... and the three single recipes differ from one another here, so this is a check.
+  assert not np.array_equal(dx, _fp8_run(rows, operands)[1])
+  assert not np.array_equal(dw, _fp8_run(blocks, operands)[2])
+
+
+def test_a_none_gemm_is_the_plain_gemm_in_the_compute_dtype(operands):
+  plain = _run(lambda x, w: jax.lax.dot_general(x, w, DIMS), operands)
+  rows = fp8.RowwiseScaling()
+  # torchao's "rowwise with high-precision weight gradient".
+  y, dx, dw = _fp8_run(fp8.GemmRecipes(rows, rows, None), operands)
+  np.testing.assert_array_equal(dw, plain[2])
+  np.testing.assert_array_equal(y, _fp8_run(rows, operands)[0])
+  assert not np.array_equal(y, plain[0])
+  y, _, dw = _fp8_run(fp8.GemmRecipes(None, rows, rows), operands)
+  np.testing.assert_array_equal(y, plain[0])
+  np.testing.assert_array_equal(dw, _fp8_run(rows, operands)[2])
+
+
+def test_one_current_scaling_for_every_gemm_is_current_scaling_bit_for_bit(operands):
+  current = fp8.CurrentScaling(margin=1)
+  assert recipes_lib.per_gemm(fp8.GemmRecipes(current, current, current)) is current
+  same = _fp8_run(fp8.GemmRecipes(current, current, current), operands)
+  for a, b in zip(same, _fp8_run(current, operands)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_per_gemm_current_scaling_scales_each_gemm_operand_per_tensor(operands):
+  # Mixed with None, CurrentScaling runs through the per-GEMM op: the same E4M3 x E4M3
+  # forward and E5M2 gradients as the whole-layer recipe, to float32 accumulation order.
+  current = fp8.CurrentScaling()
+  y, dx, _ = _fp8_run(fp8.GemmRecipes(current, current, None), operands)
+  whole = _fp8_run(current, operands)
+  np.testing.assert_allclose(y, whole[0], rtol=2**-7)
+  np.testing.assert_allclose(dx, whole[1], rtol=2**-7)
+
+
+def test_finer_recipes_keep_no_state_and_refuse_some():
+  x = jnp.ones((4, 8))
+  w = jnp.ones((8, 2))
+  for recipe in (fp8.RowwiseScaling(), fp8.BlockScaling(), fp8.MXScaling(),
+                 fp8.GemmRecipes(forward=fp8.MXScaling())):
+    assert fp8.init_state(recipe) is None
+    with pytest.raises(ValueError, match="keeps no state, but state= was given"):
+      fp8.fp8_dot_general(x, w, DIMS, state=fp8.init_state(fp8.DelayedScaling(4)),
+                          recipe=recipe)
+
+
+def test_gemm_recipes_are_hashable_static_arguments_and_compare_by_value():
+  a = fp8.GemmRecipes(fp8.RowwiseScaling(), None, fp8.MXScaling())
+  assert a == fp8.GemmRecipes(fp8.RowwiseScaling(), None, fp8.MXScaling())
+  assert len({a, dataclasses.replace(a, input_grad=fp8.BlockScaling())}) == 2
+  assert a.gemms == (fp8.RowwiseScaling(), None, fp8.MXScaling())
+  f = jax.jit(lambda x, recipe: fp8.fp8_dot_general(x, x.T, DIMS, recipe=recipe),
+              static_argnums=1)
+  assert f(jnp.ones((2, 64)), a).shape == (2, 2)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"forward": fp8.DelayedScaling()}, TypeError, "DelayedScaling keeps one state per tensor"),
+    ({"input_grad": "rowwise"}, TypeError, "input_grad must be None"),
+    ({"weight_grad": fp8.RowwiseScaling}, TypeError, "got <class"),
+    ({}, ValueError, "every GEMM is None"),
+])
+def test_gemm_recipes_refuse_bad_fields(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    fp8.GemmRecipes(**kwargs)

@@ -1,0 +1,177 @@
+"""What runs where: targets, the fallback warning, and the support table compiled deviceless."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import types
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmp import fp8
+from jaxmp._src.fp8 import support
+from jaxmp._src.tools import targets as audit_targets
+
+DIMS = (((1,), (0,)), ((), ()))
+X = jnp.ones((4, 64))
+W = jnp.ones((64, 8))
+
+
+def _fallback_warnings(recipe, target=None):
+  """The Fp8FallbackWarning messages of tracing one fp8 matmul (with ``target`` named)."""
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    fn = lambda x, w: fp8.fp8_dot_general(x, w, DIMS, state=fp8.init_state(recipe),
+                                          recipe=recipe)
+    if target is None:
+      jax.eval_shape(fn, X, W)
+    else:
+      with fp8.compile_target(target):
+        jax.eval_shape(fn, X, W)
+  return [str(w.message) for w in caught if issubclass(w.category, fp8.Fp8FallbackWarning)]
+
+
+ALL = [fp8.DelayedScaling(4), fp8.CurrentScaling(), fp8.RowwiseScaling(), fp8.BlockScaling(),
+       fp8.MXScaling(), fp8.GemmRecipes(fp8.MXScaling(), None, fp8.BlockScaling())]
+
+
+def test_the_cpu_emulates_every_recipe_without_warning():
+  assert fp8.current_target().name == "cpu"
+  for recipe in ALL:
+    assert _fallback_warnings(recipe) == []
+
+
+@pytest.mark.parametrize("target, warns", [
+    ("h100", ["BlockScaling", "MXScaling", "GemmRecipes"]),
+    ("b200", ["BlockScaling", "GemmRecipes"]),
+    ("v7", ["BlockScaling", "MXScaling", "GemmRecipes"]),
+    ("a100", [type(r).__name__ for r in ALL]),
+    ("v5e", [type(r).__name__ for r in ALL]),
+])
+def test_recipes_that_fall_back_warn_naming_the_target(target, warns):
+  warned = []
+  for recipe in ALL:
+    messages = _fallback_warnings(recipe, target)
+    assert all(f"on {target} (" in m for m in messages)
+    if messages:
+      warned.append(type(recipe).__name__)
+  assert warned == warns
+
+
+def test_the_warning_names_the_gemms_that_fall_back_and_what_runs():
+  recipe = fp8.GemmRecipes(fp8.RowwiseScaling(), fp8.BlockScaling(power_of_two=True), None)
+  (message,) = _fallback_warnings(recipe, "h100")
+  assert "its input-gradient GEMM run as a bfloat16 GEMM on dequantized operands" in message
+  assert "forward" not in message.split("its ")[1] and "weight" not in message.split("its ")[1]
+  (message,) = _fallback_warnings(fp8.MXScaling(), "h100")
+  assert ("its forward, input-gradient, weight-gradient GEMMs run as a bfloat16 GEMM on "
+          "dequantized operands (MXFP8 GEMMs need a Blackwell GPU with cuDNN >= 9.10)") in message
+
+
+def test_compile_target_overrides_and_restores():
+  with fp8.compile_target("B200") as target:
+    assert fp8.current_target() is target and target.mx
+    with fp8.compile_target("h100"):
+      assert fp8.current_target().name == "h100"
+    assert fp8.current_target().name == "b200"
+  assert fp8.current_target().name == "cpu"
+
+
+def test_an_mx_function_traced_for_blackwell_still_runs_here_with_the_same_numbers():
+  # On a b200 target the MX GEMM is jax.nn.scaled_matmul under lax.platform_dependent;
+  # on this CPU the same program takes the dequantizing branch.
+  k = jax.random.split(jax.random.key(0), 2)
+  x, w = jax.random.normal(k[0], (16, 96)), jax.random.normal(k[1], (96, 24))
+  run = lambda: jax.jit(lambda x, w: fp8.fp8_dot_general(x, w, DIMS, recipe=fp8.MXScaling()))
+  with fp8.compile_target("b200"):
+    on_b200 = run()(x, w)
+    text = jax.jit(lambda x, w: fp8.fp8_dot_general(
+        x, w, DIMS, recipe=fp8.MXScaling())).trace(x, w).jaxpr.pretty_print()
+  assert "platform_index" in text and "scaled_matmul" in text
+  np.testing.assert_array_equal(np.asarray(on_b200), np.asarray(run()(x, w)))
+
+
+@pytest.mark.parametrize("device, name, fp8_gemm, mx_gemm", [
+    (types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3",
+                           compute_capability="9.0"), "NVIDIA H100 80GB HBM3", True, False),
+    (types.SimpleNamespace(platform="gpu", device_kind="NVIDIA B200", compute_capability="10.0"),
+     "NVIDIA B200", True, support._cudnn_version() in (None,) or support._cudnn_version() >= 91000),
+    (types.SimpleNamespace(platform="gpu", device_kind="NVIDIA A100", compute_capability="8.0"),
+     "NVIDIA A100", False, False),
+    (types.SimpleNamespace(platform="tpu", device_kind="TPU7x"), "v7", True, False),
+    (types.SimpleNamespace(platform="tpu", device_kind="TPU v5 lite"), "v5e", False, False),
+    (types.SimpleNamespace(platform="gpu", device_kind="AMD Instinct MI300X"),
+     "AMD Instinct MI300X", None, False),
+])
+def test_devices_are_read_as_targets(device, name, fp8_gemm, mx_gemm):
+  target = support.target_for_device(device)
+  assert (target.name, target.fp8, target.mx) == (name, fp8_gemm, mx_gemm)
+  # No claim about a GPU this module does not describe: no warning either.
+  if fp8_gemm is None:
+    assert support.lowering(fp8.MXScaling(), target).kind == "unknown"
+
+
+# The support table of the README, compiled deviceless (needs the CUDA plugin; TPU rows
+# need libtpu): every GEMM of a forward + backward, read back from the optimized HLO.
+_TABLE_CHECK = textwrap.dedent("""\
+    import warnings
+    import jax, jax.numpy as jnp
+    import jaxmp
+    from jaxmp import fp8
+    from jaxmp._src.tools import targets
+    dims = (((1,), (0,)), ((), ()))
+    a = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16)
+    recipes = {"tensor": fp8.DelayedScaling(4), "row": fp8.RowwiseScaling(),
+               "block": fp8.BlockScaling(), "block2": fp8.BlockScaling(power_of_two=True),
+               "mx": fp8.MXScaling()}
+    for target in ("h100", "b200", "v7"):
+      if target == "v7" and not targets.installed("libtpu"):
+        continue
+      for name, recipe in recipes.items():
+        state = jax.eval_shape(lambda: fp8.init_state(recipe))
+        def step(x, w, s, g):
+          f = lambda x, w, s: fp8.fp8_dot_general(x, w, dims, state=s, recipe=recipe)
+          y, vjp = jax.vjp(f, x, w, s)
+          return y, vjp(g)
+        options = None if target == "v7" else {"xla_gpu_enable_triton_gemm": False}
+        with warnings.catch_warnings(record=True) as caught:
+          warnings.simplefilter("always")
+          report = jaxmp.tools.audit(step, a, a, state, a, target=target,
+                                     compiler_options=options)
+        kinds = sorted({("mx" if "MX" in g.backend else "fp8") if g.fp8
+                        else g.compute_dtypes[0] for g in report.gemms})
+        warned = any(issubclass(w.category, fp8.Fp8FallbackWarning) for w in caught)
+        print(target, name, len(report.gemms), ",".join(kinds), warned)
+    """)
+
+_EXPECTED_TABLE = {
+    ("h100", "tensor"): "3 fp8 False", ("h100", "row"): "3 fp8 False",
+    ("h100", "block"): "3 float32 True", ("h100", "block2"): "3 bfloat16 True",
+    ("h100", "mx"): "3 bfloat16 True",
+    ("b200", "tensor"): "3 fp8 False", ("b200", "row"): "3 fp8 False",
+    ("b200", "block"): "3 float32 True", ("b200", "block2"): "3 bfloat16 True",
+    ("b200", "mx"): "3 mx False",
+    ("v7", "tensor"): "3 fp8 False", ("v7", "row"): "3 fp8 False",
+    ("v7", "block"): "3 float32 True", ("v7", "block2"): "3 bfloat16 True",
+    ("v7", "mx"): "3 bfloat16 True",
+}
+
+
+@pytest.mark.slow
+def test_the_support_table_holds_in_deviceless_compiles():
+  if not audit_targets.installed("jax_plugins.xla_cuda12"):
+    pytest.skip("needs the jax[cuda12] plugin (make gpu-report builds .venv-cuda)")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
+             PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+  out = subprocess.run([sys.executable, "-c", _TABLE_CHECK], env=env, capture_output=True,
+                       text=True, timeout=1200)
+  assert out.returncode == 0, out.stderr[-4000:]
+  rows = {tuple(line.split()[:2]): " ".join(line.split()[2:])
+          for line in out.stdout.splitlines() if line.split()[:1] in (["h100"], ["b200"], ["v7"])}
+  assert rows, out.stdout
+  for key, found in rows.items():
+    assert found == _EXPECTED_TABLE[key], (key, found)
