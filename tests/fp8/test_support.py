@@ -165,7 +165,9 @@ _EXPECTED_TABLE = {
 def test_the_support_table_holds_in_deviceless_compiles():
   if not audit_targets.installed("jax_plugins.xla_cuda12"):
     pytest.skip("needs the jax[cuda12] plugin (make gpu-report builds .venv-cuda)")
+  # This pytest process may hold libtpu's single-process lock (it ran TPU audits).
   env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
+             ALLOW_MULTIPLE_LIBTPU_LOAD="1",
              PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
   out = subprocess.run([sys.executable, "-c", _TABLE_CHECK], env=env, capture_output=True,
                        text=True, timeout=1200)
