@@ -199,11 +199,19 @@ def _forward(lhs, rhs, state, cfg: _Config):
     st = state_lib.DelayedScalingState(*(_read(x) for x in state))
     algo, margin = recipe.amax_compute, recipe.margin
     pow2 = recipe.power_of_two
-    x_scale = q.scale_from_amax(q.amax_from_history(st.input_amax_history, algo),
+    # The scales read the old histories through an optimization barrier. Without it
+    # XLA fuses their max-reductions with the step's own reductions over the new
+    # histories (fp8/state.merge checks those), so that each quantization scale comes
+    # to depend on its tensor's current amax, and the quantization can no longer join
+    # the kernel that computes that amax: one more read of every output gradient
+    # (seen in compiled H100 HLO).
+    x_old, k_old, g_old = jax.lax.optimization_barrier(
+        (st.input_amax_history, st.kernel_amax_history, st.output_grad_amax_history))
+    x_scale = q.scale_from_amax(q.amax_from_history(x_old, algo),
                                 st.input_scale.reshape(()), q.E4M3, margin, pow2)
-    k_scale = q.scale_from_amax(q.amax_from_history(st.kernel_amax_history, algo),
+    k_scale = q.scale_from_amax(q.amax_from_history(k_old, algo),
                                 st.kernel_scale.reshape(()), q.E4M3, margin, pow2)
-    g_scale = q.scale_from_amax(q.amax_from_history(st.output_grad_amax_history, algo),
+    g_scale = q.scale_from_amax(q.amax_from_history(g_old, algo),
                                 st.output_grad_scale.reshape(()), q.E5M2, margin, pow2)
     x_history = q.record_amax(
         st.input_amax_history, q.shared_amax(lhs, st.input_amax_history))
