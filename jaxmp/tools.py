@@ -30,7 +30,7 @@ from jaxmp._src.dtypes import parse_dtype
 from jaxmp._src.tools.audit import AuditReport
 from jaxmp._src.tools.audit import audit
 from jaxmp._src.nonfinite import NonfiniteTrace
-from jaxmp._src.nonfinite import Origin
+from jaxmp._src.tools.nonfinite import Origin
 from jaxmp._src.tools.hardware import DeviceCapabilities
 from jaxmp._src.tools.hardware import RecommendedPolicy
 from jaxmp._src.tools.hardware import device_capabilities

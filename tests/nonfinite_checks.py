@@ -25,6 +25,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from tests import nonfinite_models  # pylint: disable=g-import-not-at-top
 
 from jaxmp._src import nonfinite  # pylint: disable=g-import-not-at-top
+from jaxmp._src.tools import nonfinite as nonfinite_report  # pylint: disable=g-import-not-at-top
 
 DEVICES = 8
 
@@ -39,7 +40,7 @@ def _sharded_and_single(runs) -> str:
   exact = [nonfinite.MADE_FORWARD, nonfinite.MADE_BACKWARD, nonfinite.FORWARD,
            nonfinite.BACKWARD, nonfinite.COUNT]
   for fault in nonfinite_models.EXPECTED:
-    a, b = (nonfinite.decoded(r[fault]["nonfinite_trace"]) for r in (sharded, single))
+    a, b = (nonfinite_report.decoded(r[fault]["nonfinite_trace"]) for r in (sharded, single))
     np.testing.assert_array_equal(a[:, exact], b[:, exact], err_msg=f"{fault}: flags")
     # Global maxima: equal up to the float16 rounding of gradients summed across devices
     # in another order (a per-device maximum would differ by far more).

@@ -19,6 +19,7 @@ from flax import nnx
 
 import jaxmp
 from jaxmp._src import nonfinite
+from jaxmp._src.tools import nonfinite as nonfinite_report  # pylint: disable=g-import-not-at-top
 
 POLICY = "params=float32,compute=float16,output=float32"
 RULES = jaxmp.PolicyRules(POLICY, trace_nonfinite=True)
@@ -132,7 +133,7 @@ def nnx_runs(x: jax.Array) -> dict:
 
 def located(metrics: dict):
   """(path, direction, value) of a run's first non-finite value, or None."""
-  origin = nonfinite.first_nonfinite(metrics["nonfinite_trace"])
+  origin = nonfinite_report.first_nonfinite(metrics["nonfinite_trace"])
   return None if origin is None else (origin.path, origin.direction, origin.value)
 
 
@@ -143,6 +144,6 @@ def check_runs(runs: dict) -> str:
     assert located(metrics) == expected, (fault, located(metrics), expected)
     assert bool(metrics["last_step_finite"]) == (expected is None), fault
   forward_columns = [nonfinite.INPUT, nonfinite.OUTPUT]
-  backward_run = nonfinite.decoded(runs["backward"]["nonfinite_trace"])
+  backward_run = nonfinite_report.decoded(runs["backward"]["nonfinite_trace"])
   assert np.isfinite(backward_run[:, forward_columns]).all(), "the backward fault is backward-only"
   return ", ".join(f"{fault}: {located(runs[fault])}" for fault in EXPECTED)

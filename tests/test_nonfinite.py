@@ -14,6 +14,7 @@ from flax import nnx
 import jaxmp
 from jaxmp._src import engine
 from jaxmp._src import nonfinite
+from jaxmp._src.tools import nonfinite as nonfinite_report  # pylint: disable=g-import-not-at-top
 from tests import nonfinite_golden
 
 TRACE = jaxmp.PolicyRules("float32", trace_nonfinite=True)
@@ -22,7 +23,7 @@ X = jnp.array([[1.0, -2.0, 0.5], [0.25, 3.0, -1.0]])
 
 def _columns(trace, path, method="__call__"):
   """The decoded row of one call site, by column name."""
-  row = nonfinite.decoded(trace)[trace.calls.index((path, method))]
+  row = nonfinite_report.decoded(trace)[trace.calls.index((path, method))]
   return dict(zip(nonfinite.COLUMNS, row.tolist()))
 
 
@@ -63,15 +64,15 @@ def test_amaxes_and_positions_are_those_of_the_values_and_gradients():
     for name, value in want.items():
       np.testing.assert_allclose(got[name], value, rtol=1e-6, err_msg=f"{path} {name}")
   assert _columns(grads.nonfinite, "")["param_grad"] == -np.inf  # the root owns no params
-  assert nonfinite.first_nonfinite(grads.nonfinite) is None
+  assert nonfinite_report.first_nonfinite(grads.nonfinite) is None
 
 
 def test_backward_amaxes_are_of_the_scaled_gradients():
   model = jaxmp.linen.mixed_precision(_Two(), TRACE)
   variables = model.init(jax.random.key(0), X)
   grad_fn = jax.jit(jaxmp.linen.value_and_grad(lambda v: jnp.sum(model.apply(v, X))))
-  one = nonfinite.decoded(grad_fn(variables)[1].nonfinite)
-  eight = nonfinite.decoded(grad_fn(variables, loss_scale=jaxmp.StaticLossScale(8.0))[1]
+  one = nonfinite_report.decoded(grad_fn(variables)[1].nonfinite)
+  eight = nonfinite_report.decoded(grad_fn(variables, loss_scale=jaxmp.StaticLossScale(8.0))[1]
                             .nonfinite)
   backward = [nonfinite.OUTPUT_GRAD, nonfinite.INPUT_GRAD, nonfinite.PARAM_GRAD]
   np.testing.assert_array_equal(eight[1:, backward], 8 * one[1:, backward])
@@ -114,7 +115,7 @@ def test_a_module_inside_scan_reports_the_max_over_iterations_and_remat_changes_
   big = {**variables, "params": jax.tree.map(lambda a: a, variables["params"])}
   big["params"]["cell"]["dense"]["kernel"] = kernel * 1e30
   _, grads = jax.jit(jaxmp.linen.value_and_grad(loss))(big, X)
-  origin = nonfinite.first_nonfinite(grads.nonfinite)
+  origin = nonfinite_report.first_nonfinite(grads.nonfinite)
   assert (origin.path, origin.direction, origin.value) == ("cell/dense", "forward", "output")
 
 
@@ -124,7 +125,7 @@ def test_vmap_sums_are_divided_back_out():
   single = jaxmp.linen.value_and_grad(lambda v, x: jnp.sum(model.apply(v, x)))(variables, X)
   mapped = jaxmp.linen.value_and_grad(lambda v, xs: jnp.sum(jax.vmap(
       lambda x: model.apply(v, x))(xs)))(variables, jnp.stack([X, X, X]))
-  one, three = (nonfinite.decoded(g.nonfinite) for g in (single[1], mapped[1]))
+  one, three = (nonfinite_report.decoded(g.nonfinite) for g in (single[1], mapped[1]))
   np.testing.assert_array_equal(three[:, nonfinite.COUNT], [3.0, 3.0, 3.0])
   positions = [nonfinite.FORWARD, nonfinite.BACKWARD]
   np.testing.assert_array_equal(three[:, positions], one[:, positions])
@@ -167,7 +168,7 @@ def test_plain_jax_grad_of_the_probe_is_the_trace():
 
   _, trace = jax.grad(loss, argnums=(0, 1))(variables["params"], probe)
   assert isinstance(trace, jaxmp.tools.NonfiniteTrace) and trace.calls == probe.calls
-  assert str(nonfinite.first_nonfinite(trace)) == "forward input of <root>"
+  assert str(nonfinite_report.first_nonfinite(trace)) == "forward input of <root>"
   assert _columns(trace, "a")["param_grad"] == -np.inf  # filled by jaxmp's value_and_grad only
 
 

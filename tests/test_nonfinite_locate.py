@@ -18,6 +18,7 @@ from flax import nnx
 
 import jaxmp
 from jaxmp._src import nonfinite
+from jaxmp._src.tools import nonfinite as nonfinite_report  # pylint: disable=g-import-not-at-top
 from tests import eight_devices
 from tests import nonfinite_models
 from tests.published import models as registry
@@ -117,7 +118,7 @@ def test_published_lm1b_forward_and_backward_overflows_are_located():
   params = jax.tree.map(lambda a: a, variables["params"], is_leaf=nn.meta.is_axis_metadata)
   dense = params["decoder"]["encoderdecoderblock_1"]["MlpBlock_0"]["Dense_1"]
   dense["kernel"] = dense["kernel"].replace_boxed(dense["kernel"].unbox() * 1e6)
-  origins = {fault: nonfinite.first_nonfinite(located(v, k)) for fault, v, k in (
+  origins = {fault: nonfinite_report.first_nonfinite(located(v, k)) for fault, v, k in (
       ("clean", variables, 0), ("forward", {**variables, "params": params}, 0),
       ("backward", variables, 200))}
   assert origins["clean"] is None
@@ -133,5 +134,5 @@ def test_published_nnx_scan_over_layers_forward_overflow_is_located():
   model.model.layers.linear.kernel[...] = model.model.layers.linear.kernel[...] * 1e6
   loss = lambda m: entry.loss(entry.forward(m, batch, "eval", jax.random.key(2)), batch.targets)
   _, grads = nnx.jit(jaxmp.nnx.value_and_grad(loss))(model)
-  origin = nonfinite.first_nonfinite(grads.nonfinite)
+  origin = nonfinite_report.first_nonfinite(grads.nonfinite)
   assert origin[:4] == ("layers/linear", "__call__", "forward", "output")

@@ -449,7 +449,7 @@ class Monitor:
   def _nonfinite_origin(self, trace: Any, finite: Optional[bool], step: int) -> Optional[str]:
     if trace is None or finite is not False:
       return None
-    origin = nonfinite_lib.first_nonfinite(self._trace)
+    origin = report_lib.first_nonfinite(self._trace)
     if origin is None:
       return (f"skipped step {step}: no traced module recorded a non-finite value (it arose "
               f"outside the wrapped model's calls: in the loss function, say)")

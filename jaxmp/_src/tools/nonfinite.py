@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple, Optional
 
+import jax
 import numpy as np
 
 from jaxmp._src import loss_scale as loss_scale_lib
