@@ -200,36 +200,6 @@ def variants(lr: float) -> list[Variant]:
   ]
 
 
-class _OtherLoad:
-  """CPU time used by *other* processes while a block of steps ran, in cores.
-
-  Linux only (``/proc/stat``); elsewhere it reports 0 and nothing is filtered. The
-  machine this was written on is shared with other jobs that come and go; a block
-  that ran next to one of them measures the contention, not the step.
-  """
-
-  def __init__(self):
-    self.available = os.path.exists("/proc/stat")
-    self._hz = os.sysconf("SC_CLK_TCK") if self.available else 1
-
-  def _snapshot(self):
-    wall = time.perf_counter()
-    own = sum(os.times()[:2])  # user + system time of every thread of this process
-    if not self.available:
-      return wall, own, own
-    with open("/proc/stat") as f:
-      ticks = [int(v) for v in f.readline().split()[1:9]]
-    busy = (sum(ticks) - ticks[3] - ticks[4]) / self._hz  # all but idle and iowait
-    return wall, own, busy
-
-  def start(self):
-    self._begin = self._snapshot()
-
-  def stop(self) -> float:
-    (w0, own0, busy0), (w1, own1, busy1) = self._begin, self._snapshot()
-    return max(0.0, (busy1 - busy0) - (own1 - own0)) / (w1 - w0)
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--blocks", type=int, default=40,
@@ -260,7 +230,7 @@ def main():
     states[v.name] = (params, opt_state)
     steps[v.name] = step
 
-  load = _OtherLoad()
+  load = timing.OtherLoad()
   times = {v.name: [] for v in vs}
   kept = {v.name: 0 for v in vs}
   total_blocks = 0

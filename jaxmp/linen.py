@@ -8,6 +8,9 @@
   ``jaxmp.Rule(..., fp8=recipe)`` installs them without changing the model.
 * :class:`TrainState`, :func:`value_and_grad`, :func:`apply_gradients` and
   :func:`accumulate_gradients` keep params, loss scaling and fp8 state in step.
+* With ``PolicyRules(trace_nonfinite=True)``, ``init`` adds the non-finite probe
+  (collection :data:`NONFINITE_COLLECTION`) and ``value_and_grad`` returns the step's
+  per-module inf/NaN trace in ``Gradients.nonfinite``.
 
 Example:
   >>> import flax.linen as nn
@@ -25,12 +28,14 @@ from jaxmp._src.linen.train import apply_gradients
 from jaxmp._src.linen.train import join_variables
 from jaxmp._src.linen.train import split_variables
 from jaxmp._src.linen.train import value_and_grad
+from jaxmp._src.linen.wrapper import NONFINITE_COLLECTION
 from jaxmp._src.linen.wrapper import MixedPrecision
 from jaxmp._src.linen.wrapper import mixed_precision
 from jaxmp._src.step import Gradients
 from jaxmp._src.step import accumulate_gradients
 
 __all__ = (
+    "NONFINITE_COLLECTION",
     "CallRecord",
     "Fp8DotGeneral",
     "Fp8Einsum",

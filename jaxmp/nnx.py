@@ -9,6 +9,9 @@
   changing the model.
 * :func:`value_and_grad`, :func:`apply_gradients` and :func:`accumulate_gradients`
   keep params, loss scaling and fp8 state in step with an ``nnx.Optimizer``.
+* With ``PolicyRules(trace_nonfinite=True)`` the wrapper holds a
+  :class:`NonfiniteProbe` and ``value_and_grad`` returns the step's per-module
+  inf/NaN trace in ``Gradients.nonfinite``.
 
 Example:
   >>> from flax import nnx
@@ -23,6 +26,7 @@ from jaxmp._src.nnx.fp8 import Fp8DotGeneral
 from jaxmp._src.nnx.fp8 import Fp8Einsum
 from jaxmp._src.nnx.fp8 import Fp8State
 from jaxmp._src.nnx.fp8 import for_grad as fp8_for_grad
+from jaxmp._src.nnx.nonfinite import NonfiniteProbe
 from jaxmp._src.nnx.train import apply_gradients
 from jaxmp._src.nnx.train import value_and_grad
 from jaxmp._src.nnx.wrapper import MixedPrecision
@@ -41,6 +45,7 @@ __all__ = (
     "Fp8State",
     "Gradients",
     "MixedPrecision",
+    "NonfiniteProbe",
     "accumulate_gradients",
     "apply_gradients",
     "fp8_for_grad",

@@ -10,7 +10,10 @@
 * :func:`sensitivity` / :func:`deviation` / :func:`relative_error`: which modules can
   compute in half precision.
 * :func:`training_metrics` (inside ``jit``) and :class:`Monitor` (on the host):
-  gradient norms, non-finite counts, loss-scale collapse, skip rate, loss spikes.
+  gradient norms, non-finite counts, loss-scale collapse, skip rate, loss spikes, and
+  the module where a skipped step's first inf or NaN appeared.
+* :func:`nonfinite_report`: that module and direction, and the per-module amax table,
+  from the trace of a model wrapped with ``PolicyRules(trace_nonfinite=True)``.
 * :func:`device_capabilities` / :func:`recommended_policy`: what a device computes fast.
 * :func:`memory_report`: bytes per parameter of params, master weights, gradients and
   optimizer state, and the compiled step's memory analysis.
@@ -26,6 +29,8 @@ from jaxmp._src.dtypes import float_format
 from jaxmp._src.dtypes import parse_dtype
 from jaxmp._src.tools.audit import AuditReport
 from jaxmp._src.tools.audit import audit
+from jaxmp._src.nonfinite import NonfiniteTrace
+from jaxmp._src.tools.nonfinite import Origin
 from jaxmp._src.tools.hardware import DeviceCapabilities
 from jaxmp._src.tools.hardware import RecommendedPolicy
 from jaxmp._src.tools.hardware import device_capabilities
@@ -35,6 +40,9 @@ from jaxmp._src.tools.memory import memory_report
 from jaxmp._src.tools.monitor import Anomaly
 from jaxmp._src.tools.monitor import Monitor
 from jaxmp._src.tools.monitor import training_metrics
+from jaxmp._src.tools.nonfinite import ModuleAmax
+from jaxmp._src.tools.nonfinite import NonfiniteReport
+from jaxmp._src.tools.nonfinite import nonfinite_report
 from jaxmp._src.tools.sensitivity import SensitivityReport
 from jaxmp._src.tools.sensitivity import deviation
 from jaxmp._src.tools.sensitivity import relative_error
@@ -52,7 +60,11 @@ __all__ = (
     "DeviceCapabilities",
     "FloatFormat",
     "MemoryReport",
+    "ModuleAmax",
     "Monitor",
+    "NonfiniteReport",
+    "NonfiniteTrace",
+    "Origin",
     "PrecisionSummary",
     "RecommendedPolicy",
     "SensitivityReport",
@@ -62,6 +74,7 @@ __all__ = (
     "deviation",
     "float_format",
     "memory_report",
+    "nonfinite_report",
     "parse_dtype",
     "recommended_policy",
     "relative_error",

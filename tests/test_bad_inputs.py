@@ -58,6 +58,49 @@ def _wrong_nesting_state():
   return optax.MultiSteps(jaxmp.loss_scaling(optax.sgd(1.0)), every_k_schedule=2).init(PARAMS)
 
 
+TRACE_RULES = jaxmp.PolicyRules("float32", trace_nonfinite=True)
+PROBE_CALLS = (("", "__call__"), ("dense", "__call__"))
+
+
+def _traced_linen():
+  model = jaxmp.linen.mixed_precision(nn.Dense(2), TRACE_RULES)
+  return model, model.init(jax.random.key(0), X)
+
+
+def _traced_linen_apply_without_probe():
+  model, variables = _traced_linen()
+  return model.apply({"params": variables["params"]}, X)
+
+
+def _traced_linen_call_the_probe_lacks():
+  model = jaxmp.linen.mixed_precision(nn.Embed(5, 3), TRACE_RULES)
+  variables = model.init(jax.random.key(0), jnp.array([1, 2]))  # calls __call__ only
+  return model.apply(variables, X, method="attend")
+
+
+def _two_traced_nnx_wrappers():
+  from flax import nnx
+
+  class Pair(nnx.Module):
+    def __init__(self):
+      self.a = jaxmp.nnx.mixed_precision(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), TRACE_RULES)
+      self.b = jaxmp.nnx.mixed_precision(nnx.Linear(2, 2, rngs=nnx.Rngs(1)), TRACE_RULES)
+
+  return jaxmp.nnx.value_and_grad(lambda m: jnp.sum(m.b(m.a(X))))(Pair())
+
+
+def _traces_of_two_models():
+  from jaxmp._src import nonfinite
+  a, b = _probe(), nonfinite.probe(PROBE_CALLS[:1])
+  return jaxmp.linen.accumulate_gradients(jaxmp.linen.Gradients({}, {}, None, a),
+                                          jaxmp.linen.Gradients({}, {}, None, b))
+
+
+def _probe():
+  from jaxmp._src import nonfinite
+  return nonfinite.probe(PROBE_CALLS)
+
+
 # (id, call, exception type, text the message must contain)
 CASES = [
     # Policies and dtypes.
@@ -321,6 +364,37 @@ CASES = [
         BF16_PARAMS["w"], jnp.zeros(3, jnp.int16)), ValueError, "shape (3,)"),
     ("memory_report jitted function", lambda: jaxmp.tools.memory_report(
         PARAMS, compiled=jax.jit(lambda x: x)), TypeError, "got PjitFunction"),
+    # Non-finite tracing.
+    ("PolicyRules trace_nonfinite not a bool",
+     lambda: jaxmp.PolicyRules("float32", trace_nonfinite="yes"), TypeError, "got 'yes'"),
+    ("traced linen apply without the probe", _traced_linen_apply_without_probe, ValueError,
+     "'jaxmp_nonfinite'"),
+    ("traced linen apply of a call the probe lacks", _traced_linen_call_the_probe_lacks,
+     ValueError, "<root>.attend"),
+    ("nonfinite_probe of a wrapper that does not trace", lambda: jaxmp.linen.mixed_precision(
+        nn.Dense(2), "float32").nonfinite_probe({}, X), ValueError, "trace_nonfinite=True"),
+    ("NonfiniteTrace calls not pairs", lambda: jaxmp.tools.NonfiniteTrace(
+        ["dense"], jnp.zeros((1, 10))), TypeError, "'dense'"),
+    ("NonfiniteTrace repeated calls", lambda: jaxmp.tools.NonfiniteTrace(
+        PROBE_CALLS[:1] * 2, jnp.zeros((2, 10))), ValueError, "('', '__call__')"),
+    ("NonfiniteTrace values of the wrong shape", lambda: jaxmp.tools.NonfiniteTrace(
+        PROBE_CALLS, jnp.zeros((2, 8))), ValueError, "got (2, 8)"),
+    ("NonfiniteTrace float16 values", lambda: jaxmp.tools.NonfiniteTrace(
+        PROBE_CALLS, jnp.zeros((2, 10), jnp.float16)), TypeError, "float16"),
+    ("training_metrics nonfinite_trace not a trace", lambda: jaxmp.tools.training_metrics(
+        PARAMS, nonfinite_trace={"w": 1}), TypeError, "got dict"),
+    ("Monitor.update nonfinite_trace not a trace", lambda: jaxmp.tools.Monitor().update(
+        {"nonfinite_trace": "inf"}), TypeError, "got str"),
+    ("nonfinite_report not a trace", lambda: jaxmp.tools.nonfinite_report(PARAMS), TypeError,
+     "got dict"),
+    ("nonfinite_report negative loss scale", lambda: jaxmp.tools.nonfinite_report(
+        _probe(), loss_scale=-1.0), ValueError, "-1.0"),
+    ("NonfiniteReport.largest unknown value",
+     lambda: jaxmp.tools.nonfinite_report(_probe()).largest("bogus"), ValueError, "'bogus'"),
+    ("accumulate_gradients traces of different models", _traces_of_two_models, ValueError,
+     "2 and 1 call sites"),
+    ("nnx value_and_grad with two tracing wrappers", _two_traced_nnx_wrappers, ValueError,
+     "2 tracing wrappers"),
 ]
 
 

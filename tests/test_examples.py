@@ -55,6 +55,23 @@ def test_nnx_example_matches_float32_and_keeps_float32_params(capsys):
   assert "DelayedScaling" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_find_overflow_names_the_layer_and_direction_of_each_injected_fault(capsys):
+  import find_overflow  # pylint: disable=g-import-not-at-top
+  found = find_overflow.main(["--steps", "7", "--forward-step", "2", "--backward-step", "5"])
+  assert found == {2: "forward output of block_1/mlp/down",
+                   5: "backward input gradient of block_0/mlp"}
+  out = capsys.readouterr().out
+  assert ("step 2: nonfinite_origin: skipped step 2: first non-finite value: forward output "
+          "of block_1/mlp/down (amax inf)") in out
+  assert ("step 5: nonfinite_origin: skipped step 5: first non-finite value: backward input "
+          "gradient of block_0/mlp (amax inf)") in out
+  row = next(line for line in out.splitlines() if line.startswith("block_1/mlp/down "))
+  assert row.split()[2] == "inf" and row.endswith("<- output"), row
+  skipped = [line.split()[1] for line in out.splitlines() if line.endswith("  skipped")]
+  assert skipped == ["2", "5"], out  # the faults' steps only
+
+
 # The sharded example runs in a subprocess: JAX fixes its device count when it starts,
 # and JAX in this process has (or will have) one CPU device.
 

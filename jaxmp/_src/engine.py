@@ -26,6 +26,11 @@ for every module the adapter hands it:
 6. **record**: a :class:`CallRecord` per module call, for the unused-rule report and
    :func:`jaxmp.tools.summary` (which, with ``annotate=True``, attributes every
    traced matmul to the module call it ran in).
+7. **non-finite tracing** (only when the adapter hands the call a probe, which it does
+   for ``PolicyRules(trace_nonfinite=True)``): the call runs between the identities of
+   :mod:`jaxmp._src.nonfinite`, one on the arguments as the caller passed them and one
+   on the output as the caller gets it back, which record the amaxes of both and of
+   their gradients. Without a probe, the call is exactly what it was without tracing.
 
 The adapters only find modules, give them their params in the compute dtype, set the
 dtype field the engine chose, and install fp8; every dtype decision is made here.
@@ -126,14 +131,30 @@ class Call:
       ``None`` casts every floating-point array leaf.
     annotate: run each module call in a named scope (:data:`ANNOTATION`), so that a
       traced jaxpr says which module each operation belongs to.
+    nonfinite: the non-finite probe (a :class:`~jaxmp._src.nonfinite.NonfiniteTrace`)
+      when ``rules.trace_nonfinite`` is on and the caller differentiates it; ``None``
+      (the default) traces nothing.
+
+  Raises:
+    ValueError: for a probe under rules that do not trace.
   """
 
   def __init__(self, rules: rules_lib.PolicyRules, supports_fp8: Callable[[type], bool], *,
-               is_node: Optional[Callable[[Any], bool]] = None, annotate: bool = False):
+               is_node: Optional[Callable[[Any], bool]] = None, annotate: bool = False,
+               nonfinite: Any = None):
     self.rules = rules
     self.supports_fp8 = supports_fp8
     self.annotate = annotate
     self.records: list[CallRecord] = []
+    self._nonfinite = None
+    if nonfinite is not None:
+      if not rules.trace_nonfinite:
+        raise ValueError("jaxmp: a non-finite probe was given to a model whose rules do not "
+                         "trace (PolicyRules(..., trace_nonfinite=True) turns tracing on).")
+      # Imported only when tracing: without it the engine builds exactly what it did
+      # before tracing existed.
+      from jaxmp._src import nonfinite as nonfinite_lib  # pylint: disable=g-import-not-at-top
+      self._nonfinite = nonfinite_lib.Tracer(nonfinite)
     self._is_node = is_node
     self._callers: list[np.dtype] = []
     # id(narrowed value) -> (narrowed value, the wider value it was cast from). Holding
@@ -251,8 +272,55 @@ class Call:
 
     Casts the floating-point inputs to the compute dtype, records the call, puts the
     module's float32 ops in effect, and casts the output to :meth:`output_dtype`
-    (threaded state back to the dtype it came in).
+    (threaded state back to the dtype it came in). With a non-finite probe, the
+    arguments pass through the probe's *enter* identity before all that and the
+    output through its *leave* identity after (step 7 of the module docstring).
+
+    Raises:
+      ValueError: if the probe has no row for this call site.
     """
+    if self._nonfinite is None:
+      return self._run(path, module_type, method, precision, fn, args, kwargs)
+    from jaxmp._src import nonfinite as nonfinite_lib  # pylint: disable=g-import-not-at-top
+    tracer = self._nonfinite
+    slot = tracer.slot(path, method)
+    start = len(self.records) + 1
+    token = []  # what enter hands to leave: the inputs' amax, for this call only
+
+    def enter(xs):
+      xs, amax = nonfinite_lib.enter(xs, slot, backward=start)
+      token.append(amax)
+      return xs
+
+    args, kwargs = self._through((tuple(args), dict(kwargs)), enter)
+    out = self._run(path, module_type, method, precision, fn, args, kwargs)
+    finish = tracer.finished()
+    return self._through(out, lambda xs: nonfinite_lib.leave(
+        xs, slot, token[0] if token else None, forward=finish, backward=start))
+
+  def _through(self, tree: T, identity: Callable[[list], tuple]) -> T:
+    """``tree`` with its non-empty float JAX arrays passed through ``identity``.
+
+    A value rounded from a wider one (see :meth:`cast`) stays known as such on the
+    other side, so tracing changes no cast.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=self._is_node)
+    at = [i for i, x in enumerate(leaves)
+          if isinstance(x, jax.Array) and tree_lib.is_float_array(x) and x.size
+          and not (self._is_node is not None and self._is_node(x))]
+    if not at:
+      return tree
+    for i, y in zip(at, identity([leaves[i] for i in at])):
+      narrowed = self._narrowed.get(id(leaves[i]))
+      if narrowed is not None and narrowed[0] is leaves[i]:
+        self._narrowed[id(y)] = (y, narrowed[1])
+      leaves[i] = y
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+  def _run(self, path: str, module_type: type, method: str,
+           precision: rules_lib.ModulePrecision, fn: Callable[..., Any],
+           args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    """:meth:`run` without non-finite tracing."""
     compute = precision.policy.compute_dtype
     output_dtype = self.output_dtype(precision)
     index = len(self.records)

@@ -233,6 +233,11 @@ class PolicyRules:
     fused_attention: whether Flax attention layers (those with an ``attention_fn``)
       compute attention with ``jax.nn.dot_product_attention``: cuDNN's fused kernel
       on GPUs, XLA's elsewhere (:mod:`jaxmp._src.attention`). Default ``False``.
+    trace_nonfinite: record, inside the compiled step, whether each module call's
+      output and the gradient flowing back into it held inf or NaN, and their absolute
+      max (:mod:`jaxmp._src.nonfinite`; the wrappers then carry a probe and jaxmp's
+      ``value_and_grad`` returns ``Gradients.nonfinite``). Default ``False``: the
+      compiled step is exactly what it is without tracing.
 
   Frozen and hashable, so it can be a static argument of ``jax.jit``.
 
@@ -249,19 +254,18 @@ class PolicyRules:
   float32_ops: frozenset = frozenset(float32_ops_lib.DEFAULT)
   module_dtypes: str = "policy"
   fused_attention: bool = False
+  trace_nonfinite: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "default", policy_lib.get_policy(self.default))
-    if not isinstance(self.float32_normalization, (bool, np.bool_)):
-      raise TypeError(
-          f"PolicyRules float32_normalization must be True or False, got "
-          f"{self.float32_normalization!r} of type {type(self.float32_normalization).__name__}.")
+    for flag in ("float32_normalization", "fused_attention", "trace_nonfinite"):
+      value = getattr(self, flag)
+      if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"PolicyRules {flag} must be True or False, got {value!r} of type "
+                        f"{type(value).__name__}.")
+      object.__setattr__(self, flag, bool(value))
     object.__setattr__(self, "float32_ops",
                        float32_ops_lib.check(self.float32_ops, "PolicyRules"))
-    if not isinstance(self.fused_attention, (bool, np.bool_)):
-      raise TypeError(
-          f"PolicyRules fused_attention must be True or False, got {self.fused_attention!r} "
-          f"of type {type(self.fused_attention).__name__}.")
     if not isinstance(self.module_dtypes, str):
       raise TypeError(f"PolicyRules module_dtypes must be one of {MODULE_DTYPES}, got "
                       f"{self.module_dtypes!r} of type {type(self.module_dtypes).__name__}.")

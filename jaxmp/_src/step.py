@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import loss_scaling as loss_scaling_lib
+from jaxmp._src import nonfinite
 from jaxmp._src import tree as tree_lib
 from jaxmp._src.fp8 import state as fp8_state_lib
 
@@ -54,6 +55,11 @@ class Gradients(NamedTuple):
       which :func:`jaxmp.nnx.apply_gradients` puts back on a skipped step. ``None``
       from linen, whose ``TrainState.apply_gradients(collections=...)`` keeps the old
       collections itself.
+    nonfinite: for a model wrapped with ``PolicyRules(trace_nonfinite=True)``, the
+      step's per-module non-finite statistics (a
+      :class:`~jaxmp._src.nonfinite.NonfiniteTrace`: read it with
+      :func:`jaxmp.tools.nonfinite_report`, or pass it to
+      :func:`jaxmp.tools.training_metrics`); ``None`` otherwise.
 
   Example:
     >>> import flax.linen as nn
@@ -67,6 +73,7 @@ class Gradients(NamedTuple):
   params: Any
   fp8: Any
   state_before: Any = None
+  nonfinite: Any = None
 
 
 def _short_repr(x: Any, limit: int = 80) -> str:
@@ -91,7 +98,7 @@ def check_loss_scale(loss_scale: Any, where: str) -> loss_scale_lib.LossScale:
 
 
 def accumulate_gradients(a: Gradients, b: Gradients) -> Gradients:
-  """Combines two micro-batches' gradients: params summed, fp8 state max-combined.
+  """Combines two micro-batches' gradients: params summed, fp8 state and traces max-combined.
 
   Divide the params part by the number of micro-batches for a mean; the loss scale is
   the same for every micro-batch of a step, so sums of scaled gradients unscale
@@ -126,7 +133,13 @@ def accumulate_gradients(a: Gradients, b: Gradients) -> Gradients:
   params = jax.tree_util.tree_map(jnp.add, a.params, b.params)
   fp8 = fp8_state_lib.accumulate(a.fp8, b.fp8) if jax.tree_util.tree_leaves(a.fp8) else a.fp8
   state_before = b.state_before if a.state_before is None else a.state_before
-  return Gradients(params, fp8, state_before)
+  return Gradients(params, fp8, state_before, _accumulate_traces(a.nonfinite, b.nonfinite))
+
+
+def _accumulate_traces(a: Any, b: Any) -> Any:
+  if a is None or b is None:
+    return b if a is None else a
+  return nonfinite.accumulate(a, b)
 
 
 def step_was_finite(opt_state: Any, scaled_grads: Any) -> jax.Array:

@@ -36,10 +36,13 @@ import optax
 
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import loss_scaling as loss_scaling_lib
+from jaxmp._src import nonfinite
 from jaxmp._src import step as step_lib
 from jaxmp._src.fp8 import state as fp8_state_lib
+from jaxmp._src.linen import wrapper as wrapper_lib
 
 FP8_COLLECTION = fp8_state_lib.OVERWRITE_WITH_GRADIENT
+NONFINITE = wrapper_lib.NONFINITE_COLLECTION
 PARAMS = "params"
 Gradients = step_lib.Gradients
 
@@ -91,7 +94,11 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callabl
   (``None``: no scaling); ``args`` and ``kwargs`` go to ``fun`` undifferentiated. It
   calls ``fun`` with the fp8 state converted so that repeated uses of a layer
   accumulate their state cotangents by max (:func:`jaxmp.fp8.state.for_grad`), and
-  differentiates ``loss * loss_scale``.
+  differentiates ``loss * loss_scale``. When ``variables`` holds a non-finite probe
+  (the ``jaxmp_nonfinite`` collection of a wrapper built with
+  ``PolicyRules(trace_nonfinite=True)``), it is differentiated too, and
+  ``Gradients.nonfinite`` is the step's per-module statistics, with each module's
+  parameter-gradient amax filled in.
 
   Args:
     fun: ``fun(variables, *args, **kwargs) -> loss`` (or ``(loss, aux)`` with
@@ -127,16 +134,33 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callabl
     variables = join_variables(params, fp8_state_lib.for_grad(fp8), collections)
     return fun(variables, *args, **kwargs)
 
+  def traced(params, fp8, probe, collections, *args, **kwargs):
+    return differentiable(params, fp8, {**collections, NONFINITE: probe}, *args, **kwargs)
+
   def value_and_grads(variables, *args, loss_scale: Optional[loss_scale_lib.LossScale] = None,
                       **kwargs):
     loss_scale = step_lib.check_loss_scale(loss_scale, "value_and_grad")
     params, fp8, collections = split_variables(variables)
-    out, (g_params, g_fp8) = loss_scale.value_and_grad(
-        differentiable, has_aux=has_aux, argnums=(0, 1))(params, fp8, collections, *args,
-                                                         **kwargs)
-    return out, Gradients(g_params, g_fp8)
+    if NONFINITE not in collections:
+      out, (g_params, g_fp8) = loss_scale.value_and_grad(
+          differentiable, has_aux=has_aux, argnums=(0, 1))(params, fp8, collections, *args,
+                                                           **kwargs)
+      return out, Gradients(g_params, g_fp8)
+    probe = collections.pop(NONFINITE)
+    out, (g_params, g_fp8, g_probe) = loss_scale.value_and_grad(
+        traced, has_aux=has_aux, argnums=(0, 1, 2))(params, fp8, probe, collections, *args,
+                                                    **kwargs)
+    trace = nonfinite.with_param_grads(nonfinite.check_trace(g_probe, NONFINITE),
+                                       _named_leaves(g_params))
+    return out, Gradients(g_params, g_fp8, None, trace)
 
   return value_and_grads
+
+
+def _named_leaves(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
+  """The leaves of a params tree, each with its path of dict keys."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return [(tuple(str(getattr(k, "key", k)) for k in path), leaf) for path, leaf in flat]
 
 
 def apply_gradients(tx: optax.GradientTransformation, params: Any, fp8: Any, opt_state: Any,

@@ -16,6 +16,12 @@ module call by its path and class and:
 ``init`` stores each module's params in its param dtype. Other collections
 (``batch_stats``, caches, fp8 state) are never cast.
 
+With ``PolicyRules(..., trace_nonfinite=True)``, ``init`` also returns the non-finite
+probe (:mod:`jaxmp._src.nonfinite`) as the collection :data:`NONFINITE_COLLECTION`,
+one row per (module path, method) that ``init`` called, and ``apply`` takes it from
+the variables it is given (it never reaches the Module): differentiate it (as
+:func:`jaxmp.linen.value_and_grad` does) to get the step's per-module statistics.
+
 Example:
   >>> import flax.linen as nn
   >>> model = jaxmp.linen.mixed_precision(
@@ -40,11 +46,15 @@ import jax
 import numpy as np
 
 from jaxmp._src import engine
+from jaxmp._src import nonfinite
 from jaxmp._src import rules as rules_lib
 from jaxmp._src import tree as tree_lib
 from jaxmp._src.linen import injection
 
 CallRecord = engine.CallRecord
+
+NONFINITE_COLLECTION = "jaxmp_nonfinite"
+"""The variables collection that holds the non-finite probe of a tracing wrapper."""
 
 
 def _params_in(module: nn.Module, dtype: np.dtype, call: engine.Call):
@@ -82,8 +92,9 @@ def _module_in(module: nn.Module, precision, call: engine.Call) -> contextlib.Ex
 class _Interceptor:
   """Hands every linen module call to the engine; keeps the engine's records."""
 
-  def __init__(self, rules: rules_lib.PolicyRules, annotate: bool = False):
-    self.call = engine.Call(rules, injection.supports_fp8, annotate=annotate)
+  def __init__(self, rules: rules_lib.PolicyRules, annotate: bool = False, nonfinite: Any = None):
+    self.call = engine.Call(rules, injection.supports_fp8, annotate=annotate,
+                            nonfinite=nonfinite)
 
   @property
   def records(self) -> list[CallRecord]:
@@ -167,36 +178,84 @@ class MixedPrecision:
   rules: rules_lib.PolicyRules
   _warned: set = dataclasses.field(default_factory=set, repr=False)
 
-  def trace(self, fun: Callable[[], Any], *, annotate: bool = False
+  def trace(self, fun: Callable[[], Any], *, annotate: bool = False, nonfinite: Any = None
             ) -> tuple[Any, list[CallRecord]]:
     """Runs ``fun`` under this wrapper's interceptor; returns its result and the calls.
 
     With ``annotate``, each module call runs in a named scope naming its record (see
-    :data:`jaxmp._src.engine.ANNOTATION`).
+    :data:`jaxmp._src.engine.ANNOTATION`); with a ``nonfinite`` probe, each call is
+    traced (:class:`jaxmp._src.engine.Call`).
     """
-    interceptor = _Interceptor(self.rules, annotate)
+    interceptor = _Interceptor(self.rules, annotate, nonfinite)
     with nn.intercept_methods(interceptor), interceptor.call:
       out = fun()
     self._warn_unused(interceptor.records)
     return out, interceptor.records
 
   def init_with_output(self, rngs, *args, **kwargs) -> tuple[Any, Any]:
-    """Like ``Module.init_with_output``; params are stored in their param dtypes."""
+    """Like ``Module.init_with_output``; params are stored in their param dtypes.
+
+    A tracing wrapper's variables also hold the non-finite probe.
+    """
     (out, variables), records = self.trace(
         lambda: self.model.init_with_output(rngs, *args, **kwargs))
     return out, self._store_params(variables, records)
 
   def init(self, rngs, *args, **kwargs) -> Any:
-    """Like ``Module.init``; params are stored in their modules' param dtypes."""
+    """Like ``Module.init``; params are stored in their modules' param dtypes.
+
+    A tracing wrapper's variables also hold the non-finite probe.
+    """
     variables, records = self.trace(lambda: self.model.init(rngs, *args, **kwargs))
     return self._store_params(variables, records)
 
   def apply(self, variables, *args, **kwargs) -> Any:
-    """Like ``Module.apply``, with every module computing in its resolved precision."""
-    out, _ = self.trace(lambda: self.model.apply(variables, *args, **kwargs))
+    """Like ``Module.apply``, with every module computing in its resolved precision.
+
+    Raises:
+      ValueError: for a tracing wrapper, if ``variables`` holds no non-finite probe.
+    """
+    probe = None
+    if self.rules.trace_nonfinite:
+      variables, probe = self._take_probe(variables)
+    out, _ = self.trace(lambda: self.model.apply(variables, *args, **kwargs), nonfinite=probe)
     return out
 
+  def nonfinite_probe(self, variables, *args, **kwargs) -> Any:
+    """The non-finite probe for ``apply(variables, *args, **kwargs)``.
+
+    ``init`` returns a probe for the calls it makes; a call that makes others (another
+    ``method=``, say) needs its own: put it in the variables under
+    :data:`NONFINITE_COLLECTION`. Traced abstractly: nothing is computed.
+
+    Raises:
+      ValueError: if the wrapper's rules do not trace.
+    """
+    if not self.rules.trace_nonfinite:
+      raise ValueError("nonfinite_probe: this wrapper does not trace non-finite values; "
+                       "wrap the model with PolicyRules(..., trace_nonfinite=True).")
+    variables = {k: v for k, v in variables.items() if k != NONFINITE_COLLECTION}
+    records = []
+    jax.eval_shape(lambda: records.extend(self.trace(
+        lambda: self.model.apply(variables, *args, **kwargs))[1]))
+    return nonfinite.probe(nonfinite.calls_of(records))
+
+  def _take_probe(self, variables):
+    if not isinstance(variables, Mapping) or NONFINITE_COLLECTION not in variables:
+      keys = sorted(map(str, variables)) if isinstance(variables, Mapping) else variables
+      raise ValueError(
+          f"jaxmp: this wrapper traces non-finite values (PolicyRules(trace_nonfinite="
+          f"True)), so apply needs the variables model.init returned, with their "
+          f"{NONFINITE_COLLECTION!r} collection (the probe); got {keys!r}. Pass "
+          f"{{**variables, {NONFINITE_COLLECTION!r}: model.nonfinite_probe(variables, ...)}} "
+          f"for variables of your own.")
+    variables = dict(variables)
+    return variables, variables.pop(NONFINITE_COLLECTION)
+
   def _store_params(self, variables, records):
+    if self.rules.trace_nonfinite:
+      variables = {**variables,
+                   NONFINITE_COLLECTION: nonfinite.probe(nonfinite.calls_of(records))}
     if "params" not in variables:
       return variables
     params = _cast_params_to_storage(variables["params"], _param_dtypes_by_path(records),
@@ -300,4 +359,5 @@ def mixed_precision(model: nn.Module,
   return MixedPrecision(model, rules_lib.as_rules(policy_or_rules))
 
 
-__all__ = ("CallRecord", "MixedPrecision", "mixed_precision", "trace_abstract")
+__all__ = ("NONFINITE_COLLECTION", "CallRecord", "MixedPrecision", "mixed_precision",
+           "trace_abstract")

@@ -38,6 +38,7 @@ from flax import nnx
 
 from jaxmp._src import step as step_lib
 from jaxmp._src.nnx import fp8 as fp8_nnx
+from jaxmp._src.nnx import nonfinite as nonfinite_nnx
 
 Gradients = step_lib.Gradients
 
@@ -60,6 +61,8 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False,
   model updates during the call (batch statistics, RNG counts) is kept, as with
   ``nnx.grad``; what the batch statistics were before is returned in
   ``Gradients.state_before`` for :func:`apply_gradients` to restore on a skipped step.
+  A wrapper built with ``PolicyRules(trace_nonfinite=True)`` has its non-finite probe
+  differentiated too: ``Gradients.nonfinite`` is the step's per-module statistics.
 
   Args:
     fun: ``fun(model, *args, **kwargs) -> loss`` (or ``(loss, aux)`` with
@@ -74,10 +77,12 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False,
     loss unscaled, ``Gradients.params`` (an ``nnx.State``) scaled by ``loss_scale``,
     ``Gradients.fp8`` the proposed next fp8 state (empty without fp8 layers),
     ``Gradients.state_before`` the model's state other than params, fp8 state, RNG
-    streams and intermediates, before the call.
+    streams and intermediates, before the call, ``Gradients.nonfinite`` the non-finite
+    trace of a tracing wrapper (``None`` for others).
 
   Raises:
     TypeError: if ``fun`` is not callable or ``loss_scale`` not a jaxmp loss scale.
+    ValueError: if the model holds more than one tracing wrapper.
 
   Example:
     >>> from flax import nnx
@@ -91,10 +96,9 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False,
   """
   if not callable(fun):
     raise TypeError(f"value_and_grad: fun must be callable, got {fun!r}.")
-  differentiable = nnx.Any(wrt, fp8_nnx.Fp8State)
-
   def value_and_grads(model, *args, loss_scale=None, **kwargs):
     scale = step_lib.check_loss_scale(loss_scale, "jaxmp.nnx.value_and_grad")
+    differentiable, traced = nonfinite_nnx.differentiates(model, wrt)
 
     def with_fp8_for_grad(model, *args):
       with fp8_nnx.for_grad(model):
@@ -106,7 +110,8 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False,
     grads, (loss, aux) = nnx.grad(
         scaled, argnums=nnx.DiffState(0, differentiable), has_aux=True)(model, *args)
     gradients = Gradients(nnx.filter_state(grads, wrt),
-                          nnx.filter_state(grads, fp8_nnx.Fp8State), state_before)
+                          nnx.filter_state(grads, fp8_nnx.Fp8State), state_before,
+                          nonfinite_nnx.trace_of(grads, wrt) if traced else None)
     return ((loss, aux) if has_aux else loss), gradients
 
   return value_and_grads

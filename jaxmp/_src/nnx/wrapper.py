@@ -88,6 +88,7 @@ from jaxmp._src import rules as rules_lib
 from jaxmp._src import tree as tree_lib
 from jaxmp._src.linen import wrapper as linen_wrapper
 from jaxmp._src.nnx import fp8 as fp8_nnx
+from jaxmp._src.nnx import nonfinite as nonfinite_nnx
 
 CallRecord = engine.CallRecord
 
@@ -227,6 +228,9 @@ class MixedPrecision(nnx.Module):
     rules: the resolved :class:`~jaxmp.PolicyRules` (static).
     fp8: an ``nnx.Dict`` from layer path to the fp8 module (and state) that layer
       computes with; empty without fp8 rules.
+    nonfinite: with ``PolicyRules(trace_nonfinite=True)`` only, the non-finite probe
+      (a :class:`~jaxmp._src.nnx.nonfinite.NonfiniteProbe`, one row per module path
+      and public method), which :func:`jaxmp.nnx.value_and_grad` differentiates.
 
   Example:
     >>> from flax import nnx
@@ -239,10 +243,13 @@ class MixedPrecision(nnx.Module):
   """
 
   def __init__(self, model: nnx.Module, rules: rules_lib.PolicyRules,
-               fp8_modules: Optional[dict[str, nnx.Module]] = None):
+               fp8_modules: Optional[dict[str, nnx.Module]] = None,
+               nonfinite: Optional[nonfinite_nnx.NonfiniteProbe] = None):
     self.model = model
     self.rules = rules
     self.fp8 = nnx.Dict(fp8_modules or {})
+    if nonfinite is not None:
+      self.nonfinite = nonfinite
 
   def __call__(self, *args, **kwargs) -> Any:
     """Calls the model with every module computing in its resolved precision."""
@@ -269,7 +276,8 @@ class MixedPrecision(nnx.Module):
     """Calls ``model.<method>(*args, **kwargs)`` under the rules.
 
     With ``annotate``, each module call runs in a named scope naming its record (see
-    :data:`jaxmp._src.engine.ANNOTATION`).
+    :data:`jaxmp._src.engine.ANNOTATION`); otherwise a tracing wrapper traces each
+    call with its probe.
 
     Returns:
       The output and the :class:`~jaxmp.linen.CallRecord` of every module call, in
@@ -281,7 +289,9 @@ class MixedPrecision(nnx.Module):
     if method != "__call__" and (method.startswith("_") or not inspect.ismethod(
         getattr(self.model, method, None))):
       raise AttributeError(f"{type(self.model).__name__} has no public method {method!r}.")
-    call = engine.Call(self.rules, fp8_nnx.supports_fp8, is_node=_is_node, annotate=annotate)
+    probe = None if annotate else vars(self).get("nonfinite")
+    call = engine.Call(self.rules, fp8_nnx.supports_fp8, is_node=_is_node, annotate=annotate,
+                       nonfinite=None if probe is None else nonfinite_nnx.probe_trace(probe))
     nodes = tuple(x for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_node)
                   if _is_node(x))
     graph = (self.model, nodes)
@@ -441,7 +451,12 @@ def mixed_precision(model: nnx.Module,
                         r.precision.output_dtype or rules.default.output_dtype)
              for r in modules.values()]
   engine.warn_unused_rules(type(model).__name__, rules, records, _fp8_layer_names())
-  return MixedPrecision(model, rules, fp8_modules)
+  probe = None
+  if rules.trace_nonfinite:  # a row per method the wrapper intercepts
+    probe = nonfinite_nnx.new_probe(tuple(
+        (r.path, name) for r in modules.values()
+        for name in _public_methods(_ORIGINAL.get(type(r.module), type(r.module)))))
+  return MixedPrecision(model, rules, fp8_modules, probe)
 
 
 def trace_abstract(model_or_wrapper: nnx.Module, rules: Optional[rules_lib.PolicyOrRules],

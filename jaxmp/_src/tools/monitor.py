@@ -22,7 +22,13 @@ history and flags the ways mixed precision fails quietly:
 * ``skip_streak``: ``max_consecutive_skips`` steps in a row were skipped (the
   ``consecutive_skips`` metric of :func:`jaxmp.loss_scaling_metrics`): no update has
   been applied for that long, the run trains nothing. ``jaxmp.loss_scaling``'s own
-  ``max_consecutive_skips`` raises instead.
+  ``max_consecutive_skips`` raises instead;
+* ``nonfinite_origin``: a step was skipped and the metrics carry a non-finite trace (a
+  model wrapped with ``PolicyRules(trace_nonfinite=True)``, its
+  ``Gradients.nonfinite`` passed to :func:`training_metrics`): the message names the
+  module and direction of the step's first non-finite value ("skipped step 12: first
+  non-finite value: forward output of block_1/mlp/down"); :meth:`Monitor.nonfinite_report`
+  gives the per-module amax table of the latest step.
 
 Each kind is reported at the step its condition becomes true, and again only after it
 has been false for a step, so a long collapse is one anomaly, not one per step.
@@ -56,7 +62,9 @@ import numpy as np
 from jaxmp._src import dtypes as dtypes_lib
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import loss_scaling as loss_scaling_lib
+from jaxmp._src import nonfinite as nonfinite_lib
 from jaxmp._src.tools import leaves as leaves_lib
+from jaxmp._src.tools import nonfinite as report_lib
 
 # ---- in-jit metrics ------------------------------------------------------------------------
 
@@ -67,8 +75,8 @@ def _inverse_scale(loss_scale: Any) -> Any:
   return 1.0 / loss_scale_lib.loss_scale_array(loss_scale, where="training_metrics")
 
 
-def training_metrics(grads: Any, opt_state: Any = None, *,
-                     loss_scale: Any = None) -> dict[str, Any]:
+def training_metrics(grads: Any, opt_state: Any = None, *, loss_scale: Any = None,
+                     nonfinite_trace: Any = None) -> dict[str, Any]:
   """Scalars that say whether a mixed-precision step was healthy; pure and jit-able.
 
   Args:
@@ -83,6 +91,9 @@ def training_metrics(grads: Any, opt_state: Any = None, *,
     loss_scale: the scale ``grads`` were multiplied by (a :class:`jaxmp.LossScale`,
       number or scalar array); the norm is then of the unscaled gradients. Give the
       scale that produced them (the one before the update), not the adjusted one.
+    nonfinite_trace: the step's non-finite trace (``Gradients.nonfinite`` of a model wrapped
+      with ``PolicyRules(trace_nonfinite=True)``), passed through for
+      :class:`Monitor` and :func:`jaxmp.tools.nonfinite_report`; ``None`` for none.
 
   Returns:
     A dict with
@@ -93,12 +104,15 @@ def training_metrics(grads: Any, opt_state: Any = None, *,
     * ``"nonfinite"``: a dict from each top-level key (``"<root>"`` for a bare array)
       to the int32 number of inf/NaN values under it;
     * with ``opt_state``: ``"loss_scale"``, ``"skipped_steps"`` and
-      ``"last_step_finite"`` from :func:`jaxmp.loss_scaling_metrics`.
+      ``"last_step_finite"`` from :func:`jaxmp.loss_scaling_metrics`;
+    * with ``nonfinite_trace``: ``"nonfinite_trace"``, the trace itself (a few floats
+      per module call).
 
   Raises:
     ValueError: if ``opt_state`` holds no (or several) ``LossScalingState``, or a
       concrete ``loss_scale`` is not positive and finite.
-    TypeError: for a ``loss_scale`` that is not a number, scalar array or loss scale.
+    TypeError: for a ``loss_scale`` that is not a number, scalar array or loss scale,
+      or a ``nonfinite_trace`` that is not a non-finite trace.
 
   Example:
     >>> metrics = jaxmp.tools.training_metrics({"a": {"w": jnp.array([3.0, jnp.nan])},
@@ -126,6 +140,9 @@ def training_metrics(grads: Any, opt_state: Any = None, *,
   }
   if opt_state is not None:
     metrics.update(loss_scaling_lib.loss_scaling_metrics(opt_state))
+  if nonfinite_trace is not None:
+    metrics["nonfinite_trace"] = nonfinite_lib.check_trace(
+        nonfinite_trace, "training_metrics: nonfinite_trace")
   return metrics
 
 
@@ -139,7 +156,7 @@ class Anomaly(NamedTuple):
     step: the step it was flagged at (the ``step`` given to :meth:`Monitor.update`;
       by default updates are numbered 0, 1, 2, ...).
     kind: ``"scale_collapse"``, ``"skip_rate"``, ``"loss_spike"``,
-      ``"nonfinite_loss"`` or ``"skip_streak"``.
+      ``"nonfinite_loss"``, ``"skip_streak"`` or ``"nonfinite_origin"``.
     message: what happened, with the numbers.
   """
 
@@ -151,10 +168,11 @@ class Anomaly(NamedTuple):
     return f"step {self.step}: {self.kind}: {self.message}"
 
 
-KINDS = ("scale_collapse", "skip_rate", "loss_spike", "nonfinite_loss", "skip_streak")
+KINDS = ("scale_collapse", "skip_rate", "loss_spike", "nonfinite_loss", "skip_streak",
+         "nonfinite_origin")
 
 METRICS = ("grad_norm", "nonfinite", "loss_scale", "skipped_steps", "last_step_finite",
-           "consecutive_skips")
+           "consecutive_skips", "nonfinite_trace")
 """The metric keys :meth:`Monitor.update` reads (what :func:`training_metrics` returns)."""
 
 
@@ -209,7 +227,7 @@ class Monitor:
   update (quadratic in the number of steps). Call :meth:`update` once per training
   step with that step's :func:`training_metrics` (or :func:`jaxmp.loss_scaling_metrics`,
   or any dict with some of the keys) and loss; checks whose inputs are missing are
-  skipped. See the module docstring for the four anomaly kinds.
+  skipped. See the module docstring for the anomaly kinds.
 
   Args:
     min_scale: the loss scale's ``min_scale`` (``DynamicLossScale``'s default 1.0);
@@ -262,6 +280,7 @@ class Monitor:
     # The last spike_window finite losses, kept apart so that the spike check costs
     # O(spike_window) per step however long the history grows.
     self._recent_losses: collections.deque = collections.deque(maxlen=self.spike_window)
+    self._trace: Optional[nonfinite_lib.NonfiniteTrace] = None
 
   # -- history ---------------------------------------------------------------------------
 
@@ -304,8 +323,9 @@ class Monitor:
     Args:
       metrics: a mapping with any of ``"grad_norm"``, ``"nonfinite"``,
         ``"loss_scale"``, ``"skipped_steps"``, ``"last_step_finite"``,
-        ``"consecutive_skips"`` (:data:`METRICS`; arrays or numbers, fetched from the
-        device here). ``last_step_finite`` says whether the step was skipped.
+        ``"consecutive_skips"``, ``"nonfinite_trace"`` (:data:`METRICS`; arrays or
+        numbers, fetched from the device here). ``last_step_finite`` says whether the
+        step was skipped.
       loss: the step's (unscaled) loss, a real scalar, or ``None``.
       step: the step number to record; by default one more than the previous one
         (0 for the first update). Must be larger than the previous one.
@@ -314,7 +334,8 @@ class Monitor:
       The anomalies flagged at this step (usually none).
 
     Raises:
-      TypeError: if ``metrics`` is not a mapping or ``loss`` not a real scalar.
+      TypeError: if ``metrics`` is not a mapping, ``loss`` not a real scalar or
+        ``"nonfinite_trace"`` not a non-finite trace.
       ValueError: for an unknown metric key (a misspelt one would silently turn its
         check off), a non-scalar metric or a step that does not increase.
     """
@@ -332,6 +353,9 @@ class Monitor:
                  dict(metrics.get("nonfinite", {})).items()}
     grad_norm = _scalar(metrics, "grad_norm", float)
     streak = _scalar(metrics, "consecutive_skips", int)
+    if metrics.get("nonfinite_trace") is not None:
+      self._trace = nonfinite_lib.check_trace(metrics["nonfinite_trace"],
+                                              "Monitor.update: metrics['nonfinite_trace']")
     s.steps.append(step)
     s.loss.append(loss)
     s.grad_norm.append(grad_norm)
@@ -346,6 +370,8 @@ class Monitor:
         "nonfinite_loss": (None if loss is None or math.isfinite(loss)
                            else f"the loss is {loss}"),
         "skip_streak": self._skip_streak(streak, scale, step),
+        "nonfinite_origin": self._nonfinite_origin(metrics.get("nonfinite_trace"), finite,
+                                                   step),
     }
     new = []
     for kind in KINDS:
@@ -419,6 +445,22 @@ class Monitor:
     return (f"{streak} consecutive steps skipped (>= max_consecutive_skips "
             f"{self.max_consecutive_skips}){at_scale}: no step has been applied since "
             f"{since}")
+
+  def _nonfinite_origin(self, trace: Any, finite: Optional[bool], step: int) -> Optional[str]:
+    if trace is None or finite is not False:
+      return None
+    origin = report_lib.first_nonfinite(self._trace)
+    if origin is None:
+      return (f"skipped step {step}: no traced module recorded a non-finite value (it arose "
+              f"outside the wrapped model's calls: in the loss function, say)")
+    return f"skipped step {step}: first non-finite value: {origin} (amax {origin.amax:g})"
+
+  def nonfinite_report(self) -> Optional[report_lib.NonfiniteReport]:
+    """The per-module amax table of the latest step that carried a non-finite trace.
+
+    ``None`` until metrics with ``"nonfinite_trace"`` have been given.
+    """
+    return None if self._trace is None else report_lib.nonfinite_report(self._trace)
 
   def _loss_spike(self, loss: Optional[float]) -> Optional[str]:
     if loss is None or not math.isfinite(loss):

@@ -1,0 +1,296 @@
+"""Where did the inf come from: the per-module amax table of one traced step.
+
+A model wrapped with ``PolicyRules(..., trace_nonfinite=True)`` and differentiated with
+jaxmp's ``value_and_grad`` returns, in ``Gradients.nonfinite``, the absolute max of
+every module call's inputs and output (forward) and of the gradient arriving at its
+output, the gradient it sent back to its inputs and its parameter gradients (backward),
+measured inside the compiled step (:mod:`jaxmp._src.nonfinite`).
+:func:`nonfinite_report` reads it on the host: the first non-finite value of the step
+(its module and direction) and a table of every module's amaxes in execution order,
+for tracking outliers before they overflow. Backward amaxes are of the gradients as
+the backward pass computed them: multiplied by the loss scale.
+
+**The first non-finite value** (:func:`first_nonfinite`) is defined on events in the
+order they happen:
+
+1. the model's inputs were non-finite (the root call's ``input``);
+2. forward: the first call site, in the order calls finish, that made a non-finite
+   output from finite inputs (``made_forward``): in its own code or a child's, and the
+   innermost such call finishes first. (The earliest non-finite output alone would
+   often name a call that only passed on a value it was given.)
+3. backward: the gradient arriving at the model's output was already non-finite (the
+   loss, or the loss scale, overflowed);
+4. backward: the first call site, in the order the backward pass finishes them
+   (reverse start order), that made a non-finite gradient for its inputs from a finite
+   output gradient (``made_backward``), or whose parameter gradients are non-finite
+   while its output gradients were finite;
+5. failing those, the earliest non-finite value recorded at all (the forward first).
+
+A forward origin wins over any backward one: a non-finite forward makes the backward
+non-finite anyway.
+
+Example:
+  >>> import flax.linen as nn
+  >>> model = jaxmp.linen.mixed_precision(nn.Dense(2), jaxmp.PolicyRules(
+  ...     "float32", trace_nonfinite=True))
+  >>> variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
+  >>> loss = lambda v, x: jnp.sum(model.apply(v, x))
+  >>> _, grads = jaxmp.linen.value_and_grad(loss)(variables, jnp.full((1, 3), jnp.inf))
+  >>> print(jaxmp.tools.nonfinite_report(grads.nonfinite).origin)
+  forward input of <root>
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional
+
+import jax
+import numpy as np
+
+from jaxmp._src import loss_scale as loss_scale_lib
+from jaxmp._src import nonfinite as nonfinite_lib
+from jaxmp._src.tools import table
+
+_AMAXES = ("input", "output", "output_grad", "input_grad", "param_grad")
+
+
+VALUE_NAMES = {"input": "input", "output": "output", "output_grad": "output gradient",
+               "input_grad": "input gradient", "param_grad": "parameter gradient"}
+"""How messages name each measured value."""
+
+
+def decoded(trace: nonfinite_lib.NonfiniteTrace) -> np.ndarray:
+  """The values on the host, sums over ``vmap``/``shard_map`` divided back out."""
+  values = np.array(jax.device_get(trace.values), np.float32)
+  count = values[:, nonfinite_lib.COUNT]
+  divisor = np.where(count > 0, count, 1.0).astype(np.float32)
+  values[:, list(nonfinite_lib.COUNTED)] /= divisor[:, None]
+  return values
+
+
+class Origin(NamedTuple):
+  """Where the first non-finite value of a step appeared (see the module docstring).
+
+  Attributes:
+    path: the module's '/'-joined path (``""`` for the root).
+    method: the method called.
+    direction: ``"forward"`` or ``"backward"``.
+    value: which value was non-finite: ``"input"``, ``"output"``, ``"output_grad"``,
+      ``"input_grad"`` or ``"param_grad"`` (see :data:`VALUE_NAMES`).
+    amax: that value's recorded absolute max (inf: it held inf or NaN).
+  """
+
+  path: str
+  method: str
+  direction: str
+  value: str
+  amax: float
+
+  def __str__(self) -> str:
+    return f"{self.direction} {VALUE_NAMES[self.value]} of {nonfinite_lib.describe_call(self.path, self.method)}"
+
+
+def _bad(column: np.ndarray) -> np.ndarray:
+  # -inf means nothing was recorded: an amax is never negative.
+  return ~np.isfinite(column) & (column != -np.inf)
+
+
+def first_nonfinite(trace: nonfinite_lib.NonfiniteTrace) -> Optional[Origin]:
+  """The first non-finite value of the step a trace records, or ``None``.
+
+  The events, in the order they are checked, are those of the module docstring.
+
+  Args:
+    trace: the gradient of a probe (``Gradients.nonfinite``), concrete.
+
+  Returns:
+    An :class:`Origin`, or ``None`` when every recorded value was finite.
+
+  Raises:
+    TypeError: if ``trace`` is not a :class:`NonfiniteTrace`.
+
+  Example:
+    >>> from jaxmp._src import nonfinite
+    >>> from jaxmp._src.tools import nonfinite as report
+    >>> row = [1.0, 2.0, 1.0, jnp.inf, -jnp.inf, 0.0, 1.0, 1.0, 1.0, 1.0]  # made an inf gradient
+    >>> trace = nonfinite.NonfiniteTrace((("dense", "__call__"),), jnp.array([row]))
+    >>> print(report.first_nonfinite(trace))
+    backward input gradient of dense
+  """
+  trace = nonfinite_lib.check_trace(trace, "first_nonfinite: trace")
+  values = decoded(trace)
+  recorded = values[:, nonfinite_lib.COUNT] > 0
+  root = recorded & np.array([path == "" for path, _ in trace.calls], bool)
+  bad = {name: _bad(values[:, i]) for i, name in enumerate(nonfinite_lib.COLUMNS[:nonfinite_lib.PARAM_GRAD + 1])}
+  made_forward = recorded & (values[:, nonfinite_lib.MADE_FORWARD] > 0)
+  made_input_grad = recorded & (values[:, nonfinite_lib.MADE_BACKWARD] > 0)
+  made_backward = made_input_grad | (recorded & ~bad["output_grad"] & bad["param_grad"])
+  backward_value = lambda i: "input_grad" if made_input_grad[i] else "param_grad"
+  # (rows, the position column, whether the first is the smallest, direction, value)
+  events = (
+      (root & bad["input"], nonfinite_lib.FORWARD, True, "forward", "input"),
+      (made_forward, nonfinite_lib.FORWARD, True, "forward", "output"),
+      (root & bad["output_grad"], nonfinite_lib.FORWARD, False, "backward", "output_grad"),
+      (made_backward, nonfinite_lib.BACKWARD, False, "backward", backward_value),
+      (recorded & bad["output"], nonfinite_lib.FORWARD, True, "forward", "output"),
+      (recorded & bad["input"], nonfinite_lib.FORWARD, True, "forward", "input"),
+      (recorded & bad["output_grad"], nonfinite_lib.FORWARD, False, "backward", "output_grad"),
+      (bad["input_grad"] | bad["param_grad"], nonfinite_lib.BACKWARD, False, "backward",
+       lambda i: "input_grad" if bad["input_grad"][i] else "param_grad"),
+  )
+  for rows, column, smallest, direction, value in events:
+    i = _first(rows, values[:, column], smallest)
+    if i is not None:
+      value = value(i) if callable(value) else value
+      path, method = trace.calls[i]
+      return Origin(path, method, direction, value, float(values[i, nonfinite_lib.COLUMNS.index(value)]))
+  return None
+
+
+def _first(rows: np.ndarray, position: np.ndarray, smallest: bool) -> Optional[int]:
+  """The row among ``rows`` that comes first by ``position`` (unknown positions last)."""
+  candidates = np.flatnonzero(rows)
+  if not candidates.size:
+    return None
+  known = np.isfinite(position[candidates]) & (position[candidates] > 0)
+  key = np.where(known, position[candidates], np.inf if smallest else -np.inf)
+  return int(candidates[np.argmin(key) if smallest else np.argmax(key)])
+
+
+class ModuleAmax(NamedTuple):
+  """One traced call site's amaxes (inf when non-finite, ``None`` when not recorded).
+
+  Attributes:
+    path: the module's '/'-joined path (``""`` for the root).
+    method: the method called.
+    input, output: the amax of its floating-point inputs and of its output.
+    output_grad: of the gradient that arrived at its output.
+    input_grad: of the gradient it sent back to its inputs.
+    param_grad: of its own parameters' gradients.
+    forward: its position in the order calls finished (from 1).
+  """
+
+  path: str
+  method: str
+  input: Optional[float]
+  output: Optional[float]
+  output_grad: Optional[float]
+  input_grad: Optional[float]
+  param_grad: Optional[float]
+  forward: Optional[int]
+
+
+def _amax(value: float) -> Optional[float]:
+  return None if value == -math.inf else float(value)
+
+
+def _cell(value: Optional[float]) -> str:
+  return "-" if value is None else f"{value:.3g}"
+
+
+class NonfiniteReport(NamedTuple):
+  """The first non-finite value of a traced step and every module's amaxes.
+
+  Attributes:
+    origin: where the first non-finite value appeared (an :class:`Origin`:
+      ``str(origin)`` reads "forward output of block_1/mlp/down"), or ``None`` when
+      every recorded value was finite.
+    modules: a :class:`ModuleAmax` per recorded call site, in execution order.
+    loss_scale: the scale the gradients were multiplied by, when given.
+  """
+
+  origin: Optional[Origin]
+  modules: tuple[ModuleAmax, ...]
+  loss_scale: Optional[float]
+
+  def largest(self, value: str = "output", n: int = 5) -> tuple[ModuleAmax, ...]:
+    """The ``n`` call sites with the largest ``value`` amax (non-finite first): outliers.
+
+    Raises:
+      ValueError: for a ``value`` that is not one of the amax columns.
+    """
+    if value not in _AMAXES:
+      raise ValueError(f"NonfiniteReport.largest: value must be one of {_AMAXES}, got "
+                       f"{value!r}.")
+    key = lambda m: (-math.inf if getattr(m, value) is None else
+                     math.inf if math.isnan(getattr(m, value)) else getattr(m, value))
+    return tuple(sorted(self.modules, key=key, reverse=True)[:n])
+
+  def __str__(self) -> str:
+    first = ("every recorded value was finite" if self.origin is None
+             else f"first non-finite value: {self.origin}")
+    scale = "" if self.loss_scale is None else f" (gradients x loss scale {self.loss_scale:g})"
+    header = ("module", "input", "output", "output grad", "input grad", "param grad")
+    body = [(nonfinite_lib.describe_call(m.path, m.method),
+             *(_cell(getattr(m, v)) for v in _AMAXES)) for m in self.modules]
+    if self.origin is not None:  # a column that points at the origin's row
+      header += ("first",)
+      origin = (self.origin.path, self.origin.method)
+      body = [row + ("<- " + self.origin.value if (m.path, m.method) == origin else "",)
+              for row, m in zip(body, self.modules)]
+    return (f"Non-finite trace: {first}\nabsolute max per module call, forward then "
+            f"backward{scale}:\n"
+            + table.text_table(header, body, (False,) + (True,) * 5 + (False,)))
+
+
+def nonfinite_report(trace: Any, *, loss_scale: Any = None) -> NonfiniteReport:
+  """Reads a step's non-finite trace: the first non-finite value and the amax table.
+
+  The "first" non-finite value is :func:`first_nonfinite`'s: the model's inputs, else the first call (in the order calls finish) whose output is non-finite
+  while its inputs were finite, else the model's output gradient, else the first call
+  the backward pass finishes whose output gradient was finite while the gradients it
+  produced (for its inputs or its parameters) were not.
+
+  Args:
+    trace: ``Gradients.nonfinite`` (or ``metrics["nonfinite_trace"]`` of
+      :func:`jaxmp.tools.training_metrics`), concrete.
+    loss_scale: the loss scale the step's gradients were multiplied by (a number or a
+      :class:`jaxmp.LossScale`), shown with the table; optional.
+
+  Returns:
+    A :class:`NonfiniteReport`; ``print`` it for the table.
+
+  Raises:
+    TypeError: if ``trace`` is not a non-finite trace, or ``loss_scale`` not a number or
+      loss scale.
+    ValueError: for a ``loss_scale`` that is not positive and finite.
+
+  Example:
+    >>> from flax import nnx
+    >>> model = jaxmp.nnx.mixed_precision(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), jaxmp.PolicyRules(
+    ...     "float32", trace_nonfinite=True))
+    >>> _, grads = jaxmp.nnx.value_and_grad(lambda m, x: jnp.sum(m(x)))(model, jnp.ones((1, 3)))
+    >>> print(jaxmp.tools.nonfinite_report(grads.nonfinite))
+    Non-finite trace: every recorded value was finite
+    absolute max per module call, forward then backward:
+    module  input  output  output grad  input grad  param grad
+    ------  -----  ------  -----------  ----------  ----------
+    <root>      1   0.908            1        1.18           1
+  """
+  trace = nonfinite_lib.check_trace(trace, "nonfinite_report: trace")
+  scale = None
+  if loss_scale is not None:
+    scale = float(np.asarray(loss_scale_lib.loss_scale_array(loss_scale,
+                                                             where="nonfinite_report")))
+  values = decoded(trace)
+  rows = []
+  for (path, method), row in zip(trace.calls, values):
+    if row[nonfinite_lib.COUNT] <= 0:
+      continue
+    forward = row[nonfinite_lib.FORWARD]
+    rows.append(ModuleAmax(path, method, *(_amax(row[i]) for i in range(len(_AMAXES))),
+                           int(forward) if np.isfinite(forward) else None))
+  rows.sort(key=lambda m: math.inf if m.forward is None else m.forward)
+  return NonfiniteReport(first_nonfinite(trace), tuple(rows), scale)
+
+
+__all__ = (
+    "VALUE_NAMES",
+    "ModuleAmax",
+    "NonfiniteReport",
+    "Origin",
+    "decoded",
+    "first_nonfinite",
+    "nonfinite_report",
+)
