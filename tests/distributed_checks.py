@@ -33,9 +33,8 @@ program run on one device:
 from __future__ import annotations
 
 import functools
+import pathlib
 import sys
-import time
-import traceback
 
 import flax.linen as nn
 import jax
@@ -46,8 +45,11 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxmp
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from tests import eight_devices  # pylint: disable=g-import-not-at-top
+
 AXIS = "data"
-DEVICES = 8
+DEVICES = eight_devices.DEVICES
 BATCH, FEATURES, HIDDEN, OUT = 64, 16, 64, 8
 STEPS = 5
 LR = 1e-2
@@ -505,25 +507,5 @@ CHECKS = {
 }
 
 
-def main(names: list[str]) -> int:
-  if jax.device_count() != DEVICES:
-    print(f"FAIL setup: {jax.device_count()} devices; run with "
-          f"XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES}")
-    return 1
-  failed = 0
-  for name in names or CHECKS:
-    start = time.perf_counter()
-    try:
-      report = CHECKS[name]()
-    except Exception as e:  # pylint: disable=broad-except
-      failed += 1
-      traceback.print_exc()
-      message = " ".join(f"{type(e).__name__}: {e}".split())
-      print(f"FAIL {name}: {message}", flush=True)
-    else:
-      print(f"PASS {name}: {report} ({time.perf_counter() - start:.1f} s)", flush=True)
-  return 1 if failed else 0
-
-
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(eight_devices.main(CHECKS, sys.argv[1:]))

@@ -14,8 +14,38 @@ import pathlib
 import re
 import subprocess
 import sys
+import time
+import traceback
 
 import pytest
+
+DEVICES = 8
+
+
+def main(checks: dict, names: list) -> int:
+  """A check script's entry point: runs ``names`` (all when empty), one line each.
+
+  Meant to run inside the eight-device process the script was started in (see
+  :func:`run_checks`); returns the process's exit status.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.device_count() != DEVICES:
+    print(f"FAIL setup: {jax.device_count()} devices; run with "
+          f"XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES}")
+    return 1
+  failed = 0
+  for name in names or checks:
+    start = time.perf_counter()
+    try:
+      report = checks[name]()
+    except Exception as e:  # pylint: disable=broad-except
+      failed += 1
+      traceback.print_exc()
+      message = " ".join(f"{type(e).__name__}: {e}".split())
+      print(f"FAIL {name}: {message}", flush=True)
+    else:
+      print(f"PASS {name}: {report} ({time.perf_counter() - start:.1f} s)", flush=True)
+  return 1 if failed else 0
 
 
 def run_checks(script: pathlib.Path, names: tuple, cwd: pathlib.Path, timeout: int = 300):

@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import pathlib
 import sys
-import time
-import traceback
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from tests import eight_devices  # pylint: disable=g-import-not-at-top
 from tests import nonfinite_models  # pylint: disable=g-import-not-at-top
 
 from jaxmp._src import nonfinite  # pylint: disable=g-import-not-at-top
 from jaxmp._src.tools import nonfinite as nonfinite_report  # pylint: disable=g-import-not-at-top
 
-DEVICES = 8
+DEVICES = eight_devices.DEVICES
 
 
 def _sharded_and_single(runs) -> str:
@@ -71,25 +70,5 @@ CHECKS = {
 }
 
 
-def main(names: list[str]) -> int:
-  if jax.device_count() != DEVICES:
-    print(f"FAIL setup: {jax.device_count()} devices; run with "
-          f"XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES}")
-    return 1
-  failed = 0
-  for name in names or CHECKS:
-    start = time.perf_counter()
-    try:
-      report = CHECKS[name]()
-    except Exception as e:  # pylint: disable=broad-except
-      failed += 1
-      traceback.print_exc()
-      message = " ".join(f"{type(e).__name__}: {e}".split())
-      print(f"FAIL {name}: {message}", flush=True)
-    else:
-      print(f"PASS {name}: {report} ({time.perf_counter() - start:.1f} s)", flush=True)
-  return 1 if failed else 0
-
-
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(eight_devices.main(CHECKS, sys.argv[1:]))
