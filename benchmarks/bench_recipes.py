@@ -28,7 +28,6 @@ import warnings
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 
@@ -88,9 +87,8 @@ def quality(steps: int, seed: int) -> None:
 
 
 def support() -> None:
+  from jaxmp._src.fp8 import support as support_lib  # pylint: disable=g-import-not-at-top
   from jaxmp._src.tools import targets  # pylint: disable=g-import-not-at-top
-  dims = (((1,), (0,)), ((), ()))
-  a = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16)
   chips = ["h100", "b200"] + (["v7"] if targets.installed("libtpu") else [])
   print(f"\nWhat the GEMMs of a 512^3 fp8 Dense forward + backward compile to (deviceless, "
         f"jax {jax.__version__}): fp8 = fp8 GEMM, mx = MX block-scaled GEMM, otherwise "
@@ -99,20 +97,7 @@ def support() -> None:
   for name, recipe in RECIPES.items():
     cells = []
     for chip in chips:
-      state = jax.eval_shape(lambda recipe=recipe: fp8.init_state(recipe))
-
-      def step(x, w, s, g, recipe=recipe):
-        f = lambda x, w, s: fp8.fp8_dot_general(x, w, dims, state=s, recipe=recipe)
-        y, vjp = jax.vjp(f, x, w, s)
-        return y, vjp(g)
-
-      options = None if chip == "v7" else {"xla_gpu_enable_triton_gemm": False}
-      with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        report = jaxmp.tools.audit(step, a, a, state, a, target=chip, compiler_options=options)
-      kinds = [("mx" if "MX" in g.backend else "fp8") if g.fp8 else g.compute_dtypes[0]
-               for g in report.gemms]
-      warned = any(issubclass(w.category, fp8.Fp8FallbackWarning) for w in caught)
+      kinds, warned = support_lib.compiled_gemms(recipe, chip)
       cells.append(", ".join(kinds) + (" (warns)" if warned else ""))
     print(f"| {name} | " + " | ".join(cells) + " |")
 

@@ -118,13 +118,9 @@ def test_devices_are_read_as_targets(device, name, fp8_gemm, mx_gemm):
 # The support table of the README, compiled deviceless (needs the CUDA plugin; TPU rows
 # need libtpu): every GEMM of a forward + backward, read back from the optimized HLO.
 _TABLE_CHECK = textwrap.dedent("""\
-    import warnings
-    import jax, jax.numpy as jnp
-    import jaxmp
     from jaxmp import fp8
+    from jaxmp._src.fp8 import support
     from jaxmp._src.tools import targets
-    dims = (((1,), (0,)), ((), ()))
-    a = jax.ShapeDtypeStruct((512, 512), jnp.bfloat16)
     recipes = {"tensor": fp8.DelayedScaling(4), "row": fp8.RowwiseScaling(),
                "block": fp8.BlockScaling(), "block2": fp8.BlockScaling(power_of_two=True),
                "mx": fp8.MXScaling()}
@@ -132,20 +128,8 @@ _TABLE_CHECK = textwrap.dedent("""\
       if target == "v7" and not targets.installed("libtpu"):
         continue
       for name, recipe in recipes.items():
-        state = jax.eval_shape(lambda: fp8.init_state(recipe))
-        def step(x, w, s, g):
-          f = lambda x, w, s: fp8.fp8_dot_general(x, w, dims, state=s, recipe=recipe)
-          y, vjp = jax.vjp(f, x, w, s)
-          return y, vjp(g)
-        options = None if target == "v7" else {"xla_gpu_enable_triton_gemm": False}
-        with warnings.catch_warnings(record=True) as caught:
-          warnings.simplefilter("always")
-          report = jaxmp.tools.audit(step, a, a, state, a, target=target,
-                                     compiler_options=options)
-        kinds = sorted({("mx" if "MX" in g.backend else "fp8") if g.fp8
-                        else g.compute_dtypes[0] for g in report.gemms})
-        warned = any(issubclass(w.category, fp8.Fp8FallbackWarning) for w in caught)
-        print(target, name, len(report.gemms), ",".join(kinds), warned)
+        kinds, warned = support.compiled_gemms(recipe, target)
+        print(target, name, len(kinds), ",".join(sorted(set(kinds))), warned)
     """)
 
 _EXPECTED_TABLE = {
