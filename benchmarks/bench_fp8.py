@@ -57,9 +57,9 @@ PRESETS = {
 }
 
 
-def variants_of(recipe_length: int):
+def variants_of(recipe_length: int, power_of_two: bool = False):
   """name -> (compute dtype, dot_general_cls, whether the state update is jaxmp's)."""
-  delayed = fp8.DelayedScaling(amax_history_length=recipe_length)
+  delayed = fp8.DelayedScaling(amax_history_length=recipe_length, power_of_two=power_of_two)
   return {
       "float32": (jnp.float32, None, None),
       "bf16": (jnp.bfloat16, None, None),

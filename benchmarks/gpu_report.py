@@ -93,10 +93,10 @@ def _layer_case(model, state_update, x_shape, g_shape, dtype, loss_scale=1.0) ->
   return Case(bench_fp8.make_step(model, state_update, loss_scale), make)
 
 
-def layer_cases(workload: str) -> dict[str, Case]:
+def layer_cases(workload: str, power_of_two: bool = False) -> dict[str, Case]:
   """The five precisions of bench_fp8's ``dense`` (8192^3) or ``block`` workload."""
   preset = bench_fp8.PRESETS["gpu"]
-  variants = bench_fp8.variants_of(1024)
+  variants = bench_fp8.variants_of(1024, power_of_two)
   chosen = {"float32": variants["float32"], "bf16": variants["bf16"],
             "fp16 + loss scaling": (jnp.float16, None, None),
             "bf16 + jaxmp fp8": variants["jaxmp_fp8"], "bf16 + Flax fp8": variants["flax_fp8"]}
@@ -168,11 +168,11 @@ def demo_cases() -> dict[str, Case]:
           "bf16 + jaxmp fp8, fused attention": jaxmp_case(fused(runs["bfloat16 + fp8"]))}
 
 
-def traffic_cases() -> dict[str, dict[str, Case]]:
+def traffic_cases(power_of_two: bool = False) -> dict[str, dict[str, Case]]:
   """jaxmp's fp8 and Flax's, side by side: {case: {"jaxmp": Case, "Flax": Case}}."""
   size = 4096
   dims = (((1,), (0,)), ((), ()))
-  recipe = fp8.DelayedScaling()
+  recipe = fp8.DelayedScaling(power_of_two=power_of_two)
   flax_op = nn.Fp8DirectDotGeneralOp()
   bf = lambda shape, seed: jax.random.normal(jax.random.key(seed), shape).astype(jnp.bfloat16)
   operands = lambda: (bf((size, size), 0), bf((size, size), 1))
@@ -201,20 +201,21 @@ def traffic_cases() -> dict[str, dict[str, Case]]:
                         lambda: (*operands(), jaxmp_state(), bf((size, size), 2))),
           "Flax": Case(with_backward(flax_fwd),
                        lambda: (*operands(), flax_state(), bf((size, size), 2)))},
-      "Dense 4096^3 train step (Adam)": dense_step_cases(size),
+      "Dense 4096^3 train step (Adam)": dense_step_cases(size, power_of_two),
   }
-  block = layer_cases("block")
+  block = layer_cases("block", power_of_two)
   cases["block forward + backward"] = {"jaxmp": block["bf16 + jaxmp fp8"],
                                        "Flax": block["bf16 + Flax fp8"]}
   return cases
 
 
-def dense_step_cases(size: int) -> dict[str, Case]:
+def dense_step_cases(size: int, power_of_two: bool = False) -> dict[str, Case]:
   """A jitted Dense train step with Adam: jaxmp by rule, and Flax's fp8 Dense."""
   xy = lambda: (jax.random.normal(jax.random.key(0), (size, size)),
                 jax.random.normal(jax.random.key(1), (size, size)))
   rules = jaxmp.PolicyRules("params=float32,compute=bfloat16,output=float32",
-                            [jaxmp.Rule(nn.Dense, fp8=fp8.DelayedScaling())])
+                            [jaxmp.Rule(nn.Dense, fp8=fp8.DelayedScaling(
+                                power_of_two=power_of_two))])
   model = jaxmp.linen.mixed_precision(nn.Dense(size), rules)
 
   def jaxmp_make():
@@ -292,11 +293,12 @@ def precision_table(title: str, cases: dict[str, Case], on_gpu: bool) -> None:
   print(f"\nGEMM work per step: {flops / 1e12:.3f} TFLOP (from the HLO).")
 
 
-def traffic_table() -> None:
-  print("\n### fp8: non-GEMM HBM traffic, jaxmp vs Flax (MiB per call)\n")
+def traffic_table(power_of_two: bool = False) -> None:
+  print("\n### fp8: non-GEMM HBM traffic, jaxmp vs Flax (MiB per call)"
+        + (", jaxmp with power-of-two scales" if power_of_two else "") + "\n")
   print("| case | mode | jaxmp | Flax | jaxmp GEMMs fp8/all | Flax GEMMs fp8/all |\n"
         "|---|---|---:|---:|---|---|")
-  for case, pair in traffic_cases().items():
+  for case, pair in traffic_cases(power_of_two).items():
     for mode in MODES:
       r = {who: audit(c, mode) for who, c in pair.items()}
       count = lambda rep: f"{sum(g.fp8 for g in rep.gemms)}/{len(rep.gemms)}"
@@ -345,13 +347,15 @@ def tpu_table(generations=("v5e", "v5p", "v6e", "v7")) -> None:
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--workloads", default="traffic,dense,block,demo,tpu")
+  parser.add_argument("--power-of-two", action="store_true",
+                      help="jaxmp's delayed scaling with power_of_two=True (traffic table)")
   args = parser.parse_args(argv)
   on_gpu = jax.devices()[0].platform == "gpu"
   print(f"jax {jax.__version__}; estimates from compiled H100 HLO (deviceless)"
         + (f"; measured on {jax.devices()[0].device_kind}" if on_gpu else ""))
   for workload in args.workloads.split(","):
     if workload == "traffic":
-      traffic_table()
+      traffic_table(args.power_of_two)
     elif workload == "tpu":
       tpu_table()
     elif workload == "demo":
