@@ -33,6 +33,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # pylint: 
 
 import jaxmp  # pylint: disable=g-import-not-at-top
 from tests import distributed_checks as dc  # pylint: disable=g-import-not-at-top
+from tests import eight_devices  # pylint: disable=g-import-not-at-top
 
 DEVICES, AXIS = dc.DEVICES, dc.AXIS
 STEPS = 5
@@ -165,5 +166,4 @@ CHECKS = {
 }
 
 if __name__ == "__main__":
-  dc.CHECKS = CHECKS  # distributed_checks' runner, over these checks
-  sys.exit(dc.main(sys.argv[1:]))
+  sys.exit(eight_devices.main(CHECKS, sys.argv[1:]))
