@@ -166,8 +166,9 @@ def _in_float32(op: str, original: Callable[..., Any], keep_dtype: bool) -> Call
   def wrapper(x, *args, **kwargs):
     if not (_active(op) and _is_half(x)):
       return original(x, *args, **kwargs)
-    if op == "softmax" and _plain_axis(args, kwargs) is not None:
-      return _softmax_in_float32(x, _plain_axis(args, kwargs))
+    axis = _plain_axis(args, kwargs) if op == "softmax" else None
+    if axis is not None:
+      return _softmax_in_float32(x, axis)
     out = original(x.astype(_F32), *args, **kwargs)
     return jax.tree_util.tree_map(lambda y: y.astype(x.dtype), out) if keep_dtype else out
 
