@@ -201,7 +201,8 @@ def traffic_cases(power_of_two: bool = False) -> dict[str, dict[str, Case]]:
                         lambda: (*operands(), jaxmp_state(), bf((size, size), 2))),
           "Flax": Case(with_backward(flax_fwd),
                        lambda: (*operands(), flax_state(), bf((size, size), 2)))},
-      "Dense 4096^3 train step (Adam)": dense_step_cases(size, power_of_two),
+      "Dense 4096^3 train step, Flax's step code (Adam)": flax_step_cases(size, power_of_two),
+      "Dense 4096^3 train step, jaxmp TrainState (Adam)": dense_step_cases(size, power_of_two),
   }
   block = layer_cases("block", power_of_two)
   cases["block forward + backward"] = {"jaxmp": block["bf16 + jaxmp fp8"],
@@ -209,8 +210,42 @@ def traffic_cases(power_of_two: bool = False) -> dict[str, dict[str, Case]]:
   return cases
 
 
+def _flax_dense_step(dense: nn.Module, size: int) -> Case:
+  """Flax's way of training an fp8 Dense: a jitted step with Adam, its fp8 state
+  overwritten by its "gradient" as Flax's TrainState does."""
+  tx = optax.adam(1e-3)
+
+  def make():
+    x, y = (jax.random.normal(jax.random.key(i), (size, size)) for i in (0, 1))
+    variables = dense.init(jax.random.key(0), x[:2])
+    return variables, tx.init(variables["params"]), x, y
+
+  def step(variables, opt_state, x, y):
+    def loss(params, owg):
+      out = dense.apply({"params": params, OWG: owg}, x)
+      return jnp.mean((out.astype(jnp.float32) - y) ** 2)
+    value, (grads, new_owg) = jax.value_and_grad(loss, argnums=(0, 1))(
+        variables["params"], variables[OWG])
+    updates, opt_state = tx.update(grads, opt_state, variables["params"])
+    params = optax.apply_updates(variables["params"], updates)
+    return {"params": params, OWG: new_owg}, opt_state, value
+
+  return Case(step, make)
+
+
+def flax_step_cases(size: int, power_of_two: bool = False) -> dict[str, Case]:
+  """Flax's Dense train step, with jaxmp's fp8 dot_general and with Flax's: the same
+  step code, so that only the fp8 op differs."""
+  recipe = fp8.DelayedScaling(power_of_two=power_of_two)
+  jaxmp_op = functools.partial(jaxmp.linen.Fp8DotGeneral, recipe=recipe)
+  dense = lambda op: nn.Dense(size, dtype=jnp.bfloat16, dot_general_cls=op)
+  return {"jaxmp": _flax_dense_step(dense(jaxmp_op), size),
+          "Flax": _flax_dense_step(dense(nn.Fp8DirectDotGeneralOp), size)}
+
+
 def dense_step_cases(size: int, power_of_two: bool = False) -> dict[str, Case]:
-  """A jitted Dense train step with Adam: jaxmp by rule, and Flax's fp8 Dense."""
+  """A jitted Dense train step with Adam: jaxmp by rule, through its TrainState and
+  ``loss_scaling`` (which skips non-finite steps), and Flax's fp8 Dense."""
   xy = lambda: (jax.random.normal(jax.random.key(0), (size, size)),
                 jax.random.normal(jax.random.key(1), (size, size)))
   rules = jaxmp.PolicyRules("params=float32,compute=bfloat16,output=float32",
@@ -228,25 +263,8 @@ def dense_step_cases(size: int, power_of_two: bool = False) -> dict[str, Case]:
     loss, grads = state.value_and_grad(lambda v: jnp.mean((state.apply_fn(v, x) - y) ** 2))()
     return state.apply_gradients(grads), loss
 
-  dense = nn.Dense(size, dtype=jnp.bfloat16, dot_general_cls=nn.Fp8DirectDotGeneralOp)
-  tx = optax.adam(1e-3)
-
-  def flax_make():
-    x, y = xy()
-    variables = dense.init(jax.random.key(0), x[:2])
-    return variables, tx.init(variables["params"]), x, y
-
-  def flax_step(variables, opt_state, x, y):
-    def loss(params, owg):
-      out = dense.apply({"params": params, OWG: owg}, x)
-      return jnp.mean((out.astype(jnp.float32) - y) ** 2)
-    value, (grads, new_owg) = jax.value_and_grad(loss, argnums=(0, 1))(
-        variables["params"], variables[OWG])
-    updates, opt_state = tx.update(grads, opt_state, variables["params"])
-    params = optax.apply_updates(variables["params"], updates)
-    return {"params": params, OWG: new_owg}, opt_state, value
-
-  return {"jaxmp": Case(jaxmp_step, jaxmp_make), "Flax": Case(flax_step, flax_make)}
+  flax = nn.Dense(size, dtype=jnp.bfloat16, dot_general_cls=nn.Fp8DirectDotGeneralOp)
+  return {"jaxmp": Case(jaxmp_step, jaxmp_make), "Flax": _flax_dense_step(flax, size)}
 
 
 # ---------------------------------------------------------------------------- report

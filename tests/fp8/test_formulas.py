@@ -9,6 +9,7 @@ reference's quantized operands at float32 accumulation accuracy.
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -318,12 +319,64 @@ def test_power_of_two_recipes_write_bfloat16_from_the_gemm(recipe):
              if e.primitive.name == "dot_general"]
   assert outputs == ["bfloat16"] * 3
   recipe_f32 = dataclasses.replace(recipe, power_of_two=False)
-  outputs = [np.dtype(e.params["preferred_element_type"]).name
-             for e in _all_eqns(jax.make_jaxpr(
-                 lambda x, w: fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), recipe=recipe_f32,
-                                                  state=fp8.init_state(recipe_f32)))(x, w).jaxpr)
-             if e.primitive.name == "dot_general"]
-  assert outputs == ["float32"]
+  forward = lambda x, w: fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), recipe=recipe_f32,
+                                             state=fp8.init_state(recipe_f32))
+  # Other scales: float32 products, except on CUDA GPUs for per-tensor scales.
+  per_tensor = not isinstance(recipe, fp8.RowwiseScaling)
+  assert _lowered_gemm_outputs(forward, (x, w), "cpu") == ["f32"]
+  assert _lowered_gemm_outputs(forward, (x, w), "tpu") == ["f32"]
+  assert _lowered_gemm_outputs(forward, (x, w), "cuda") == ["bf16" if per_tensor else "f32"]
+
+
+def _lowered_gemm_outputs(fn, args, platform):
+  """The output element type of every dot_general in ``fn`` lowered for ``platform``."""
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  return re.findall(r"stablehlo\.dot_general .*-> tensor<[0-9x]*x(\w+)>", text)
+
+
+@pytest.mark.parametrize("recipe", [fp8.CurrentScaling(), fp8.DelayedScaling(4)])
+def test_cuda_lowering_writes_bfloat16_from_every_gemm_with_any_per_tensor_scales(recipe):
+  x, w, g = (jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((32, 48), (48, 16), (32, 16)))
+  state = fp8.init_state(recipe)
+
+  def step(x, w, g):
+    f = lambda x, w: fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), state=state,
+                                         recipe=recipe)
+    y, vjp = jax.vjp(f, x, w)
+    return (y, *vjp(g)[:2])
+
+  assert _lowered_gemm_outputs(step, (x, w, g), "cuda") == ["bf16"] * 3
+  assert _lowered_gemm_outputs(step, (x, w, g), "cpu") == ["f32"] * 3
+  # float32 and float16 products keep the float32 form on CUDA too.
+  x32 = jax.ShapeDtypeStruct((32, 48), jnp.float32)
+  f32 = lambda x, w: fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), state=state,
+                                         recipe=recipe)
+  assert _lowered_gemm_outputs(f32, (x32, jax.ShapeDtypeStruct((48, 16), jnp.float32)),
+                               "cuda") == ["f32"]
+
+
+def test_cuda_form_of_a_bfloat16_product_is_within_the_bfloat16_scale_rounding():
+  # What XLA's folded cuBLASLt GEMM computes from the CUDA form: the float32
+  # accumulator times the bfloat16-rounded scale, rounded once. Against jaxmp's
+  # float32 form (the CPU's), each element differs by that scale's rounding and the
+  # two outputs' roundings, each at most bfloat16's unit roundoff 2^-8 (relative).
+  k = jax.random.split(jax.random.key(5), 2)
+  a = q.quantize(jax.random.normal(k[0], (64, 96)) * 30, q.E4M3, jnp.float32(0.125))
+  b = q.quantize(jax.random.normal(k[1], (96, 80)), q.E5M2, jnp.float32(2.0**-7))
+  dims = (((1,), (0,)), ((), ()))
+  scale = jnp.float32(0.3711)  # not a power of two, not a bfloat16
+  assert float(scale.astype(jnp.bfloat16)) != float(scale)
+  acc = jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+  cuda = (acc * scale.astype(jnp.bfloat16).astype(jnp.float32)).astype(jnp.bfloat16)
+  wide = scaled_gemm.rescaled_dot(a, b, dims, scale, jnp.bfloat16)
+  np.testing.assert_allclose(np.asarray(cuda, np.float32), np.asarray(wide, np.float32),
+                             rtol=3 * 2.0**-8, atol=0)
+  # The CUDA branch itself, as the HLO says (rounding the accumulator first, as a
+  # Triton GEMM may): one rounding more.
+  narrow = scaled_gemm._narrow_output_dot(a, b, scale, dimension_numbers=dims,
+                                          out_dtype=jnp.bfloat16, out_sharding=None)
+  np.testing.assert_allclose(np.asarray(narrow, np.float32), np.asarray(wide, np.float32),
+                             rtol=4 * 2.0**-8, atol=0)
 
 
 def test_power_of_two_outputs_equal_the_float32_output_path_bit_for_bit(monkeypatch):
@@ -339,17 +392,14 @@ def test_power_of_two_outputs_equal_the_float32_output_path_bit_for_bit(monkeypa
     y, vjp = jax.vjp(f, x, w)
     return (y, *vjp(g))
 
-  def gemm_outputs():
-    return [np.dtype(e.params["preferred_element_type"]).name
-            for e in _all_eqns(jax.make_jaxpr(step)(x, w, g).jaxpr)
-            if e.primitive.name == "dot_general"]
+  gemm_outputs = lambda: _lowered_gemm_outputs(step, (x, w, g), "cpu")
 
-  assert gemm_outputs() == ["bfloat16"] * 3
+  assert gemm_outputs() == ["bf16"] * 3
   fused = step(x, w, g)
   # The float32-output path (as for scales that are not powers of two): the same bits.
   monkeypatch.setattr(scaled_gemm, "fuses_output", lambda out_dtype, exact_scale: False)
   jax.clear_caches()
-  assert gemm_outputs() == ["float32"] * 3
+  assert gemm_outputs() == ["f32"] * 3
   for a, b in zip(fused, step(x, w, g)):
     np.testing.assert_array_equal(np.asarray(a.view(jnp.uint16)), np.asarray(b.view(jnp.uint16)))
   jax.clear_caches()

@@ -203,6 +203,12 @@ _H100_CHECK = textwrap.dedent("""\
       assert len(r.gemms) == 3 and all(g.fp8 for g in r.gemms), str(r)
       if options:
         assert {g.backend for g in r.gemms} == {"fp8 cuBLASLt"}, str(r)
+        # Every GEMM writes bfloat16 itself, with the default (not power-of-two)
+        # scales: no float32 product in memory, no kernel narrowing it. (Triton
+        # splits these small GEMMs along K, into float32 partial sums.)
+        assert [g.output_dtype for g in r.gemms] == ["bfloat16"] * 3, str(r)
+        assert not [k for k in r.kernels if k.unfused == "convert f32->bf16"
+                    and k.bytes >= 512 * 256], str(r)
       # Quantization fuses: no float32 or bool tensor of an operand's size in memory.
       big = [k for k in r.kernels if k.bytes >= 512 * 256 and
              (k.output.startswith("f32[") or k.output.startswith("pred[")) and

@@ -7,7 +7,10 @@ the caller's output dtype. Backward: the output gradient is quantized to E5M2 wi
 its scale, and the two transposed products (against the fp8 kernel for the input
 gradient, against the fp8 input for the kernel gradient) are computed the same way.
 Only the fp8 operands and the scales are kept for the backward pass (one byte per
-element instead of the operands' two or four).
+element instead of the operands' two or four). On CUDA GPUs a bfloat16 product takes
+the form XLA folds into one fp8 GEMM writing bfloat16, with the combined scale rounded
+to bfloat16 as Flax's is (:func:`~jaxmp._src.fp8.scaled_gemm.rescaled_dot`); on every
+other platform the float32 product is scaled in float32 as described.
 
 With :class:`~jaxmp.fp8.DelayedScaling`, scales come from the amax histories in
 ``state`` and the updated state comes back as the cotangent of ``state`` (see

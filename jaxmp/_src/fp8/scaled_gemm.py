@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -58,16 +59,50 @@ def fuses_output(out_dtype: Any, exact_scale: bool) -> bool:
   return exact_scale and np.dtype(out_dtype) == BF16
 
 
+def fuses_output_on_gpus(out_dtype: Any, scale: jax.Array) -> bool:
+  """Whether the CUDA lowering has the GEMM write ``out_dtype`` for any scale.
+
+  For bfloat16 outputs and one scale for the whole product (per-tensor recipes).
+  XLA folds a scalar multiplying a bfloat16-output fp8 GEMM into the cuBLASLt call,
+  which applies it to the float32 accumulator before its one rounding; XLA's Triton
+  GEMMs apply it in their epilogue. Either way no float32 product reaches memory.
+  The scale reaches the GEMM rounded to bfloat16, as in Flax's fp8 GEMMs: exact for
+  power-of-two scales, otherwise a relative error of at most 2^-8 (bfloat16's unit
+  roundoff; where Triton rounds the accumulator to bfloat16 before scaling, one more
+  rounding). Row scales
+  vary across the product and cannot be folded.
+  """
+  return np.dtype(out_dtype) == BF16 and np.size(scale) == 1
+
+
+def _narrow_output_dot(a, b, scale, *, dimension_numbers, out_dtype, out_sharding):
+  out = jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=out_dtype,
+                            out_sharding=out_sharding)
+  if np.size(scale) == 1:  # XLA folds a scalar into the GEMM, not an array of one.
+    scale = jnp.reshape(scale, ())
+  return out * scale.astype(out_dtype)
+
+
+def _wide_output_dot(a, b, scale, *, dimension_numbers, out_dtype, out_sharding):
+  out = jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=F32,
+                            out_sharding=out_sharding)
+  return (out * scale).astype(out_dtype)
+
+
 def rescaled_dot(a: jax.Array, b: jax.Array, dimension_numbers: Any, scale: jax.Array,
                  out_dtype: Any, *, exact_scale: bool = False,
                  out_sharding: Any = None) -> jax.Array:
   """``dot_general(a, b) * scale`` in ``out_dtype``, for fp8 ``a`` and ``b``.
 
-  With float32 scales, the product is float32 (``preferred_element_type``), scaled in
-  float32 and cast: ``dot -> multiply -> convert``. With power-of-two scales and a
+  The product is float32 (``preferred_element_type``), scaled in float32 and cast:
+  ``dot -> multiply -> convert``, one rounding. With power-of-two scales and a
   bfloat16 output (:func:`fuses_output`) the GEMM writes bfloat16 and the scale is
   applied in bfloat16, which is exact: the same bits, and on GPUs no float32 output
-  and no separate narrowing kernel.
+  and no separate narrowing kernel. On CUDA GPUs a bfloat16 product with one scale
+  takes that form for any scale (:func:`fuses_output_on_gpus`, a
+  ``lax.platform_dependent`` branch): XLA folds a float32 product's cast into no
+  cuBLASLt call, so the float32 form would write the product in float32 and narrow
+  it in a kernel of its own.
 
   Args:
     a: the first fp8 operand.
@@ -82,13 +117,15 @@ def rescaled_dot(a: jax.Array, b: jax.Array, dimension_numbers: Any, scale: jax.
   Returns:
     The scaled product.
   """
+  kwargs = dict(dimension_numbers=dimension_numbers, out_dtype=out_dtype,
+                out_sharding=out_sharding)
+  narrow = functools.partial(_narrow_output_dot, **kwargs)
+  wide = functools.partial(_wide_output_dot, **kwargs)
   if fuses_output(out_dtype, exact_scale):
-    out = jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=out_dtype,
-                              out_sharding=out_sharding)
-    return out * scale.astype(out_dtype)
-  out = jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=F32,
-                            out_sharding=out_sharding)
-  return (out * scale).astype(out_dtype)
+    return narrow(a, b, scale)
+  if fuses_output_on_gpus(out_dtype, scale):
+    return jax.lax.platform_dependent(a, b, scale, cuda=narrow, default=wide)
+  return wide(a, b, scale)
 
 
 def _outer(scale_a: jax.Array, scale_b: jax.Array) -> jax.Array:
@@ -135,4 +172,4 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, groupings: tup
   return out[:, :p, :q_]
 
 
-__all__ = ("CANONICAL", "fuses_output", "gemm", "rescaled_dot")
+__all__ = ("CANONICAL", "fuses_output", "fuses_output_on_gpus", "gemm", "rescaled_dot")
