@@ -202,7 +202,10 @@ def traffic_cases(power_of_two: bool = False) -> dict[str, dict[str, Case]]:
           "Flax": Case(with_backward(flax_fwd),
                        lambda: (*operands(), flax_state(), bf((size, size), 2)))},
       "Dense 4096^3 train step, Flax's step code (Adam)": flax_step_cases(size, power_of_two),
-      "Dense 4096^3 train step, jaxmp TrainState (Adam)": dense_step_cases(size, power_of_two),
+      "Dense 4096^3 train step, jaxmp TrainState (Adam)": dense_step_cases(
+          size, power_of_two, loss_scaling=False),
+      "Dense 4096^3 train step, jaxmp TrainState + loss_scaling (Adam)": dense_step_cases(
+          size, power_of_two, loss_scaling=True),
   }
   block = layer_cases("block", power_of_two)
   cases["block forward + backward"] = {"jaxmp": block["bf16 + jaxmp fp8"],
@@ -243,9 +246,11 @@ def flax_step_cases(size: int, power_of_two: bool = False) -> dict[str, Case]:
           "Flax": _flax_dense_step(dense(nn.Fp8DirectDotGeneralOp), size)}
 
 
-def dense_step_cases(size: int, power_of_two: bool = False) -> dict[str, Case]:
-  """A jitted Dense train step with Adam: jaxmp by rule, through its TrainState and
-  ``loss_scaling`` (which skips non-finite steps), and Flax's fp8 Dense."""
+def dense_step_cases(size: int, power_of_two: bool = False,
+                     loss_scaling: bool = True) -> dict[str, Case]:
+  """A jitted Dense train step with Adam: jaxmp by rule, through its TrainState (and
+  ``loss_scaling`` with ``NoOpLossScale``, which skips non-finite steps), and Flax's
+  fp8 Dense."""
   xy = lambda: (jax.random.normal(jax.random.key(0), (size, size)),
                 jax.random.normal(jax.random.key(1), (size, size)))
   rules = jaxmp.PolicyRules("params=float32,compute=bfloat16,output=float32",
@@ -257,7 +262,8 @@ def dense_step_cases(size: int, power_of_two: bool = False) -> dict[str, Case]:
     x, y = xy()
     return (jaxmp.linen.TrainState.create(
         apply_fn=model.apply, variables=model.init(jax.random.key(0), x[:2]),
-        tx=jaxmp.loss_scaling(optax.adam(1e-3), jaxmp.NoOpLossScale())), x, y)
+        tx=(jaxmp.loss_scaling(optax.adam(1e-3), jaxmp.NoOpLossScale()) if loss_scaling
+            else optax.adam(1e-3))), x, y)
 
   def jaxmp_step(state, x, y):
     loss, grads = state.value_and_grad(lambda v: jnp.mean((state.apply_fn(v, x) - y) ** 2))()
