@@ -69,8 +69,7 @@ def fuses_output_on_gpus(out_dtype: Any, scale: jax.Array) -> bool:
   The scale reaches the GEMM rounded to bfloat16, as in Flax's fp8 GEMMs: exact for
   power-of-two scales, otherwise a relative error of at most 2^-8 (bfloat16's unit
   roundoff; where Triton rounds the accumulator to bfloat16 before scaling, one more
-  rounding). Row scales
-  vary across the product and cannot be folded.
+  rounding). Row scales vary across the product and cannot be folded.
   """
   return np.dtype(out_dtype) == BF16 and np.size(scale) == 1
 
@@ -100,9 +99,9 @@ def rescaled_dot(a: jax.Array, b: jax.Array, dimension_numbers: Any, scale: jax.
   applied in bfloat16, which is exact: the same bits, and on GPUs no float32 output
   and no separate narrowing kernel. On CUDA GPUs a bfloat16 product with one scale
   takes that form for any scale (:func:`fuses_output_on_gpus`, a
-  ``lax.platform_dependent`` branch): XLA folds a float32 product's cast into no
-  cuBLASLt call, so the float32 form would write the product in float32 and narrow
-  it in a kernel of its own.
+  ``lax.platform_dependent`` branch): XLA does not fold a float32 product's cast
+  into the cuBLASLt call, so there the float32 form would write the product in
+  float32 and narrow it in a kernel of its own.
 
   Args:
     a: the first fp8 operand.
