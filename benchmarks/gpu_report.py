@@ -13,12 +13,12 @@ GEMM fusions with an untuned default tile).
 Workloads (``--workloads``):
 
 * ``demo``: ``examples/train_lm.py --preset gpu`` (width 768, depth 8, context 512,
-  batch 64): the jitted train step with AdamW and global-norm clipping, run by
-  ``jaxmp.linen.TrainState`` in float32, bfloat16, float16 + dynamic loss scaling and
-  bfloat16 + jaxmp fp8 exactly as the demo runs them, the same model written by
-  hand in bfloat16 with Flax's ``nn.Fp8DirectDotGeneralOp`` in the blocks, and the
-  bfloat16 and fp8 runs with ``PolicyRules(fused_attention=True)`` (cuDNN flash
-  attention: the score matrix never reaches HBM).
+  batch 64, cuDNN fused attention where the dtype allows): the jitted train step with
+  AdamW and global-norm clipping, run by ``jaxmp.linen.TrainState`` in float32,
+  bfloat16, float16 + dynamic loss scaling and bfloat16 + jaxmp fp8 exactly as the
+  demo runs them; then bfloat16 and fp8 with Flax's own attention, beside the same
+  model written by hand in bfloat16 with Flax's ``nn.Fp8DirectDotGeneralOp`` in the
+  blocks (whose attention is Flax's too).
 * ``dense``: one ``nn.Dense`` 8192 x 8192 x 8192 forward + backward
   (``benchmarks/bench_fp8.py``'s step).
 * ``block``: ``bench_fp8.py``'s pre-norm transformer block at its GPU preset.
@@ -116,16 +116,16 @@ def layer_cases(workload: str, power_of_two: bool = False) -> dict[str, Case]:
 
 
 def demo_cases() -> dict[str, Case]:
-  """The demo's train step at ``--preset gpu``, five ways."""
+  """The demo's train step at ``--preset gpu``, seven ways."""
   preset = train_lm.PRESETS["gpu"]
   config, batch = preset["config"], preset["batch"]
   runs = {r.name: r for r in train_lm.RUNS}
   tokens = lambda: jax.random.randint(jax.random.key(1), (batch, config.context + 1), 0,
                                       config.vocab)
 
-  def jaxmp_case(run):
+  def jaxmp_case(run, fused_attention=preset["fused_attention"]):
     def make():
-      model = train_lm.make_model(run, config)
+      model = train_lm.make_model(run, config, fused_attention)
       t = tokens()
       variables = model.init(jax.random.key(0), t[:, :-1])
       return (jaxmp.linen.TrainState.create(
@@ -155,17 +155,14 @@ def demo_cases() -> dict[str, Case]:
     params = optax.apply_updates(variables["params"], updates)
     return ({"params": params, OWG: new_owg}, opt_state), value
 
-  def fused(run):
-    # The same run with PolicyRules(fused_attention=True): cuDNN flash attention.
-    rules = jaxmp.PolicyRules(run.policy) if run.policy is not None else train_lm.fp8_rules()
-    return dataclasses.replace(run, policy=dataclasses.replace(rules, fused_attention=True))
-
+  # As the demo runs them at --preset gpu (fused attention), then bf16 and fp8 with
+  # Flax's attention, beside Flax's own fp8 (a model written without fused attention).
   return {"float32": jaxmp_case(runs["float32"]), "bf16": jaxmp_case(runs["bfloat16"]),
           "fp16 + loss scaling": jaxmp_case(runs["float16 + loss scaling"]),
           "bf16 + jaxmp fp8": jaxmp_case(runs["bfloat16 + fp8"]),
-          "bf16 + Flax fp8": Case(flax_step, flax_make),
-          "bf16, fused attention": jaxmp_case(fused(runs["bfloat16"])),
-          "bf16 + jaxmp fp8, fused attention": jaxmp_case(fused(runs["bfloat16 + fp8"]))}
+          "bf16, unfused attention": jaxmp_case(runs["bfloat16"], False),
+          "bf16 + jaxmp fp8, unfused attention": jaxmp_case(runs["bfloat16 + fp8"], False),
+          "bf16 + Flax fp8 (unfused attention)": Case(flax_step, flax_make)}
 
 
 def traffic_cases(power_of_two: bool = False) -> dict[str, dict[str, Case]]:

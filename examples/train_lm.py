@@ -43,8 +43,10 @@ import transformer  # pylint: disable=g-import-not-at-top
 PRESETS = {
     "cpu": dict(config=transformer.Config(context=64, width=128, depth=2, heads=4),
                 batch=16, steps=600, lr=2e-3, eval_batches=8),
+    # On GPUs the 16-bit runs' attention layers run cuDNN's fused flash attention:
+    # the [batch, heads, T, T] scores never reach memory (see make_model).
     "gpu": dict(config=transformer.Config(context=512, width=768, depth=8, heads=12),
-                batch=64, steps=2000, lr=6e-4, eval_batches=16),
+                batch=64, steps=2000, lr=6e-4, eval_batches=16, fused_attention=True),
 }
 
 
@@ -118,9 +120,15 @@ def tree_bytes(tree) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
 
 
-def make_model(run: Run, config: transformer.Config):
-  policy = fp8_rules() if run.policy is None else run.policy
-  return jaxmp.linen.mixed_precision(transformer.TransformerLM(config), policy)
+def make_model(run: Run, config: transformer.Config, fused_attention: bool = False):
+  """The run's model: the transformer wrapped in its policy, with
+  ``PolicyRules(fused_attention=True)`` in the 16-bit runs if ``fused_attention``
+  (cuDNN's fused kernel takes 16-bit inputs only; the float32 run keeps Flax's
+  attention, which moves fewer bytes than XLA's fused-attention fallback there)."""
+  rules = fp8_rules() if run.policy is None else jaxmp.PolicyRules(run.policy)
+  sixteen_bit = rules.default.compute_dtype != jnp.float32
+  rules = dataclasses.replace(rules, fused_attention=fused_attention and sixteen_bit)
+  return jaxmp.linen.mixed_precision(transformer.TransformerLM(config), rules)
 
 
 def loss_fn(apply_fn, variables, tokens):
@@ -144,8 +152,8 @@ def step(state, tokens):
   return state.apply_gradients(grads), loss
 
 
-def train(run: Run, args, config, corpus, val_batches):
-  model = make_model(run, config)
+def train(run: Run, args, config, corpus, val_batches, fused_attention: bool = False):
+  model = make_model(run, config, fused_attention)
   first = next(batches(corpus, args.batch, config.context, args.seed))
   variables = model.init(jax.random.key(args.seed), first[:, :-1])
   state = jaxmp.linen.TrainState.create(apply_fn=model.apply, variables=variables,
@@ -299,10 +307,12 @@ def main(argv=None):
   device = jax.devices()[0]
   print(f"jaxmp demo: {len(corpus):,} bytes of Python stdlib source; device {device.platform}"
         f" ({device.device_kind}); transformer width {config.width}, depth {config.depth}, "
-        f"context {config.context}; batch {args.batch}; {args.steps} steps")
+        f"context {config.context}; batch {args.batch}; {args.steps} steps"
+        + ("; fused attention" if preset.get("fused_attention") else ""))
 
   runs = [r for r in RUNS if not args.runs or r.name in args.runs]
-  results = [train(run, args, config, train_data, val_batches) for run in runs]
+  fused = preset.get("fused_attention", False)
+  results = [train(run, args, config, train_data, val_batches, fused) for run in runs]
   baseline = results[0]
   print_table(results, baseline)
   gradients_in_float16(results, val_batches[0])
