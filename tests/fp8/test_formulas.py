@@ -305,15 +305,7 @@ def test_bfloat16_output_with_power_of_two_scales_is_bit_exact_with_float32_scal
                                     fp8.DelayedScaling(4, power_of_two=True),
                                     fp8.RowwiseScaling()])
 def test_power_of_two_recipes_write_bfloat16_from_the_gemm(recipe):
-  x, w, g = (jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((32, 48), (48, 16), (32, 16)))
-  state = fp8.init_state(recipe)
-
-  def step(x, w, g):
-    f = lambda x, w: fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), state=state,
-                                         recipe=recipe)
-    y, vjp = jax.vjp(f, x, w)
-    return (y, *vjp(g)[:2])
-
+  step, (x, w, g) = _dense_forward_backward(recipe)
   outputs = [np.dtype(e.params["preferred_element_type"]).name
              for e in _all_eqns(jax.make_jaxpr(step)(x, w, g).jaxpr)
              if e.primitive.name == "dot_general"]
@@ -328,15 +320,10 @@ def test_power_of_two_recipes_write_bfloat16_from_the_gemm(recipe):
   assert _lowered_gemm_outputs(forward, (x, w), "cuda") == ["bf16" if per_tensor else "f32"]
 
 
-def _lowered_gemm_outputs(fn, args, platform):
-  """The output element type of every dot_general in ``fn`` lowered for ``platform``."""
-  text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
-  return re.findall(r"stablehlo\.dot_general .*-> tensor<[0-9x]*x(\w+)>", text)
-
-
-@pytest.mark.parametrize("recipe", [fp8.CurrentScaling(), fp8.DelayedScaling(4)])
-def test_cuda_lowering_writes_bfloat16_from_every_gemm_with_any_per_tensor_scales(recipe):
-  x, w, g = (jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in ((32, 48), (48, 16), (32, 16)))
+def _dense_forward_backward(recipe):
+  """A bfloat16 fp8 Dense forward and backward under ``recipe``, and its arguments."""
+  args = tuple(jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+               for shape in ((32, 48), (48, 16), (32, 16)))
   state = fp8.init_state(recipe)
 
   def step(x, w, g):
@@ -345,9 +332,22 @@ def test_cuda_lowering_writes_bfloat16_from_every_gemm_with_any_per_tensor_scale
     y, vjp = jax.vjp(f, x, w)
     return (y, *vjp(g)[:2])
 
-  assert _lowered_gemm_outputs(step, (x, w, g), "cuda") == ["bf16"] * 3
-  assert _lowered_gemm_outputs(step, (x, w, g), "cpu") == ["f32"] * 3
-  # float32 and float16 products keep the float32 form on CUDA too.
+  return step, args
+
+
+def _lowered_gemm_outputs(fn, args, platform):
+  """The output element type of every dot_general in ``fn`` lowered for ``platform``."""
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  return re.findall(r"stablehlo\.dot_general .*-> tensor<[0-9x]*x(\w+)>", text)
+
+
+@pytest.mark.parametrize("recipe", [fp8.CurrentScaling(), fp8.DelayedScaling(4)])
+def test_cuda_lowering_writes_bfloat16_from_every_gemm_with_any_per_tensor_scales(recipe):
+  step, args = _dense_forward_backward(recipe)
+  assert _lowered_gemm_outputs(step, args, "cuda") == ["bf16"] * 3
+  assert _lowered_gemm_outputs(step, args, "cpu") == ["f32"] * 3
+  # A float32 product keeps the float32 form on CUDA too.
+  state = fp8.init_state(recipe)
   x32 = jax.ShapeDtypeStruct((32, 48), jnp.float32)
   f32 = lambda x, w: fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), state=state,
                                          recipe=recipe)
