@@ -210,13 +210,18 @@ def traffic_cases(power_of_two: bool = False) -> dict[str, dict[str, Case]]:
   return cases
 
 
+def _dense_data(size: int) -> tuple[jax.Array, jax.Array]:
+  """The inputs and targets every Dense train step is compiled for."""
+  return tuple(jax.random.normal(jax.random.key(i), (size, size)) for i in (0, 1))
+
+
 def _flax_dense_step(dense: nn.Module, size: int) -> Case:
   """Flax's way of training an fp8 Dense: a jitted step with Adam, its fp8 state
   overwritten by its "gradient" as Flax's TrainState does."""
   tx = optax.adam(1e-3)
 
   def make():
-    x, y = (jax.random.normal(jax.random.key(i), (size, size)) for i in (0, 1))
+    x, y = _dense_data(size)
     variables = dense.init(jax.random.key(0), x[:2])
     return variables, tx.init(variables["params"]), x, y
 
@@ -248,15 +253,13 @@ def dense_step_cases(size: int, power_of_two: bool = False,
   """A jitted Dense train step with Adam: jaxmp by rule, through its TrainState (and
   ``loss_scaling`` with ``NoOpLossScale``, which skips non-finite steps), and Flax's
   fp8 Dense."""
-  xy = lambda: (jax.random.normal(jax.random.key(0), (size, size)),
-                jax.random.normal(jax.random.key(1), (size, size)))
   rules = jaxmp.PolicyRules("params=float32,compute=bfloat16,output=float32",
                             [jaxmp.Rule(nn.Dense, fp8=fp8.DelayedScaling(
                                 power_of_two=power_of_two))])
   model = jaxmp.linen.mixed_precision(nn.Dense(size), rules)
 
   def jaxmp_make():
-    x, y = xy()
+    x, y = _dense_data(size)
     return (jaxmp.linen.TrainState.create(
         apply_fn=model.apply, variables=model.init(jax.random.key(0), x[:2]),
         tx=(jaxmp.loss_scaling(optax.adam(1e-3), jaxmp.NoOpLossScale()) if loss_scaling

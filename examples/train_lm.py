@@ -304,14 +304,14 @@ def main(argv=None):
   train_data, val_data = corpus[:split], corpus[split:]
   val_stream = batches(val_data, args.batch, config.context, seed=12345)
   val_batches = [next(val_stream) for _ in range(preset["eval_batches"])]
+  fused = preset.get("fused_attention", False)
   device = jax.devices()[0]
   print(f"jaxmp demo: {len(corpus):,} bytes of Python stdlib source; device {device.platform}"
         f" ({device.device_kind}); transformer width {config.width}, depth {config.depth}, "
         f"context {config.context}; batch {args.batch}; {args.steps} steps"
-        + ("; fused attention" if preset.get("fused_attention") else ""))
+        + ("; fused attention" if fused else ""))
 
   runs = [r for r in RUNS if not args.runs or r.name in args.runs]
-  fused = preset.get("fused_attention", False)
   results = [train(run, args, config, train_data, val_batches, fused) for run in runs]
   baseline = results[0]
   print_table(results, baseline)
