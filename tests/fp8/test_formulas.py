@@ -413,3 +413,25 @@ def _all_eqns(jaxpr):
         inner = getattr(sub, "jaxpr", sub)
         if hasattr(inner, "eqns"):
           yield from _all_eqns(inner)
+
+
+@pytest.mark.parametrize("lhs_shape, rhs_shape, dims", [
+    ((4, 8), (8, 3), (((1,), (0,)), ((), ()))),             # Dense
+    ((8, 4), (3, 8), (((0,), (1,)), ((), ()))),             # both operands "transposed"
+    ((3, 4, 8), (3, 8, 5), (((2,), (1,)), ((0,), (0,)))),   # batched
+])
+def test_gradient_gemms_write_their_operands_layout(lhs_shape, rhs_shape, dims):
+  """Each backward GEMM takes its operands in the order whose product is laid out as
+  the gradient's primal: no permutation follows it (on GPUs XLA leaves one after a
+  cuBLAS GEMM whose gradient is a function output as a kernel of its own)."""
+  recipe = fp8.DelayedScaling(4)
+  state = fp8.init_state(recipe)
+  x, w = jnp.ones(lhs_shape, jnp.bfloat16), jnp.ones(rhs_shape, jnp.bfloat16)
+  forward = lambda x, w: fp8.fp8_dot_general(x, w, dims, state=state, recipe=recipe)
+  g = jnp.ones(jax.eval_shape(forward, x, w).shape, jnp.bfloat16)
+  backward = lambda x, w: jax.vjp(forward, x, w)[1](g)
+  eqns = list(_all_eqns(jax.make_jaxpr(backward)(x, w).jaxpr))
+  gemm_shapes = [tuple(e.outvars[0].aval.shape) for e in eqns if e.primitive.name == "dot_general"]
+  # (Each product appears once per lowering branch: lax.platform_dependent.)
+  assert set(gemm_shapes) == {g.shape, lhs_shape, rhs_shape}
+  assert not [e for e in eqns if e.primitive.name == "transpose"]

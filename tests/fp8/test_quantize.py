@@ -63,19 +63,24 @@ def test_amax_compute():
 
 def test_quantize_saturates_finite_values_and_keeps_overflow_visible():
   scale = jnp.float32(0.5)
-  x = jnp.array([1000.0, -1000.0, 3.0, 0.0, 3e38, np.inf, -np.inf, np.nan])
+  # 3e38 / 0.5 overflows float32: E4M3 makes that NaN, like an inf; E5M2 saturates it.
+  x = jnp.array([1000.0, -1000.0, 3.0, 0.0, -0.0, 1e30, 3e38, np.inf, -np.inf, np.nan])
+  e4m3 = q.quantize(x, q.E4M3, scale).astype(jnp.float32)
   np.testing.assert_array_equal(
-      q.quantize(x, q.E4M3, scale).astype(jnp.float32),
-      [448, -448, 6, 0, 448, np.nan, np.nan, np.nan])
+      e4m3, [448, -448, 6, 0, 0, 448, np.nan, np.nan, np.nan, np.nan])
   e5m2 = q.quantize(x, q.E5M2, scale)
   assert e5m2.dtype == jnp.float8_e5m2
   np.testing.assert_array_equal(
-      e5m2.astype(jnp.float32), [2048, -2048, 6, 0, 57344, np.inf, -np.inf, np.nan])
+      e5m2.astype(jnp.float32),
+      [2048, -2048, 6, 0, 0, 57344, 57344, np.inf, -np.inf, np.nan])
+  # Zeros keep their sign in both formats.
+  np.testing.assert_array_equal(np.signbit(e4m3[3:5]), [False, True])
+  np.testing.assert_array_equal(np.signbit(e5m2.astype(jnp.float32)[3:5]), [False, True])
   np.testing.assert_array_equal(
       q.dequantize(q.quantize(x[:4], q.E4M3, scale), scale), [224, -224, 3, 0])
   # Flax saturates inf to 448: an overflow upstream would vanish from the gradients.
   flax = fp8_ops.quantize(x, jnp.float8_e4m3fn, scale, jnp.float32).astype(jnp.float32)
-  np.testing.assert_array_equal(flax[5:7], [448, -448])
+  np.testing.assert_array_equal(flax[7:9], [448, -448])
 
 
 def test_bfloat16_is_divided_in_float32_unlike_flax():

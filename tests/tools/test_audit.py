@@ -58,8 +58,8 @@ def test_fp8_dot_general_reports_fp8_operands_forward_and_backward():
   # dx = g w^T and dw = x^T g: the output gradient in E5M2 against E4M3 operands.
   assert sorted(tuple(sorted(g.operand_dtypes)) for g in report.gemms) == [
       ("float8_e4m3fn", "float8_e5m2")] * 2
-  # jaxmp computes dw as (g^T x)^T: a 16x64 product over the batch of 32.
-  assert sorted(g.shape for g in report.gemms) == ["16x64x32", "32x64x16"]
+  # dw = x^T g in w's own layout: a 64x16 product over the batch of 32, no transpose.
+  assert sorted(g.shape for g in report.gemms) == ["32x64x16", "64x16x32"]
 
 
 def test_batched_einsum_shape_and_flops():
@@ -209,6 +209,11 @@ _H100_CHECK = textwrap.dedent("""\
         assert [g.output_dtype for g in r.gemms] == ["bfloat16"] * 3, str(r)
         assert not [k for k in r.kernels if k.unfused == "convert f32->bf16"
                     and k.bytes >= 512 * 256], str(r)
+        # Both gradients come out of their GEMMs in their operands' layouts: no
+        # kernel writes a bfloat16 matrix (a transpose, or a scale left unfolded
+        # after one).
+        assert not [k for k in r.kernels if k.output.startswith("bf16[")
+                    and k.output.count(",") == 1], str(r)
       # Quantization fuses: no float32 or bool tensor of an operand's size in memory.
       big = [k for k in r.kernels if k.bytes >= 512 * 256 and
              (k.output.startswith("f32[") or k.output.startswith("pred[")) and

@@ -169,8 +169,12 @@ def _operand_grad(g: jax.Array, other: jax.Array, primal: jax.Array, dimension_n
   (``primal`` first). The forward output is laid out as [batch, lhs-free, rhs-free];
   contracting ``g`` with ``other`` over ``other``'s free dimensions and its batch
   dimensions gives [batch, primal-free, other's contracting dims], which is then
-  permuted back into ``primal``'s layout. The float32 product is multiplied by
-  ``scale`` and cast to ``dtype`` *before* the permutation: ``dot -> multiply ->
+  permuted back into ``primal``'s layout. Where ``other`` first and ``g`` second
+  give ``primal``'s layout itself ([batch, other's contracting dims, primal-free]:
+  a Dense kernel's gradient), the GEMM takes them in that order, so that no
+  permutation follows it (on GPUs XLA does not fold one into a cuBLAS GEMM's output: a kernel of
+  its own, seen in compiled H100 HLO). The float32 product is multiplied by
+  ``scale`` and cast to ``dtype`` *before* any permutation: ``dot -> multiply ->
   convert`` is the chain XLA folds into one scaled fp8 GEMM on GPUs, and the
   permutation then moves the narrow result. With power-of-two scales
   (``exact_scale``) a bfloat16 gradient comes out of the GEMM directly
@@ -184,16 +188,24 @@ def _operand_grad(g: jax.Array, other: jax.Array, primal: jax.Array, dimension_n
     g_other_free = range(n_batch + len(p_free), n_batch + len(p_free) + len(o_free))
   else:
     g_other_free = range(n_batch, n_batch + len(o_free))
-  dims = ((tuple(g_other_free), tuple(o_free)), (tuple(range(n_batch)), tuple(o_batch)))
-  # The result's last axes are other's contracting dims in increasing order; map
-  # each to the primal dimension it was contracted with.
+  # Each GEMM operand with its (contracting, batch) dims.
+  g_side = (g, (tuple(g_other_free), tuple(range(n_batch))))
+  other_side = (other, (tuple(o_free), tuple(o_batch)))
+  # Other's remaining axes are its contracting dims in increasing order; map each to
+  # the primal dimension it was contracted with.
   p_contract_in_result = [p_contract[i] for i in np.argsort(o_contract)]
   result_axes = list(p_batch) + p_free + p_contract_in_result
-  out_axes = tuple(int(i) for i in np.argsort(result_axes))
+  swapped_axes = list(p_batch) + p_contract_in_result + p_free
+  if result_axes != sorted(result_axes) and swapped_axes == sorted(swapped_axes):
+    (a, a_dims), (b, b_dims), result_axes = other_side, g_side, swapped_axes
+  else:
+    (a, a_dims), (b, b_dims) = g_side, other_side
+  dims = ((a_dims[0], b_dims[0]), (a_dims[1], b_dims[1]))
   out = scaled_gemm.rescaled_dot(
-      g, other, dims, scale, dtype, exact_scale=exact_scale,
+      a, b, dims, scale, dtype, exact_scale=exact_scale,
       out_sharding=_transposed_out_sharding(primal, result_axes))
-  return jax.lax.transpose(out, out_axes)
+  out_axes = tuple(int(i) for i in np.argsort(result_axes))
+  return out if out_axes == tuple(range(out.ndim)) else jax.lax.transpose(out, out_axes)
 
 
 def _forward(lhs, rhs, state, cfg: _Config):

@@ -52,23 +52,10 @@ F32 = np.dtype(np.float32)
 
 
 
-def _inf_carry(fp8_dtype: Any) -> np.float32:
-  """The constant whose product with ``x`` carries an inf ``x`` through clipping.
-
-  For finite ``x`` the product must leave ``clip(x / scale)`` bit for bit as it is:
-
-  - E4M3 has no inf (an inf input becomes NaN): the carry is 0, whose product is a
-    zero of ``x``'s sign (adding it changes nothing, -0 included) or, for inf, NaN.
-  - E5M2 keeps inf: the carry is 2**-126 (the smallest normal float32, so that no
-    backend flushes it to zero): ``inf * 2**-126`` is inf, and for finite ``x`` the
-    product is at most ``|x / scale| * scale * 2**-126``, below half a float32 ulp of
-    the quotient whenever ``scale < 2**101`` (and at most 4 where the quotient is
-    clipped, which the conversion to fp8 rounds away), so the sum rounds back to
-    the quotient. A scale of 2**101 or more would mean gradients near 1e35.
-  """
+def _has_inf(fp8_dtype: Any) -> bool:
+  """Whether ``fp8_dtype`` represents infinity (E5M2 does, E4M3 does not)."""
   dtype = dtypes_lib.float_format(fp8_dtype).dtype
-  has_inf = bool(np.isinf(np.array(np.inf, F32).astype(dtype)))
-  return np.float32(2.0**-126 if has_inf else 0.0)
+  return bool(np.isinf(np.array(np.inf, F32).astype(dtype)))
 
 
 def fp8_max(fp8_dtype: Any) -> float:
@@ -93,7 +80,8 @@ def quantize(x: jax.Array, fp8_dtype: Any, scale: jax.Array) -> jax.Array:
   range (E4M3 has no infinity; an unclipped overflow would become NaN). Non-finite
   inputs stay non-finite (inf becomes NaN in E4M3, inf in E5M2; Flax saturates inf to
   the fp8 max), so that an overflow upstream reaches the gradients and loss scaling
-  skips the step instead of applying saturated gradients.
+  skips the step instead of applying saturated gradients. So does, in E4M3, a finite
+  value whose quotient overflows float32 (:func:`saturate`).
 
   Args:
     x: a floating-point array of any dtype.
@@ -117,7 +105,30 @@ def saturate(scaled: jax.Array, x: jax.Array, fp8_dtype: Any) -> jax.Array:
 
   The last step of every quantization: ``scaled`` is ``x`` (float32) divided or
   multiplied by its scale; values beyond ``fp8_max`` saturate, and where ``x`` is
-  inf or NaN the result is not finite (NaN in E4M3, inf or NaN in E5M2).
+  inf or NaN the result is not finite (NaN in E4M3, inf or NaN in E5M2). In E4M3 a
+  finite ``x`` whose quotient overflows float32 (more than 2**128 times its scale)
+  becomes NaN too: an overflow, kept visible like an inf.
+
+  Clipping alone would turn an inf into a finite number, and an overflow upstream
+  (e.g. a loss-scaled backward pass in float16) has to stay visible so that loss
+  scaling skips the step; NaN stays NaN through the clip. The inf comes back by
+  arithmetic rather than a select on ``isfinite``, because XLA fuses arithmetic into
+  the quantization kernel, where a select (or a subtraction of two functions of
+  ``x``) split a transposed operand's quantization into several kernels with float32
+  and bool intermediates in memory:
+
+  - E4M3 (no inf; inf becomes NaN): ``clipped - (scaled - scaled)``. The difference
+    is +0 for a finite quotient and NaN otherwise, and subtracting +0 leaves every
+    value bit for bit, -0 included. (Adding ``x * 0`` would do the same, but on
+    GPUs it makes XLA lay out a weight-gradient GEMM transposed wherever the
+    gradient is checked for finiteness: a float32 product and a transposed update
+    in memory, seen in compiled H100 HLO.)
+  - E5M2 (keeps inf): ``clipped + x * 2**-126`` (the smallest normal float32, so
+    that no backend flushes it to zero). ``inf * 2**-126`` is inf; for finite ``x``
+    the product is at most ``|x / scale| * scale * 2**-126``, below half a float32
+    ulp of the quotient whenever ``scale < 2**101`` (and at most 4 where the
+    quotient is clipped, which the conversion to fp8 rounds away), so the sum rounds
+    back to the quotient. A scale of 2**101 or more would mean gradients near 1e35.
 
   Example:
     >>> from jaxmp._src.fp8 import quantize as q
@@ -126,16 +137,10 @@ def saturate(scaled: jax.Array, x: jax.Array, fp8_dtype: Any) -> jax.Array:
     Array([2, 448, nan], dtype=float8_e4m3fn)
   """
   bound = fp8_max(fp8_dtype)
-  scaled = jnp.clip(scaled, -bound, bound)
-  # Clipping saturates finite values beyond the range, but must not turn an inf
-  # into a finite number: an overflow upstream (e.g. a loss-scaled backward pass in
-  # float16) has to stay visible so that loss scaling skips the step. NaN stays NaN
-  # (clip propagates it); `x * carry` brings inf back: see _inf_carry. A product with
-  # a constant and an add, rather than a select on isfinite(x), because XLA fuses it
-  # into the quantization kernel; a select (or a subtraction of two functions of x)
-  # split a transposed operand's quantization into several kernels with float32 and
-  # bool intermediates in memory.
-  return (scaled + x * _inf_carry(fp8_dtype)).astype(fp8_dtype)
+  clipped = jnp.clip(scaled, -bound, bound)
+  if _has_inf(fp8_dtype):
+    return (clipped + x * np.float32(2.0**-126)).astype(fp8_dtype)
+  return (clipped - (scaled - scaled)).astype(fp8_dtype)
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: Any = F32) -> jax.Array:
