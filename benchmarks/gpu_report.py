@@ -203,6 +203,9 @@ def traffic_cases(power_of_two: bool = False) -> dict[str, dict[str, Case]]:
           size, power_of_two, loss_scaling=False),
       "Dense 4096^3 train step, jaxmp TrainState + loss_scaling (Adam)": dense_step_cases(
           size, power_of_two, loss_scaling=True),
+      "Dense 4096^3 train step skipping non-finite steps: jaxmp TrainState + "
+      "loss_scaling, Flax + optax.apply_if_finite (Adam)": dense_step_cases(
+          size, power_of_two, loss_scaling=True, flax_skips=True),
   }
   block = layer_cases("block", power_of_two)
   cases["block forward + backward"] = {"jaxmp": block["bf16 + jaxmp fp8"],
@@ -215,10 +218,11 @@ def _dense_data(size: int) -> tuple[jax.Array, jax.Array]:
   return tuple(jax.random.normal(jax.random.key(i), (size, size)) for i in (0, 1))
 
 
-def _flax_dense_step(dense: nn.Module, size: int) -> Case:
-  """Flax's way of training an fp8 Dense: a jitted step with Adam, its fp8 state
-  overwritten by its "gradient" as Flax's TrainState does."""
-  tx = optax.adam(1e-3)
+def _flax_dense_step(dense: nn.Module, size: int,
+                     tx: optax.GradientTransformation | None = None) -> Case:
+  """Flax's way of training an fp8 Dense: a jitted step with ``tx`` (Adam by default),
+  its fp8 state overwritten by its "gradient" as Flax's TrainState does."""
+  tx = optax.adam(1e-3) if tx is None else tx
 
   def make():
     x, y = _dense_data(size)
@@ -248,11 +252,12 @@ def flax_step_cases(size: int, power_of_two: bool = False) -> dict[str, Case]:
           "Flax": _flax_dense_step(dense(nn.Fp8DirectDotGeneralOp), size)}
 
 
-def dense_step_cases(size: int, power_of_two: bool = False,
-                     loss_scaling: bool = True) -> dict[str, Case]:
+def dense_step_cases(size: int, power_of_two: bool = False, loss_scaling: bool = True,
+                     flax_skips: bool = False) -> dict[str, Case]:
   """A jitted Dense train step with Adam: jaxmp by rule, through its TrainState (and
   ``loss_scaling`` with ``NoOpLossScale``, which skips non-finite steps), and Flax's
-  fp8 Dense."""
+  fp8 Dense (with ``flax_skips``, its Adam inside ``optax.apply_if_finite``, which
+  skips them too)."""
   rules = jaxmp.PolicyRules("params=float32,compute=bfloat16,output=float32",
                             [jaxmp.Rule(nn.Dense, fp8=fp8.DelayedScaling(
                                 power_of_two=power_of_two))])
@@ -270,7 +275,8 @@ def dense_step_cases(size: int, power_of_two: bool = False,
     return state.apply_gradients(grads), loss
 
   flax = nn.Dense(size, dtype=jnp.bfloat16, dot_general_cls=nn.Fp8DirectDotGeneralOp)
-  return {"jaxmp": Case(jaxmp_step, jaxmp_make), "Flax": _flax_dense_step(flax, size)}
+  flax_tx = optax.apply_if_finite(optax.adam(1e-3), 1000) if flax_skips else None
+  return {"jaxmp": Case(jaxmp_step, jaxmp_make), "Flax": _flax_dense_step(flax, size, flax_tx)}
 
 
 # ---------------------------------------------------------------------------- report
