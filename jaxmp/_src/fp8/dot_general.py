@@ -172,11 +172,11 @@ def _operand_grad(g: jax.Array, other: jax.Array, primal: jax.Array, dimension_n
   permuted back into ``primal``'s layout. Where ``other`` first and ``g`` second
   give ``primal``'s layout itself ([batch, other's contracting dims, primal-free]:
   a Dense kernel's gradient), the GEMM takes them in that order, so that no
-  permutation follows it (on GPUs XLA does not fold one into a cuBLAS GEMM's output: a kernel of
-  its own, seen in compiled H100 HLO). The float32 product is multiplied by
-  ``scale`` and cast to ``dtype`` *before* any permutation: ``dot -> multiply ->
-  convert`` is the chain XLA folds into one scaled fp8 GEMM on GPUs, and the
-  permutation then moves the narrow result. With power-of-two scales
+  permutation follows it (on GPUs XLA does not fold one into a cuBLAS GEMM's
+  output: a kernel of its own, seen in compiled H100 HLO). The float32 product is
+  multiplied by ``scale`` and cast to ``dtype`` *before* any permutation: ``dot ->
+  multiply -> convert`` is the chain XLA folds into one scaled fp8 GEMM on GPUs, and
+  the permutation then moves the narrow result. With power-of-two scales
   (``exact_scale``) a bfloat16 gradient comes out of the GEMM directly
   (:func:`~jaxmp._src.fp8.scaled_gemm.rescaled_dot`).
   """

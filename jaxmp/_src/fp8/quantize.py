@@ -113,16 +113,16 @@ def saturate(scaled: jax.Array, x: jax.Array, fp8_dtype: Any) -> jax.Array:
   (e.g. a loss-scaled backward pass in float16) has to stay visible so that loss
   scaling skips the step; NaN stays NaN through the clip. The inf comes back by
   arithmetic rather than a select on ``isfinite``, because XLA fuses arithmetic into
-  the quantization kernel, where a select (or a subtraction of two functions of
-  ``x``) split a transposed operand's quantization into several kernels with float32
-  and bool intermediates in memory:
+  the quantization kernel, where a select (or ``x - x``, which reads ``x`` again)
+  split a transposed operand's quantization into several kernels with float32 and
+  bool intermediates in memory:
 
   - E4M3 (no inf; inf becomes NaN): ``clipped - (scaled - scaled)``. The difference
     is +0 for a finite quotient and NaN otherwise, and subtracting +0 leaves every
     value bit for bit, -0 included. (Adding ``x * 0`` would do the same, but on
-    GPUs it makes XLA lay out a weight-gradient GEMM transposed wherever the
-    gradient is checked for finiteness: a float32 product and a transposed update
-    in memory, seen in compiled H100 HLO.)
+    GPUs it makes XLA lay a weight-gradient GEMM out transposed wherever the
+    gradient is checked for finiteness: the GEMM's scale no longer folds into it and
+    the optimizer update runs transposed, seen in compiled H100 HLO.)
   - E5M2 (keeps inf): ``clipped + x * 2**-126`` (the smallest normal float32, so
     that no backend flushes it to zero). ``inf * 2**-126`` is inf; for finite ``x``
     the product is at most ``|x / scale| * scale * 2**-126``, below half a float32
