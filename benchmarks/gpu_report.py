@@ -23,7 +23,10 @@ Workloads (``--workloads``):
   (``benchmarks/bench_fp8.py``'s step).
 * ``block``: ``bench_fp8.py``'s pre-norm transformer block at its GPU preset.
 * ``traffic``: jaxmp's fp8 against Flax's, non-GEMM HBM bytes at 4096^3 (Dense
-  forward, forward + backward, jitted train step with Adam) and the block.
+  forward, forward + backward, jitted train steps with Adam: Flax's step code with
+  either fp8 op, jaxmp's TrainState against it, and both skipping non-finite steps,
+  jaxmp's through ``loss_scaling``, Flax's through ``optax.apply_if_finite``) and the
+  block.
 * ``tpu``: 4096^3 matmuls in bf16, fp8 and int8, and jaxmp's fp8 Dense, compiled for
   TPU v5e, v5p, v6e and v7 (libtpu, deviceless): the operand dtypes in the HLO and
   the TPU cost model's estimated cycles per matmul.
