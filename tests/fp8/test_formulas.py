@@ -24,6 +24,9 @@ from jaxmp._src.fp8 import recipes as recipes_lib
 from jaxmp._src.fp8 import scaled_gemm
 from tests.fp8 import reference as ref
 
+DENSE = (((1,), (0,)), ((), ()))
+"""A Dense layer's dimension numbers: contract the input's last axis with the kernel's first."""
+
 FMT = {"e4m3": q.E4M3, "e5m2": q.E5M2}
 
 
@@ -259,7 +262,7 @@ def test_dense_gemms_match_the_reference(name):
   x = np.asarray(jax.random.normal(k[0], (24, 40)))
   w = np.asarray(jax.random.normal(k[1], (40, 36)))
   g = np.asarray(jax.random.normal(k[2], (24, 36)))
-  y, dx, dw = _forward_backward(RECIPES[name], (((1,), (0,)), ((), ())), x, w, g)
+  y, dx, dw = _forward_backward(RECIPES[name], DENSE, x, w, g)
   ry, rdx, rdw = _reference_gemms(x[None], w.T[None], g[None], recipes)
   _close(y, ry[0])
   _close(dx, rdx[0])
@@ -292,7 +295,7 @@ def test_bfloat16_output_with_power_of_two_scales_is_bit_exact_with_float32_scal
   k = jax.random.split(jax.random.key(3), 3)
   a = q.quantize(jax.random.normal(k[0], (64, 96)) * 30, q.E4M3, jnp.float32(0.125))
   b = q.quantize(jax.random.normal(k[1], (96, 80)), q.E5M2, jnp.float32(2.0**-7))
-  dims = (((1,), (0,)), ((), ()))
+  dims = DENSE
   for scale in (2.0**-20, 2.0**-3, 1.0, 2.0**9):
     scale = jnp.float32(scale)
     fused = scaled_gemm.rescaled_dot(a, b, dims, scale, jnp.bfloat16, exact_scale=True)
@@ -311,7 +314,7 @@ def test_power_of_two_recipes_write_bfloat16_from_the_gemm(recipe):
              if e.primitive.name == "dot_general"]
   assert outputs == ["bfloat16"] * 3
   recipe_f32 = dataclasses.replace(recipe, power_of_two=False)
-  forward = lambda x, w: fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), recipe=recipe_f32,
+  forward = lambda x, w: fp8.fp8_dot_general(x, w, DENSE, recipe=recipe_f32,
                                              state=fp8.init_state(recipe_f32))
   # Other scales: float32 products, except on CUDA GPUs for per-tensor scales.
   per_tensor = not isinstance(recipe, fp8.RowwiseScaling)
@@ -327,8 +330,7 @@ def _dense_forward_backward(recipe):
   state = fp8.init_state(recipe)
 
   def step(x, w, g):
-    f = lambda x, w: fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), state=state,
-                                         recipe=recipe)
+    f = lambda x, w: fp8.fp8_dot_general(x, w, DENSE, state=state, recipe=recipe)
     y, vjp = jax.vjp(f, x, w)
     return (y, *vjp(g)[:2])
 
@@ -349,8 +351,7 @@ def test_cuda_lowering_writes_bfloat16_from_every_gemm_with_any_per_tensor_scale
   # A float32 product keeps the float32 form on CUDA too.
   state = fp8.init_state(recipe)
   x32 = jax.ShapeDtypeStruct((32, 48), jnp.float32)
-  f32 = lambda x, w: fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), state=state,
-                                         recipe=recipe)
+  f32 = lambda x, w: fp8.fp8_dot_general(x, w, DENSE, state=state, recipe=recipe)
   assert _lowered_gemm_outputs(f32, (x32, jax.ShapeDtypeStruct((48, 16), jnp.float32)),
                                "cuda") == ["f32"]
 
@@ -363,7 +364,7 @@ def test_cuda_form_of_a_bfloat16_product_is_within_the_bfloat16_scale_rounding()
   k = jax.random.split(jax.random.key(5), 2)
   a = q.quantize(jax.random.normal(k[0], (64, 96)) * 30, q.E4M3, jnp.float32(0.125))
   b = q.quantize(jax.random.normal(k[1], (96, 80)), q.E5M2, jnp.float32(2.0**-7))
-  dims = (((1,), (0,)), ((), ()))
+  dims = DENSE
   scale = jnp.float32(0.3711)  # not a power of two, not a bfloat16
   assert float(scale.astype(jnp.bfloat16)) != float(scale)
   acc = jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
@@ -384,7 +385,7 @@ def test_power_of_two_outputs_equal_the_float32_output_path_bit_for_bit(monkeypa
   k = jax.random.split(jax.random.key(4), 3)
   x, w, g = (jax.random.normal(key, shape).astype(jnp.bfloat16)
              for key, shape in zip(k, ((64, 256), (256, 48), (64, 48))))
-  dims = (((1,), (0,)), ((), ()))
+  dims = DENSE
 
   @jax.jit
   def step(x, w, g):
@@ -416,9 +417,9 @@ def _all_eqns(jaxpr):
 
 
 @pytest.mark.parametrize("lhs_shape, rhs_shape, dims", [
-    ((4, 8), (8, 3), (((1,), (0,)), ((), ()))),             # Dense
-    ((8, 4), (3, 8), (((0,), (1,)), ((), ()))),             # both operands "transposed"
-    ((3, 4, 8), (3, 8, 5), (((2,), (1,)), ((0,), (0,)))),   # batched
+    ((4, 8), (8, 3), DENSE),
+    ((8, 4), (3, 8), (((0,), (1,)), ((), ()))),            # both operands "transposed"
+    ((3, 4, 8), (3, 8, 5), (((2,), (1,)), ((0,), (0,)))),  # batched
 ])
 def test_gradient_gemms_write_their_operands_layout(lhs_shape, rhs_shape, dims):
   """Each backward GEMM takes its operands in the order whose product is laid out as

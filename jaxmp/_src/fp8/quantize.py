@@ -51,13 +51,6 @@ E5M2 = np.dtype(jnp.float8_e5m2)
 F32 = np.dtype(np.float32)
 
 
-
-def _has_inf(fp8_dtype: Any) -> bool:
-  """Whether ``fp8_dtype`` represents infinity (E5M2 does, E4M3 does not)."""
-  dtype = dtypes_lib.float_format(fp8_dtype).dtype
-  return bool(np.isinf(np.array(np.inf, F32).astype(dtype)))
-
-
 def fp8_max(fp8_dtype: Any) -> float:
   """The largest finite value of an fp8 dtype (448 for E4M3, 57344 for E5M2).
 
@@ -138,7 +131,7 @@ def saturate(scaled: jax.Array, x: jax.Array, fp8_dtype: Any) -> jax.Array:
   """
   bound = fp8_max(fp8_dtype)
   clipped = jnp.clip(scaled, -bound, bound)
-  if _has_inf(fp8_dtype):
+  if dtypes_lib.float_format(fp8_dtype).has_inf:
     return (clipped + x * np.float32(2.0**-126)).astype(fp8_dtype)
   return (clipped - (scaled - scaled)).astype(fp8_dtype)
 
