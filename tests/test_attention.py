@@ -97,7 +97,7 @@ _H100_CHECK = textwrap.dedent("""\
 
 
 def test_h100_deviceless_runs_cudnn_fused_attention():
-  if not targets.installed("jax_plugins.xla_cuda12"):
+  if not targets.cuda_plugin_installed():
     pytest.skip("needs jax[cuda12] plugin (make gpu-report builds it)")
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))

@@ -276,6 +276,37 @@ def float_format(dtype: DTypeLike) -> FloatFormat:
   )
 
 
+
+def rounded_to(x: jax.Array, dtype: Any) -> jax.Array:
+  """``x.astype(dtype).astype(x.dtype)``, with the rounding kept on every backend.
+
+  XLA's GPU compiler may delete a round trip through a narrower float inside one
+  program (its "excess precision", on by default): on an H100 ``x.astype(bfloat16)
+  .astype(float32) - x`` came out all zeros. Code whose result *is* the rounding
+  error (Kahan summation's compensation) must round for real. For bfloat16 this is
+  ``lax.reduce_precision`` (exponent 8 bits, mantissa 7), which XLA keeps and which
+  equals the cast bit for bit, inf, NaN and subnormals included. ``reduce_precision``
+  flushes float16's subnormals to zero, so other dtypes round by the cast itself,
+  behind an optimization barrier that the simplification cannot see through.
+
+  Args:
+    x: a float array wider than ``dtype``.
+    dtype: the format to round to.
+
+  Returns:
+    ``x`` rounded to ``dtype``, in ``x``'s dtype.
+
+  Example:
+    >>> from jaxmp._src import dtypes
+    >>> x = jnp.float32(1.0 + 2.0**-10)
+    >>> float(dtypes.rounded_to(x, jnp.bfloat16)), float(dtypes.rounded_to(x, jnp.float16))
+    (1.0, 1.0009765625)
+  """
+  dtype = np.dtype(dtype)
+  if dtype == np.dtype(jnp.bfloat16):
+    return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+  return jax.lax.optimization_barrier(x.astype(dtype)).astype(x.dtype)
+
 __all__ = (
     "DTypeLike",
     "FloatFormat",
@@ -285,4 +316,5 @@ __all__ = (
     "half_dtype",
     "is_float_dtype",
     "parse_dtype",
+    "rounded_to",
 )

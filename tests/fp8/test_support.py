@@ -147,7 +147,7 @@ _EXPECTED_TABLE = {
 
 @pytest.mark.slow
 def test_the_support_table_holds_in_deviceless_compiles():
-  if not audit_targets.installed("jax_plugins.xla_cuda12"):
+  if not audit_targets.cuda_plugin_installed():
     pytest.skip("needs the jax[cuda12] plugin (make gpu-report builds .venv-cuda)")
   # This pytest process may hold libtpu's single-process lock (it ran TPU audits).
   env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",

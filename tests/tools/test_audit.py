@@ -238,13 +238,19 @@ _H100_CHECK = textwrap.dedent("""\
     finite = jaxmp.tools.audit(jaxmp.all_finite, {"w": S((512, 512), jnp.float32)},
                                target="h100")
     assert "conditional(" not in finite.hlo, finite.hlo
+    # Kahan's compensation is the rounding error of p + y: XLA's GPU compiler deletes
+    # a bare float32 -> bfloat16 -> float32 round trip, but keeps this one.
+    v = lambda dtype: S((4096,), dtype)
+    kahan = jaxmp.tools.audit(jaxmp.optim.kahan_add, v(jnp.bfloat16), v(jnp.float32),
+                              v(jnp.bfloat16), target="h100")
+    assert "reduce-precision(" in kahan.hlo, kahan.hlo
     print("ok")
     """)
 
 
 def test_h100_deviceless():
-  if not targets.installed("jax_plugins.xla_cuda12"):
-    pytest.skip("needs jax[cuda12] plugin (make gpu-report builds it)")
+  if not targets.cuda_plugin_installed():
+    pytest.skip("needs JAX's CUDA plugin, jax[cuda12] (make gpu-report builds it)")
   # A fresh process: compiling for a GPU that is not there needs JAX_PLATFORMS=cpu
   # before JAX starts.
   env = dict(os.environ, JAX_PLATFORMS="cpu",

@@ -178,7 +178,9 @@ def _operand_grad(g: jax.Array, other: jax.Array, primal: jax.Array, dimension_n
   multiply -> convert`` is the chain XLA folds into one scaled fp8 GEMM on GPUs, and
   the permutation then moves the narrow result. With power-of-two scales
   (``exact_scale``) a bfloat16 gradient comes out of the GEMM directly
-  (:func:`~jaxmp._src.fp8.scaled_gemm.rescaled_dot`).
+  (:func:`~jaxmp._src.fp8.scaled_gemm.rescaled_dot`). On CUDA GPUs the GEMM runs
+  without cuBLASLt's fast accumulation, as the gradient GEMMs of Flax and
+  TransformerEngine do.
   """
   (p_contract, o_contract), (p_batch, o_batch) = dimension_numbers
   p_free = _remaining(primal.ndim, p_contract, p_batch)
@@ -203,7 +205,8 @@ def _operand_grad(g: jax.Array, other: jax.Array, primal: jax.Array, dimension_n
   dims = ((a_dims[0], b_dims[0]), (a_dims[1], b_dims[1]))
   out = scaled_gemm.rescaled_dot(
       a, b, dims, scale, dtype, exact_scale=exact_scale,
-      out_sharding=_transposed_out_sharding(primal, result_axes))
+      out_sharding=_transposed_out_sharding(primal, result_axes),
+      accumulate_exactly_on_gpus=True)  # as Flax and TransformerEngine's gradient GEMMs
   out_axes = tuple(int(i) for i in np.argsort(result_axes))
   return out if out_axes == tuple(range(out.ndim)) else jax.lax.transpose(out, out_axes)
 

@@ -106,7 +106,10 @@ def _gemm(a: Operand, b: Operand, recipe: Any, roles: tuple, shape: tuple, out_d
     return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), scaled_gemm.CANONICAL,
                                preferred_element_type=out_dtype)
   groupings = tuple(grouping(recipe, role) for role in roles)
-  return scaled_gemm.gemm(a, b, recipe, groupings, shape, out_dtype, cfg.block_scaled_gemm)
+  # The gradient GEMMs accumulate without cuBLASLt's fast accumulation, as in Flax and
+  # TransformerEngine (scaled_gemm.rescaled_dot).
+  return scaled_gemm.gemm(a, b, recipe, groupings, shape, out_dtype, cfg.block_scaled_gemm,
+                          accumulate_exactly_on_gpus=roles[0] == GRADIENT)
 
 
 def _forward(lhs: jax.Array, rhs: jax.Array, cfg: Config):

@@ -74,34 +74,67 @@ def fuses_output_on_gpus(out_dtype: Any, scale: jax.Array) -> bool:
   return np.dtype(out_dtype) == BF16 and np.size(scale) == 1
 
 
-def _narrow_output_dot(a, b, scale, *, dimension_numbers, out_dtype, out_sharding):
-  out = jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=out_dtype,
-                            out_sharding=out_sharding)
+GPU_FP8_CONTRACTION_MULTIPLE = 16
+"""On CUDA, fp8 GEMMs whose contraction is not a multiple of this run in bfloat16.
+
+cuBLASLt's fp8 GEMMs need every dimension a multiple of 16. On an H100 (jax 0.11.2,
+CUDA 13) XLA's fp8 GEMMs with a contraction of 2 to 10 elements returned NaN and -inf
+for finite operands whose exact product is a few hundred thousand, in both of XLA's
+GEMM back ends (cuBLASLt and Triton), and not on every run (measured; see
+benchmarks/RESULTS.md, "On a real H100"). A bfloat16 GEMM of the same fp8 values is
+the same computation: every fp8 value is a bfloat16 value and every product of two is
+exact in float32, so only the speed of a GEMM this small is given up.
+"""
+
+
+def _contraction(a: jax.Array, dimension_numbers: Any) -> int:
+  (a_contracting, _), _ = dimension_numbers
+  return int(np.prod([a.shape[d] for d in a_contracting], dtype=np.int64))
+
+
+def _narrow_output_dot(a, b, scale, *, dimension_numbers, out_dtype, out_sharding, precision):
+  out = jax.lax.dot_general(a, b, dimension_numbers, precision=precision,
+                            preferred_element_type=out_dtype, out_sharding=out_sharding)
   if np.size(scale) == 1:  # XLA folds a scalar into the GEMM, not an array of one.
     scale = jnp.reshape(scale, ())
   return out * scale.astype(out_dtype)
 
 
-def _wide_output_dot(a, b, scale, *, dimension_numbers, out_dtype, out_sharding):
-  out = jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=F32,
-                            out_sharding=out_sharding)
+def _wide_output_dot(a, b, scale, *, dimension_numbers, out_dtype, out_sharding, precision):
+  out = jax.lax.dot_general(a, b, dimension_numbers, precision=precision,
+                            preferred_element_type=F32, out_sharding=out_sharding)
   return (out * scale).astype(out_dtype)
 
 
+def _on_bfloat16_operands(product):
+  """``product`` of the fp8 operands widened to bfloat16 (exactly)."""
+  return lambda a, b, scale: product(a.astype(BF16), b.astype(BF16), scale)
+
+
 def rescaled_dot(a: jax.Array, b: jax.Array, dimension_numbers: Any, scale: jax.Array,
-                 out_dtype: Any, *, exact_scale: bool = False,
-                 out_sharding: Any = None) -> jax.Array:
+                 out_dtype: Any, *, exact_scale: bool = False, out_sharding: Any = None,
+                 accumulate_exactly_on_gpus: bool = False) -> jax.Array:
   """``dot_general(a, b) * scale`` in ``out_dtype``, for fp8 ``a`` and ``b``.
 
   The product is float32 (``preferred_element_type``), scaled in float32 and cast:
   ``dot -> multiply -> convert``, one rounding. With power-of-two scales and a
   bfloat16 output (:func:`fuses_output`) the GEMM writes bfloat16 and the scale is
   applied in bfloat16, which is exact: the same bits, and on GPUs no float32 output
-  and no separate narrowing kernel. On CUDA GPUs a bfloat16 product with one scale
-  takes that form for any scale (:func:`fuses_output_on_gpus`, a
-  ``lax.platform_dependent`` branch): XLA does not fold a float32 product's cast
-  into the cuBLASLt call, so there the float32 form would write the product in
-  float32 and narrow it in a kernel of its own.
+  and no separate narrowing kernel. On CUDA GPUs (a ``lax.platform_dependent``
+  branch):
+
+  - a bfloat16 product with one scale takes that form for any scale
+    (:func:`fuses_output_on_gpus`): XLA does not fold a float32 product's cast into
+    the cuBLASLt call, so there the float32 form would write the product in float32
+    and narrow it in a kernel of its own;
+  - with ``accumulate_exactly_on_gpus`` the GEMM is asked for
+    ``Precision.HIGHEST``, which XLA passes to cuBLASLt as "no fast accumulation":
+    Hopper's fp8 tensor cores otherwise keep fewer bits in their running sums. Flax
+    and TransformerEngine do this for the two gradient GEMMs and not for the forward
+    one; on an H100 it cost 7% of an 8192^3 GEMM's speed and cut its largest error
+    4x (measured, benchmarks/RESULTS.md);
+  - a contraction that is not a multiple of :data:`GPU_FP8_CONTRACTION_MULTIPLE`
+    multiplies the fp8 values as bfloat16 (exact, see there).
 
   Args:
     a: the first fp8 operand.
@@ -112,19 +145,25 @@ def rescaled_dot(a: jax.Array, b: jax.Array, dimension_numbers: Any, scale: jax.
     out_dtype: the result's dtype.
     exact_scale: whether ``scale`` is a power of two.
     out_sharding: forwarded to ``lax.dot_general``.
+    accumulate_exactly_on_gpus: turn off fast accumulation on CUDA (gradient GEMMs).
 
   Returns:
     The scaled product.
   """
   kwargs = dict(dimension_numbers=dimension_numbers, out_dtype=out_dtype,
                 out_sharding=out_sharding)
-  narrow = functools.partial(_narrow_output_dot, **kwargs)
-  wide = functools.partial(_wide_output_dot, **kwargs)
-  if fuses_output(out_dtype, exact_scale):
-    return narrow(a, b, scale)
-  if fuses_output_on_gpus(out_dtype, scale):
-    return jax.lax.platform_dependent(a, b, scale, cuda=narrow, default=wide)
-  return wide(a, b, scale)
+  narrow = functools.partial(_narrow_output_dot, precision=None, **kwargs)
+  wide = functools.partial(_wide_output_dot, precision=None, **kwargs)
+  product = narrow if fuses_output(out_dtype, exact_scale) else wide
+  cuda_form = (_narrow_output_dot if fuses_output(out_dtype, exact_scale)
+               or fuses_output_on_gpus(out_dtype, scale) else _wide_output_dot)
+  precision = jax.lax.Precision.HIGHEST if accumulate_exactly_on_gpus else None
+  cuda_product = functools.partial(cuda_form, precision=precision, **kwargs)
+  if _contraction(a, dimension_numbers) % GPU_FP8_CONTRACTION_MULTIPLE:
+    cuda_product = _on_bfloat16_operands(cuda_product)
+  elif cuda_form is product.func and precision is None:
+    return product(a, b, scale)  # the same program on every platform
+  return jax.lax.platform_dependent(a, b, scale, cuda=cuda_product, default=product)
 
 
 def _outer(scale_a: jax.Array, scale_b: jax.Array) -> jax.Array:
@@ -144,7 +183,8 @@ def _dequantized_dot(a: grouped.Quantized, b: grouped.Quantized, grouping_a: gro
 
 
 def gemm(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, groupings: tuple,
-         shape: tuple, out_dtype: Any, block_scaled_gemm: bool = False) -> jax.Array:
+         shape: tuple, out_dtype: Any, block_scaled_gemm: bool = False,
+         accumulate_exactly_on_gpus: bool = False) -> jax.Array:
   """The product of two quantized canonical operands under ``recipe``.
 
   Args:
@@ -156,6 +196,7 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, groupings: tup
     shape: ``(P, Q)``, the product's unpadded rows and columns.
     out_dtype: the product's dtype.
     block_scaled_gemm: for MX, use the block-scaled GEMM when lowering for CUDA.
+    accumulate_exactly_on_gpus: as for :func:`rescaled_dot` (gradient GEMMs).
 
   Returns:
     ``(B, P, Q)`` in ``out_dtype``.
@@ -167,8 +208,10 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, groupings: tup
     out = _dequantized_dot(a, b, *groupings, out_dtype, recipe.power_of_two)
   else:
     out = rescaled_dot(a.data, b.data, CANONICAL, _outer(a.scale, b.scale), out_dtype,
-                       exact_scale=recipe.power_of_two)
+                       exact_scale=recipe.power_of_two,
+                       accumulate_exactly_on_gpus=accumulate_exactly_on_gpus)
   return out[:, :p, :q_]
 
 
-__all__ = ("CANONICAL", "fuses_output", "fuses_output_on_gpus", "gemm", "rescaled_dot")
+__all__ = ("CANONICAL", "GPU_FP8_CONTRACTION_MULTIPLE", "fuses_output", "fuses_output_on_gpus", "gemm",
+           "rescaled_dot")

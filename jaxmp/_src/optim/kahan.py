@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxmp._src import dtypes as dtypes_lib
 from jaxmp._src.optim import base
 
 _WHERE = "kahan_summation"
@@ -74,9 +75,10 @@ def kahan_add(param: jax.Array, update: jax.Array,
                      f"{np.shape(param)}; they must match.")
   p32 = param.astype(base.ARITHMETIC)
   y = update.astype(base.ARITHMETIC) - compensation.astype(base.ARITHMETIC)
-  new_param = (p32 + y).astype(dtype)
-  new_compensation = ((new_param.astype(base.ARITHMETIC) - p32) - y).astype(dtype)
-  return new_param, new_compensation
+  # The rounding must really happen: XLA on GPUs may otherwise keep p32 + y in
+  # float32, and the compensation, which is that rounding's error, would be lost.
+  landed = dtypes_lib.rounded_to(p32 + y, dtype)
+  return landed.astype(dtype), ((landed - p32) - y).astype(dtype)
 
 
 class KahanState(NamedTuple):

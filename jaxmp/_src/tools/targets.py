@@ -32,6 +32,8 @@ import importlib.util
 import os
 from typing import Any, Mapping, Optional
 
+import jax
+
 _GPU_INFO_COMMON = """\
   threads_per_block_limit: 1024
   threads_per_warp: 32
@@ -130,6 +132,9 @@ GPU_TARGETS: Mapping[str, GpuSpec] = {
 
 # Single-chip topologies. "tpu7x" is v7 (Ironwood), whose chip is two devices
 # (TensorCores); the audit compiles for one of them.
+# JAX's CUDA plugins, either of which compiles for a GPU target without the GPU.
+CUDA_PLUGINS = ("cuda12", "cuda13")
+
 TPU_TARGETS: Mapping[str, str] = {
     "v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e": "v6e:1x1", "v7": "tpu7x:1x1x1",
 }
@@ -166,6 +171,11 @@ def installed(module: str) -> bool:
     return False
 
 
+def cuda_plugin_installed() -> bool:
+  """Whether one of JAX's CUDA plugins (:data:`CUDA_PLUGINS`) is installed."""
+  return any(installed(f"jax_plugins.xla_{cuda}") for cuda in CUDA_PLUGINS)
+
+
 def _require(module: str, extra: str, target: str) -> None:
   if not installed(module):
     raise ImportError(
@@ -194,7 +204,12 @@ def compile_device(target: str) -> Any:
         topology_name=TPU_TARGETS[target], platform="tpu", chip_config_name="default",
         chips_per_host_bounds=(1, 1, 1), num_slices=1, wrap=(False, False, False))
   else:
-    _require("jax_plugins.xla_cuda12", "cuda12", target)
+    local = jax.devices()[0]
+    if local.platform == "gpu" and gpu_spec_for(local.device_kind) is GPU_TARGETS[target]:
+      # The target is the GPU here: compile for it, with the versions it really has.
+      return local
+    if not cuda_plugin_installed():
+      _require(f"jax_plugins.xla_{CUDA_PLUGINS[0]}", CUDA_PLUGINS[0], target)
     try:
       topology = topologies.get_topology_desc(
           platform="cuda", target_config=GPU_TARGETS[target].target_config, topology="1x1x1")
@@ -217,12 +232,14 @@ def gpu_spec_for(device_kind: str) -> Optional[GpuSpec]:
 
 
 __all__ = (
+    "CUDA_PLUGINS",
     "GPU_TARGETS",
     "TARGETS",
     "TPU_TARGETS",
     "GpuSpec",
     "check_target",
     "compile_device",
+    "cuda_plugin_installed",
     "gpu_spec_for",
     "installed",
     "is_tpu",
