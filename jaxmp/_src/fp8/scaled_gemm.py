@@ -157,12 +157,15 @@ def rescaled_dot(a: jax.Array, b: jax.Array, dimension_numbers: Any, scale: jax.
   product = narrow if fuses_output(out_dtype, exact_scale) else wide
   cuda_form = (_narrow_output_dot if fuses_output(out_dtype, exact_scale)
                or fuses_output_on_gpus(out_dtype, scale) else _wide_output_dot)
-  precision = jax.lax.Precision.HIGHEST if accumulate_exactly_on_gpus else None
-  cuda_product = functools.partial(cuda_form, precision=precision, **kwargs)
   if _contraction(a, dimension_numbers) % GPU_FP8_CONTRACTION_MULTIPLE:
-    cuda_product = _on_bfloat16_operands(cuda_product)
-  elif cuda_form is product.func and precision is None:
+    # Fast accumulation is an fp8 GEMM's: a bfloat16 GEMM keeps the default precision.
+    cuda_product = _on_bfloat16_operands(functools.partial(cuda_form, precision=None, **kwargs))
+  elif accumulate_exactly_on_gpus:
+    cuda_product = functools.partial(cuda_form, precision=jax.lax.Precision.HIGHEST, **kwargs)
+  elif cuda_form is product.func:
     return product(a, b, scale)  # the same program on every platform
+  else:
+    cuda_product = functools.partial(cuda_form, precision=None, **kwargs)
   return jax.lax.platform_dependent(a, b, scale, cuda=cuda_product, default=product)
 
 
