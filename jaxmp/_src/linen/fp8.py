@@ -13,7 +13,10 @@ For training that stays sound when a layer is reused, unused, or a step is skipp
 update the collection with :mod:`jaxmp.fp8.state` (``for_grad`` inside the loss,
 ``merge`` afterwards) rather than overwriting it. Differentiating the params without
 the collection (a plain ``jax.grad`` of the params) would drop every state update, and
-is refused while tracing (:func:`jaxmp.fp8.state.require_state_gradient`).
+is refused while tracing (:func:`jaxmp.fp8.state.require_state_gradient`, given the
+params of the module that creates the fp8 op: the layer whose kernel it multiplies).
+Derivatives with respect to inputs alone train nothing and are not refused, also for
+an einsum of two activations.
 
 Example:
   >>> import flax.linen as nn
@@ -58,6 +61,19 @@ def _read_state(module: nn.Module, recipe: recipes_lib.Recipe
   return state_lib.DelayedScalingState.from_variables(values)
 
 
+def _guarded(module: nn.Module, rhs: jax.Array,
+             state: Optional[state_lib.DelayedScalingState]) -> jax.Array:
+  """``rhs``, refused under a derivative that trains the owning module but not the state."""
+  # The module that creates the fp8 op (the Dense whose kernel it multiplies, the
+  # nn.Einsum, the user's block around an einsum of two activations) owns the params
+  # a training step would differentiate. A root fp8 module (Flax's Fp8Test einsums of
+  # two inputs) has none: any derivative of it is an input gradient, which trains
+  # nothing.
+  parent = module.parent
+  params = parent.variables.get("params", {}) if isinstance(parent, nn.Module) else {}
+  return state_lib.require_state_gradient(rhs, state, hint=_TRAIN_HINT, params=params)
+
+
 class Fp8DotGeneral(nn.Module):
   """An fp8 ``dot_general`` with its scaling state, for Flax's dense layers.
 
@@ -97,7 +113,7 @@ class Fp8DotGeneral(nn.Module):
                out_sharding: Any = None) -> jax.Array:
     """``fp8_dot_general(lhs, rhs, ...)`` with this module's state; same arguments."""
     state = _read_state(self, self.recipe)
-    rhs = state_lib.require_state_gradient(rhs, state, hint=_TRAIN_HINT)
+    rhs = _guarded(self, rhs, state)
     return dot_general_lib.fp8_dot_general(
         lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding,
         state=state, recipe=self.recipe)
@@ -138,7 +154,7 @@ class Fp8Einsum(nn.Module):
                preferred_element_type: Any = None) -> jax.Array:
     """``fp8_einsum(eqn, lhs, rhs)`` with this module's state."""
     state = _read_state(self, self.recipe)
-    rhs = state_lib.require_state_gradient(rhs, state, hint=_TRAIN_HINT)
+    rhs = _guarded(self, rhs, state)
     return dot_general_lib.fp8_einsum(
         eqn, lhs, rhs, state=state, recipe=self.recipe,
         preferred_element_type=preferred_element_type, precision=precision)
