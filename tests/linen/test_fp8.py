@@ -199,9 +199,12 @@ def _sound_step(model, x):
 
 
 class Cell(nn.Module):
+  recipe: fp8.Recipe = RECIPE
+
   @nn.compact
   def __call__(self, c, _):
-    y = nn.Dense(2, use_bias=False, dot_general_cls=DG, kernel_init=nn.initializers.ones)(c)
+    dg = functools.partial(jaxmp.linen.Fp8DotGeneral, recipe=self.recipe)
+    y = nn.Dense(2, use_bias=False, dot_general_cls=dg, kernel_init=nn.initializers.ones)(c)
     return y * 0.5, y
 
 
@@ -362,3 +365,41 @@ def test_an_fp8_einsum_in_a_trained_module_is_refused_without_its_state(module):
   assert jax.grad(loss, argnums=1)(variables["params"], x).shape == x.shape
   grads = jax.grad(lambda v: jnp.sum(module.apply(v, x)))(variables)
   assert float(grads[OWG]["Fp8Einsum_0"]["input_amax_history"][0]) > 0
+
+
+MISSING_STATE = (r"fp8 state of the layer at 'ScanCell_0/Dense_0' .* variable_broadcast="
+                 r"\['params', '_overwrite_with_gradient'\].*CurrentScaling\(\)")
+
+
+def test_a_scan_that_does_not_pass_the_fp8_state_on_is_refused_by_name():
+  # nn.scan passes on only the collections it lists; jaxmp cannot reach the lifted
+  # scan's arguments (nn.RNN's it can: see tests/linen/test_injection.py), so a layer
+  # inside could neither create nor read its state: a jaxmp error says what works.
+  class RNN(nn.Module):
+    recipe: fp8.Recipe = RECIPE
+
+    @nn.compact
+    def __call__(self, c):
+      layer = functools.partial(Cell, recipe=self.recipe)
+      scan = nn.scan(layer, variable_broadcast="params", split_rngs={"params": False},
+                     length=3)
+      return scan()(c, None)[1]
+
+  c0 = jnp.array([[4.0, 4.0]])
+  with pytest.raises(ValueError, match=MISSING_STATE):
+    RNN().init(jax.random.key(0), c0)
+  wrapped = jaxmp.linen.mixed_precision(RNN(), jaxmp.PolicyRules(
+      "float32", [jaxmp.Rule(nn.Dense, fp8=RECIPE)]))
+  with pytest.raises(ValueError, match=MISSING_STATE):
+    wrapped.init(jax.random.key(0), c0)
+  # What the message offers works: a stateless recipe, or the collection listed.
+  assert RNN(fp8.CurrentScaling()).init(jax.random.key(0), c0).keys() == {"params"}
+
+
+def test_apply_without_the_fp8_state_is_refused_by_name():
+  # Flax's own train loops pass {"params": params} alone.
+  x = _normal(0, (4, 3))
+  model = nn.Dense(2, dot_general_cls=DG)
+  variables = model.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"fp8 state of the layer at '<root>'.*model\.init"):
+    model.apply({"params": variables["params"]}, x)

@@ -45,10 +45,28 @@ _TRAIN_HINT = ("Train linen fp8 models with jaxmp.linen.value_and_grad and "
                "whole variables dict as Flax's TrainState does, not the params alone.")
 
 
+def _check_state_reachable(module: nn.Module) -> None:
+  """Refuses, by the layer's path, to run where the fp8 state can be neither read nor made."""
+  owg = state_lib.OVERWRITE_WITH_GRADIENT
+  if module.is_mutable_collection(owg) or module.has_variable(owg, "input_scale"):
+    return
+  path = "/".join(module.path[:-1]) or "<root>"  # the layer that owns this fp8 op
+  raise ValueError(
+      f"fp8: the delayed-scaling fp8 state of the layer at {path!r} (collection {owg!r}) "
+      f"is not in the variables it can see. Either apply got variables without it: pass "
+      f"everything model.init returned (jaxmp.linen.TrainState.variables), not the params "
+      f"alone; or the layer runs inside a lifted nn.scan that does not pass the collection "
+      f"on: list it there, variable_broadcast=['params', {owg!r}] for weights shared by "
+      f"the steps (one state, recording the max over the steps; jaxmp.linen."
+      f"mixed_precision does this for nn.RNN), or variable_axes={{'params': 0, {owg!r}: 0}} "
+      f"for a stack of layers; or use a recipe without state, jaxmp.fp8.CurrentScaling().")
+
+
 def _read_state(module: nn.Module, recipe: recipes_lib.Recipe
                 ) -> Optional[state_lib.DelayedScalingState]:
   if not isinstance(recipe, recipes_lib.DelayedScaling):
     return None
+  _check_state_reachable(module)
   length = recipe.amax_history_length
   values = {}
   for tensor in state_lib.TENSORS:
