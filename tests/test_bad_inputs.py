@@ -46,6 +46,28 @@ def _linen_fp8_grad_of_params_alone():
       variables["params"])
 
 
+class _ScanWithoutFp8State(nn.Module):
+  """A delayed-scaling layer in an nn.scan that passes on only the params."""
+
+  @nn.compact
+  def __call__(self, c):
+    def body(module, c, _):
+      return nn.Dense(2, name="gate")(c), None
+    scan = nn.scan(body, variable_broadcast="params", split_rngs={"params": False}, length=2)
+    return scan(self, c, None)[0]
+
+
+def _linen_fp8_in_scan_without_state():
+  model = jaxmp.linen.mixed_precision(_ScanWithoutFp8State(), jaxmp.PolicyRules(
+      "float32", [jaxmp.Rule(nn.Dense, fp8=RECIPE)]))
+  return model.init(jax.random.key(0), X)
+
+
+def _linen_fp8_apply_params_alone():
+  model = nn.Dense(2, dot_general_cls=jaxmp.linen.Fp8DotGeneral)
+  return model.apply({"params": model.init(jax.random.key(0), X)["params"]}, X)
+
+
 def _nnx_fp8_plain_grad():
   from flax import nnx
 
@@ -309,6 +331,11 @@ CASES = [
      ValueError, "jaxmp.linen.value_and_grad"),
     ("nnx fp8 model under a plain nnx.grad", _nnx_fp8_plain_grad, ValueError,
      "jaxmp.nnx.value_and_grad"),
+    # Correctness on published models (issue 24).
+    ("linen fp8 state in an nn.scan that does not pass it on", _linen_fp8_in_scan_without_state,
+     ValueError, "the layer at 'gate'"),
+    ("linen fp8 apply with the params alone", _linen_fp8_apply_params_alone, ValueError,
+     "the layer at '<root>'"),
     ("Monitor.update misspelt metric", lambda: jaxmp.tools.Monitor().update({"loss_scael": 1.0}),
      ValueError, "'loss_scael'"),
     ("Monitor max_consecutive_skips 0", lambda: jaxmp.tools.Monitor(max_consecutive_skips=0),

@@ -199,9 +199,12 @@ def _sound_step(model, x):
 
 
 class Cell(nn.Module):
+  recipe: fp8.Recipe = RECIPE
+
   @nn.compact
   def __call__(self, c, _):
-    y = nn.Dense(2, use_bias=False, dot_general_cls=DG, kernel_init=nn.initializers.ones)(c)
+    dg = functools.partial(jaxmp.linen.Fp8DotGeneral, recipe=self.recipe)
+    y = nn.Dense(2, use_bias=False, dot_general_cls=dg, kernel_init=nn.initializers.ones)(c)
     return y * 0.5, y
 
 
@@ -280,3 +283,123 @@ def test_differentiating_the_params_alone_is_refused():
   grads = jax.grad(lambda v: jnp.sum(model.apply(v, x)))(variables)
   assert float(grads[OWG]["Fp8DotGeneral_0"]["input_amax_history"][0]) > 0
   assert jax.grad(lambda x: jnp.sum(model.apply(variables, x)))(x).shape == x.shape
+
+
+# Flax's own Fp8Test.test_fp8_einsum (tests/linen/linen_test.py, lines 1294-1332, at
+# https://github.com/google/flax/blob/18f8f311c275d57f46d95e41b15aa97b454754c0/tests/linen/linen_test.py;
+# Copyright 2024 The Flax Authors, Apache License 2.0, tests/published/LICENSE): the
+# body verbatim but for `nn.Fp8Einsum()` -> `jaxmp.linen.Fp8Einsum()`. It differentiates
+# an einsum of two activations with respect to both inputs and not the variables: it
+# trains nothing, so no state update is dropped and nothing may be refused.
+@pytest.mark.parametrize("x_shape, y_shape, g_shape, eqn", [
+    ((16, 32), (32, 64), (16, 64), 'mk,kn->mn'),
+    ((2, 3, 32), (64, 32), (2, 3, 64), '...k,nk->...n'),
+    ((2, 3, 64), (64, 32), (2, 3, 32), '...k,kn->...n'),
+])
+def test_flax_fp8_einsum_test_differentiates_the_inputs_alone(x_shape, y_shape, g_shape, eqn):
+    from jax import random  # pylint: disable=g-import-not-at-top
+    from flax.linen import fp8_ops  # pylint: disable=g-import-not-at-top
+    rng, key1, key2, key3 = random.split(random.key(42), 4)
+    x = random.normal(key1, x_shape)
+    y = random.normal(key2, y_shape)
+    g = random.normal(key3, g_shape)
+    e4m3_dtype = jnp.float8_e4m3fn
+    e5m2_dtype = jnp.float8_e5m2
+    cast_to_representable = functools.partial(
+        fp8_ops.qdq,
+        scale=jnp.ones((1,)),
+        compute_dtype=jnp.float32,
+    )
+
+    x = cast_to_representable(x, e4m3_dtype)
+    y = cast_to_representable(y, e4m3_dtype)
+    g = cast_to_representable(g, e5m2_dtype)
+
+    p = jaxmp.linen.Fp8Einsum()
+    vars = p.init(rng, eqn, x, y)
+    def loss_fn(vars, x, y):
+      out = p.apply(vars, eqn, x, y)
+      return jnp.sum(out * g.astype(out.dtype))
+    step_fn = jax.value_and_grad(loss_fn, argnums=[1, 2])
+    out, grads = jax.jit(step_fn)(vars, x, y)
+
+    def loss_fn_ref(x, y):
+      out = jnp.einsum(eqn, x, y)
+      return jnp.sum(out * g.astype(out.dtype))
+    step_fn_ref = jax.value_and_grad(loss_fn_ref, argnums=[0, 1])
+    out_ref, grads_ref = jax.jit(step_fn_ref)(x, y)
+
+    np.testing.assert_allclose(out, out_ref, atol=1e-02, rtol=1e-02)
+    np.testing.assert_allclose(grads[0], grads_ref[0], atol=1e-02, rtol=1e-02)
+    np.testing.assert_allclose(grads[1], grads_ref[1], atol=1e-02, rtol=1e-02)
+
+
+class _KernelEinsum(nn.Module):
+  """An fp8 einsum behind a learnable kernel, as Fp8Einsum's docstring suggests."""
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", nn.initializers.ones, (3, 2))
+    return jaxmp.linen.Fp8Einsum(recipe=RECIPE)("bd,dh->bh", x, kernel)
+
+
+class _ActivationEinsum(nn.Module):
+  """An fp8 einsum of two activations, in a module that has params of its own."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(3, kernel_init=nn.initializers.ones)(x)
+    return jaxmp.linen.Fp8Einsum(recipe=RECIPE)("bd,bd->b", x, h)
+
+
+@pytest.mark.parametrize("module", [_KernelEinsum(), _ActivationEinsum()],
+                         ids=["kernel", "two_activations"])
+def test_an_fp8_einsum_in_a_trained_module_is_refused_without_its_state(module):
+  # Training the einsum's module (its params differentiated) while the state is not
+  # drops the state update, whatever the einsum's operands are; its input alone is fine.
+  x = _normal(0, (4, 3))
+  variables = module.init(jax.random.key(0), x)
+  loss = lambda params, x: jnp.sum(module.apply({**variables, "params": params}, x))
+  with pytest.raises(ValueError, match=r"fp8 state .* would never update"):
+    jax.grad(loss)(variables["params"], x)
+  assert jax.grad(loss, argnums=1)(variables["params"], x).shape == x.shape
+  grads = jax.grad(lambda v: jnp.sum(module.apply(v, x)))(variables)
+  assert float(grads[OWG]["Fp8Einsum_0"]["input_amax_history"][0]) > 0
+
+
+MISSING_STATE = (r"fp8 state of the layer at 'ScanCell_0/Dense_0' .* variable_broadcast="
+                 r"\['params', '_overwrite_with_gradient'\].*CurrentScaling\(\)")
+
+
+def test_a_scan_that_does_not_pass_the_fp8_state_on_is_refused_by_name():
+  # nn.scan passes on only the collections it lists; jaxmp cannot reach the lifted
+  # scan's arguments (nn.RNN's it can: see tests/linen/test_injection.py), so a layer
+  # inside could neither create nor read its state: a jaxmp error says what works.
+  class RNN(nn.Module):
+    recipe: fp8.Recipe = RECIPE
+
+    @nn.compact
+    def __call__(self, c):
+      layer = functools.partial(Cell, recipe=self.recipe)
+      scan = nn.scan(layer, variable_broadcast="params", split_rngs={"params": False},
+                     length=3)
+      return scan()(c, None)[1]
+
+  c0 = jnp.array([[4.0, 4.0]])
+  with pytest.raises(ValueError, match=MISSING_STATE):
+    RNN().init(jax.random.key(0), c0)
+  wrapped = jaxmp.linen.mixed_precision(RNN(), jaxmp.PolicyRules(
+      "float32", [jaxmp.Rule(nn.Dense, fp8=RECIPE)]))
+  with pytest.raises(ValueError, match=MISSING_STATE):
+    wrapped.init(jax.random.key(0), c0)
+  # What the message offers works: a stateless recipe, or the collection listed.
+  assert RNN(fp8.CurrentScaling()).init(jax.random.key(0), c0).keys() == {"params"}
+
+
+def test_apply_without_the_fp8_state_is_refused_by_name():
+  # Flax's own train loops pass {"params": params} alone.
+  x = _normal(0, (4, 3))
+  model = nn.Dense(2, dot_general_cls=DG)
+  variables = model.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"fp8 state of the layer at '<root>'.*model\.init"):
+    model.apply({"params": variables["params"]}, x)

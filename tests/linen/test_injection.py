@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import jaxmp
@@ -198,3 +199,36 @@ def test_interceptor_leaves_attributes_as_they_were():
   wrapped.init(jax.random.key(0), jnp.ones((1, 3)))
   assert dense.dot_general_cls is None
   assert "param" not in dense.__dict__
+
+
+def _rnn_fp8_state(rnn_kwargs=None):
+  """One training step of nn.RNN(SimpleCell) with fp8 by rule; the merged fp8 state."""
+  cell = nn.SimpleCell(1, activation_fn=lambda h: h, kernel_init=nn.initializers.ones,
+                       recurrent_kernel_init=nn.initializers.ones)
+  model = jaxmp.linen.mixed_precision(nn.RNN(cell, **(rnn_kwargs or {})),
+                                      _rules(nn.Dense, default="float32"))
+  x = jnp.array([1.0, 3.0, 2.0]).reshape(1, 3, 1)  # one sequence of three steps
+  state = jaxmp.linen.TrainState.create(
+      apply_fn=model.apply, variables=jax.jit(model.init)(jax.random.key(0), x),
+      tx=optax.sgd(0.0))  # no loss scaling: the output gradients are the true ones
+  _, grads = state.value_and_grad(lambda v: jnp.sum(state.apply_fn(v, x)))()
+  fp8_state = state.apply_gradients(grads).fp8["cell"]
+  return {name: layer["Fp8DotGeneral_0"] for name, layer in fp8_state.items()}
+
+
+def test_nn_rnn_cell_shares_one_fp8_state_across_time_steps():
+  # nn.RNN's scan passes on only "params"; the wrapper adds the fp8 collection to its
+  # variable_broadcast, so each gate keeps one state, read by every step, and records
+  # the max over the steps, as a layer called three times does. The cell computes
+  # h_t = x_t + h_{t-1} (h_0 = 0) and the loss is h_1 + h_2 + h_3 for x = 1, 3, 2.
+  state = _rnn_fp8_state()
+  # The input layer "i" sees x = 1, 3, 2; the recurrent "h" sees h_0..h_2 = 0, 1, 4.
+  np.testing.assert_array_equal(state["i"]["input_amax_history"], [3, 0, 0, 0])  # not 6
+  np.testing.assert_array_equal(state["h"]["input_amax_history"], [4, 0, 0, 0])  # not 5
+  # dloss/dh_t = 3, 2, 1 for t = 1, 2, 3: the output gradient of both layers.
+  for name in ("i", "h"):
+    np.testing.assert_array_equal(state[name]["output_grad_amax_history"], [3, 0, 0, 0])
+    np.testing.assert_array_equal(state[name]["kernel_amax_history"], [1, 0, 0, 0])  # not 3
+  # A scan that already lists the collection is left as it is: the same state.
+  listed = _rnn_fp8_state({"variable_broadcast": ["params", OWG]})
+  jax.tree_util.tree_map(np.testing.assert_array_equal, listed, state)

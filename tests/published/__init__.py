@@ -11,6 +11,11 @@ in ``flax_gemma`` ``from jaxtyping import Array`` -> ``from jax import Array``
 
   flax_lm1b/models.py         examples/lm1b/models.py       linen decoder-only LM
   flax_wmt/models.py          examples/wmt/models.py        linen encoder-decoder
+  flax_seq2seq/models.py      examples/seq2seq/models.py    linen LSTM encoder-decoder
+                                                            (nn.RNN; test_rnn_fp8.py)
+  flax_seq2seq/input_pipeline.py
+                              examples/seq2seq/input_pipeline.py
+                                                            its input pipeline
   flax_imagenet/models.py     examples/imagenet/models.py   linen ResNet (BatchNorm)
   flax_gemma/*.py             examples/gemma/               NNX Gemma transformer
   flax_mnist_cnn/cnn.py       docs_nnx/mnist_tutorial.md    NNX CNN (the model cell,

@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src import dtypes
 from jaxmp._src import tree as tree_lib
 from jaxmp._src.fp8 import maxgrad
 from jaxmp._src.fp8 import recipes as recipes_lib
@@ -211,50 +212,59 @@ def from_grad(tree: T) -> T:
   return jax.tree_util.tree_map(maxgrad.from_max_float32, tree)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _guard(kernel: jax.Array, state_leaf: jax.Array, message: str) -> jax.Array:
-  del state_leaf, message
-  return kernel
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _guard(operand: jax.Array, params: tuple, state_leaf: jax.Array, message: str) -> jax.Array:
+  del params, state_leaf, message
+  return operand
 
 
 @functools.partial(_guard.defjvp, symbolic_zeros=True)
 def _guard_jvp(message, primals, tangents):
-  kernel, _ = primals
-  kernel_tangent, state_tangent = tangents
+  operand = primals[0]
+  operand_tangent, params_tangents, state_tangent = tangents
   # Runs only when something is differentiated; a symbolic zero marks an input that
-  # is not (jax.custom_jvp's public way to tell).
-  kernel_differentiated = not isinstance(kernel_tangent, jax.custom_derivatives.SymbolicZero)
-  if kernel_differentiated and isinstance(state_tangent, jax.custom_derivatives.SymbolicZero):
+  # is not (jax.custom_jvp's public way to tell). Only a derivative with respect to
+  # the params trains anything: one with respect to the operand alone (an input
+  # gradient: saliency, adversarial examples, tests) drops no state update.
+  zero = jax.custom_derivatives.SymbolicZero
+  trained = any(not isinstance(t, zero) for t in params_tangents)
+  if trained and isinstance(state_tangent, zero):
     raise ValueError(message)
-  if not kernel_differentiated:
-    kernel_tangent = jnp.zeros(jnp.shape(kernel), kernel_tangent.dtype)
-  return kernel, kernel_tangent
+  if isinstance(operand_tangent, zero):
+    operand_tangent = jnp.zeros(jnp.shape(operand), operand_tangent.dtype)
+  return operand, operand_tangent
 
 
-def require_state_gradient(kernel: jax.Array, state: Optional[DelayedScalingState], *,
-                           hint: str) -> jax.Array:
-  """``kernel``, refusing a derivative with respect to it without one for ``state``.
+def require_state_gradient(operand: jax.Array, state: Optional[DelayedScalingState], *,
+                           hint: str, params: Any = None) -> jax.Array:
+  """``operand``, refusing a derivative with respect to ``params`` without one for ``state``.
 
   A delayed-scaling layer hands its new state back as the *gradient* of the old one,
   so a training step that differentiates the params but not the fp8 state (a plain
   ``jax.grad`` of the params, ``nnx.grad`` with its default ``wrt=nnx.Param``) drops
   every update: the state would never change and the layer would quantize with its
-  initial scales forever. An fp8 layer passes its kernel through this identity; when
-  ``jax.grad`` (or ``jax.jvp``) differentiates the kernel and not the state, it raises
-  while tracing. Evaluation, and derivatives with respect to the input alone, are not
-  affected, and it costs nothing at run time.
+  initial scales forever. An fp8 layer passes an operand through this identity, with
+  the parameters that a training step would differentiate; when ``jax.grad`` (or
+  ``jax.jvp``) differentiates one of them and not the state, it raises while
+  tracing. Evaluation, and derivatives with respect to the inputs alone (both
+  operands of an einsum of two activations included), train nothing and are not
+  affected; it costs nothing at run time.
 
   Args:
-    kernel: the layer's kernel operand.
+    operand: the operand to pass through (an fp8 layer's kernel operand).
     state: the layer's delayed-scaling state as the layer reads it (``None`` for
-      current scaling, which keeps no state: ``kernel`` is returned as is).
+      current scaling, which keeps no state: ``operand`` is returned as is).
     hint: how to train the layer instead, for the message.
+    params: the parameters whose derivative means the layer is trained (any pytree;
+      its float leaves count): those of the module that owns the fp8 op. ``None``
+      takes ``operand`` itself to be the layer's kernel; an empty tree refuses
+      nothing.
 
   Returns:
-    ``kernel``.
+    ``operand``.
 
   Raises:
-    ValueError: while differentiating the kernel and not the state.
+    ValueError: while differentiating ``params`` and not the state.
 
   Example:
     >>> from jaxmp import fp8
@@ -264,17 +274,25 @@ def require_state_gradient(kernel: jax.Array, state: Optional[DelayedScalingStat
     ...   jax.grad(lambda k: jnp.sum(guarded(k)))(jnp.ones(2))  # the kernel alone
     ... except ValueError as e:
     ...   print(str(e)[:71])
-    fp8: the kernel of an fp8 layer is differentiated but its fp8 state is
+    fp8: the params of an fp8 layer are differentiated but its fp8 state is
     >>> jax.grad(lambda k, s: jnp.sum(jaxmp.fp8.state.require_state_gradient(k, s, hint="")),
     ...          argnums=(0, 1))(jnp.ones(2), state)[0]  # both: fine
     Array([1., 1.], dtype=float32)
+    >>> w = jnp.ones(2)  # an operand that is no parameter: its derivative trains nothing
+    >>> jax.grad(lambda x: jnp.sum(jaxmp.fp8.state.require_state_gradient(
+    ...     x, state, hint="", params={"w": w})))(jnp.ones(2))
+    Array([1., 1.], dtype=float32)
   """
   if state is None:
-    return kernel
-  message = ("fp8: the kernel of an fp8 layer is differentiated but its fp8 state is not, so "
+    return operand
+  leaves = (operand,) if params is None else tuple(
+      x for x in jax.tree_util.tree_leaves(params) if dtypes.is_float_dtype(jnp.result_type(x)))
+  if not leaves:
+    return operand
+  message = ("fp8: the params of an fp8 layer are differentiated but its fp8 state is not, so "
              "the state would never update (its new value comes back as its gradient, and "
              f"would be dropped). {hint}").strip()
-  return _guard(kernel, state.input_scale, message)
+  return _guard(operand, leaves, state.input_scale, message)
 
 
 def _informative(cotangent: jax.Array) -> jax.Array:

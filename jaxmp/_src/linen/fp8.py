@@ -13,7 +13,10 @@ For training that stays sound when a layer is reused, unused, or a step is skipp
 update the collection with :mod:`jaxmp.fp8.state` (``for_grad`` inside the loss,
 ``merge`` afterwards) rather than overwriting it. Differentiating the params without
 the collection (a plain ``jax.grad`` of the params) would drop every state update, and
-is refused while tracing (:func:`jaxmp.fp8.state.require_state_gradient`).
+is refused while tracing (:func:`jaxmp.fp8.state.require_state_gradient`, given the
+params of the module that creates the fp8 op: the layer whose kernel it multiplies).
+Derivatives with respect to inputs alone train nothing and are not refused, also for
+an einsum of two activations.
 
 Example:
   >>> import flax.linen as nn
@@ -42,10 +45,28 @@ _TRAIN_HINT = ("Train linen fp8 models with jaxmp.linen.value_and_grad and "
                "whole variables dict as Flax's TrainState does, not the params alone.")
 
 
+def _check_state_reachable(module: nn.Module) -> None:
+  """Refuses, by the layer's path, to run where the fp8 state can be neither read nor made."""
+  owg = state_lib.OVERWRITE_WITH_GRADIENT
+  if module.is_mutable_collection(owg) or module.has_variable(owg, "input_scale"):
+    return
+  path = "/".join(module.path[:-1]) or "<root>"  # the layer that owns this fp8 op
+  raise ValueError(
+      f"fp8: the delayed-scaling fp8 state of the layer at {path!r} (collection {owg!r}) "
+      f"is not in the variables it can see. Either apply got variables without it: pass "
+      f"everything model.init returned (jaxmp.linen.TrainState.variables), not the params "
+      f"alone; or the layer runs inside a lifted nn.scan that does not pass the collection "
+      f"on: list it there, variable_broadcast=['params', {owg!r}] for weights shared by "
+      f"the steps (one state, recording the max over the steps; jaxmp.linen."
+      f"mixed_precision does this for nn.RNN), or variable_axes={{'params': 0, {owg!r}: 0}} "
+      f"for a stack of layers; or use a recipe without state, jaxmp.fp8.CurrentScaling().")
+
+
 def _read_state(module: nn.Module, recipe: recipes_lib.Recipe
                 ) -> Optional[state_lib.DelayedScalingState]:
   if not isinstance(recipe, recipes_lib.DelayedScaling):
     return None
+  _check_state_reachable(module)
   length = recipe.amax_history_length
   values = {}
   for tensor in state_lib.TENSORS:
@@ -56,6 +77,19 @@ def _read_state(module: nn.Module, recipe: recipes_lib.Recipe
         state_lib.OVERWRITE_WITH_GRADIENT, f"{tensor}_amax_history",
         lambda: jnp.zeros((length,), jnp.float32)).value
   return state_lib.DelayedScalingState.from_variables(values)
+
+
+def _guarded(module: nn.Module, rhs: jax.Array,
+             state: Optional[state_lib.DelayedScalingState]) -> jax.Array:
+  """``rhs``, refused under a derivative that trains the owning module but not the state."""
+  # The module that creates the fp8 op (the Dense whose kernel it multiplies, the
+  # nn.Einsum, the user's block around an einsum of two activations) owns the params
+  # a training step would differentiate. A root fp8 module (Flax's Fp8Test einsums of
+  # two inputs) has none: any derivative of it is an input gradient, which trains
+  # nothing.
+  parent = module.parent
+  params = parent.variables.get("params", {}) if isinstance(parent, nn.Module) else {}
+  return state_lib.require_state_gradient(rhs, state, hint=_TRAIN_HINT, params=params)
 
 
 class Fp8DotGeneral(nn.Module):
@@ -97,7 +131,7 @@ class Fp8DotGeneral(nn.Module):
                out_sharding: Any = None) -> jax.Array:
     """``fp8_dot_general(lhs, rhs, ...)`` with this module's state; same arguments."""
     state = _read_state(self, self.recipe)
-    rhs = state_lib.require_state_gradient(rhs, state, hint=_TRAIN_HINT)
+    rhs = _guarded(self, rhs, state)
     return dot_general_lib.fp8_dot_general(
         lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding,
         state=state, recipe=self.recipe)
@@ -138,7 +172,7 @@ class Fp8Einsum(nn.Module):
                preferred_element_type: Any = None) -> jax.Array:
     """``fp8_einsum(eqn, lhs, rhs)`` with this module's state."""
     state = _read_state(self, self.recipe)
-    rhs = state_lib.require_state_gradient(rhs, state, hint=_TRAIN_HINT)
+    rhs = _guarded(self, rhs, state)
     return dot_general_lib.fp8_einsum(
         eqn, lhs, rhs, state=state, recipe=self.recipe,
         preferred_element_type=preferred_element_type, precision=precision)

@@ -9,7 +9,8 @@ module call by its path and class and:
    inputs such as token ids, bools, PRNG keys and non-array arguments are untouched);
 2. hands the module its own params in its compute dtype (the float32 master copies
    stay where they are, so gradients come back in the param dtype);
-3. swaps the dot_general of matmul layers whose rule has an fp8 recipe;
+3. swaps the dot_general of matmul layers whose rule has an fp8 recipe (and passes
+   their fp8 state through ``nn.RNN``'s scan);
 4. casts the output to the caller's compute dtype (an override is local), to the
    dtype the rule names, or, for the outermost call, to the default output dtype.
 
@@ -70,9 +71,9 @@ def _params_in(module: nn.Module, dtype: np.dtype, call: engine.Call):
 
 
 def _field_values(module: nn.Module, precision, call: engine.Call) -> dict[str, Any]:
-  """The dataclass fields the engine sets while the module runs: ``dtype``, ``attention_fn``."""
+  """The fields set while the module runs: ``dtype``, ``attention_fn``, nn.RNN's scan fields."""
   fields = getattr(module, "__dataclass_fields__", {})
-  chosen = {}
+  chosen = injection.scan_fields(module)
   if "dtype" in fields:
     chosen["dtype"] = call.dtype_field(module.dtype, precision)
   if "attention_fn" in fields:
