@@ -194,6 +194,28 @@ def test_nonfinite_probe_builds_one_for_another_call():
   assert out.shape == (2, 3)
 
 
+def test_a_shared_modules_parameter_gradient_is_not_made_by_the_call_that_got_a_finite_one():
+  # A tied embedding (WMT's shared_embedding): looked up at the start, its attend makes
+  # the logits. A backward overflow in "block" reaches the lookup's output gradient; the
+  # table's gradient sums both uses, so attend, whose output gradient was finite, did
+  # not make it non-finite.
+  inf = np.inf
+  calls = (("", "__call__"), ("embed", "__call__"), ("block", "__call__"), ("embed", "attend"))
+  rows = [  # input, output, output_grad, input_grad, param_grad, made_f, made_b, fwd, bwd, count
+      [-inf, 2.0, 1.0, -inf, -inf, 0.0, -inf, 4.0, 1.0, 1.0],
+      [-inf, 2.0, inf, -inf, inf, 0.0, -inf, 1.0, 2.0, 1.0],
+      [2.0, 2.0, 1.0, inf, 3.0, 0.0, 1.0, 2.0, 3.0, 1.0],
+      [2.0, 2.0, 1.0, 1.0, inf, 0.0, 0.0, 3.0, 4.0, 1.0],
+  ]
+  trace = nonfinite.NonfiniteTrace(calls, jnp.array(rows, jnp.float32))
+  assert str(nonfinite_report.first_nonfinite(trace)) == "backward input gradient of block"
+  # Had every call site of embed got a finite output gradient, embed made its own.
+  rows[1][2] = 1.0
+  rows[2][3], rows[2][6] = 1.0, 0.0
+  trace = nonfinite.NonfiniteTrace(calls, jnp.array(rows, jnp.float32))
+  assert str(nonfinite_report.first_nonfinite(trace)) == "backward parameter gradient of embed.attend"
+
+
 def test_micro_batch_traces_combine_by_max():
   model = jaxmp.linen.mixed_precision(_Two(), TRACE)
   variables = model.init(jax.random.key(0), X)

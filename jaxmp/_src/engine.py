@@ -274,7 +274,9 @@ class Call:
     module's float32 ops in effect, and casts the output to :meth:`output_dtype`
     (threaded state back to the dtype it came in). With a non-finite probe, the
     arguments pass through the probe's *enter* identity before all that and the
-    output through its *leave* identity after (step 7 of the module docstring).
+    output through its *leave* identity after (step 7 of the module docstring). Calls
+    are numbered in the order they start, from 1: call 1 is the one the model's caller
+    made, which :func:`jaxmp._src.nonfinite.model_calls` reads as the model's own call.
 
     Raises:
       ValueError: if the probe has no row for this call site.

@@ -192,6 +192,36 @@ def calls_of(records: Iterable[engine.CallRecord]) -> tuple[Call, ...]:
   return tuple(dict.fromkeys((r.path, r.method) for r in records))
 
 
+MODEL_CALL_START = 1
+"""The start position (the ``backward`` column) of the wrapped model's own call."""
+
+
+def model_calls(values: np.ndarray) -> np.ndarray:
+  """Which rows of a decoded trace are the wrapped model's own call, as a bool mask.
+
+  The model's own call is the one its caller made: the root's ``__call__``, or the
+  method given to linen's ``apply(..., method=)`` or called on the NNX wrapper. Its
+  inputs are the model's inputs and its output gradient is the one the loss sent. The
+  engine numbers the calls of one call of a wrapped model in start order from 1, so it
+  is the row at start position :data:`MODEL_CALL_START`. The root's other methods that
+  it calls (``self.embed(...)``, ``self.decode(...)``) share its path ``""`` but are
+  calls inside it, like a child's, and start later.
+
+  Args:
+    values: the trace's values on the host, sums divided back out (what
+      :func:`jaxmp._src.tools.nonfinite.decoded` returns).
+
+  Example:
+    >>> from jaxmp._src import nonfinite
+    >>> values = np.zeros((2, len(nonfinite.COLUMNS)), np.float32)
+    >>> values[:, nonfinite.COUNT] = 1.0
+    >>> values[:, nonfinite.BACKWARD] = [1.0, 2.0]   # ("", "__call__"), ("", "embed")
+    >>> nonfinite.model_calls(values).tolist()
+    [True, False]
+  """
+  return (values[:, COUNT] > 0) & (values[:, BACKWARD] == MODEL_CALL_START)
+
+
 def check_trace(trace: Any, where: str) -> NonfiniteTrace:
   """``trace`` if it is a :class:`NonfiniteTrace`; else a TypeError naming ``where``."""
   if not isinstance(trace, NonfiniteTrace):
@@ -409,6 +439,7 @@ def accumulate(a: NonfiniteTrace, b: NonfiniteTrace) -> NonfiniteTrace:
 __all__ = (
     "COLUMNS",
     "COUNTED",
+    "MODEL_CALL_START",
     "NonfiniteTrace",
     "Tracer",
     "accumulate",
@@ -417,6 +448,7 @@ __all__ = (
     "describe_call",
     "enter",
     "leave",
+    "model_calls",
     "probe",
     "with_param_grads",
 )

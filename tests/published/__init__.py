@@ -25,6 +25,23 @@ in ``flax_gemma`` ``from jaxtyping import Array`` -> ``from jax import Array``
                                                             NNX scanned MLP (renamed: a
                                                             module name cannot start
                                                             with a digit)
+  flax_vit/vit.py             docs_nnx/examples/vit_training.md
+                                                            NNX ViT (the imports and
+                                                            model cells, lines 26-28,
+                                                            49-230); __call__ calls
+                                                            self.embed
+  flax_autoencoder/{linen,nnx}_autoencoder.py
+                              docs_nnx/migrating/linen_to_nnx.rst
+                                                            the linen/NNX AutoEncoder
+                                                            pair ("Using multiple
+                                                            methods", lines 317-334 and
+                                                            341-358, dedented, with
+                                                            import lines added):
+                                                            __call__ calls self.encode
+                                                            and self.decode
+
+The ``docs_nnx`` copies are cut from documentation pages at that commit (a code
+cell, or one side of a codediff block), so each first line names the lines it took.
 
 ``models.py`` is the registry (tiny versions of the published configs, inputs, call
 flags, losses), ``matmuls.py`` counts matmuls in a jaxpr by dtype, and

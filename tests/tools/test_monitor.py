@@ -270,3 +270,46 @@ def test_the_streak_comes_from_a_real_run_with_the_state_metrics():
     _, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, state, params)
     flagged.append([a.kind for a in monitor.update(jaxmp.loss_scaling_metrics(state))])
   assert flagged == [[], [], [], ["skip_streak"], []]
+
+
+# ---- the non-finite report ---------------------------------------------------------------------
+
+_CALLS = (("", "__call__"), ("dense", "__call__"))
+# Columns: input, output, output_grad, input_grad, param_grad, made_forward, made_backward,
+# forward, backward, count (jaxmp._src.nonfinite.COLUMNS).
+_INF = float("inf")
+_CLEAN = [[1.0, 2.0, 1.0, 3.0, -_INF, 0.0, 0.0, 2.0, 1.0, 1.0],
+          [1.0, 2.0, 1.0, 3.0, 4.0, 0.0, 0.0, 1.0, 2.0, 1.0]]
+_OVERFLOW = [[1.0, _INF, _INF, _INF, -_INF, 0.0, 0.0, 2.0, 1.0, 1.0],   # dense made an inf
+             [1.0, _INF, _INF, _INF, _INF, 1.0, 0.0, 1.0, 2.0, 1.0]]
+
+
+def _trace_metrics(rows, finite):
+  return {"nonfinite_trace": jaxmp.tools.NonfiniteTrace(_CALLS, jnp.array(rows, jnp.float32)),
+          "last_step_finite": finite}
+
+
+def test_the_nonfinite_report_is_of_the_last_step_that_overflowed_not_the_last_step():
+  monitor = jaxmp.tools.Monitor()
+  for rows, finite in ((_CLEAN, True), (_OVERFLOW, False), (_CLEAN, True), (_CLEAN, True)):
+    monitor.update(_trace_metrics(rows, finite))
+  report = monitor.nonfinite_report()   # at the end of the loop
+  assert str(report.origin) == "forward output of dense"
+  assert report.step == 1
+  assert str(report).splitlines()[0] == (
+      "Non-finite trace of step 1: first non-finite value: forward output of dense")
+  # A later overflow replaces it; the step numbers are the ones given to update.
+  monitor.update(_trace_metrics(_OVERFLOW, False), step=10)
+  monitor.update(_trace_metrics(_CLEAN, True), step=11)
+  assert monitor.nonfinite_report().step == 10
+
+
+def test_with_no_overflow_the_nonfinite_report_is_of_the_latest_step():
+  monitor = jaxmp.tools.Monitor()
+  assert monitor.nonfinite_report() is None
+  for _ in range(3):
+    monitor.update(_trace_metrics(_CLEAN, True))
+  report = monitor.nonfinite_report()
+  assert report.step == 2 and report.origin is None
+  assert str(report).splitlines()[0] == "Non-finite trace of step 2: every recorded value was finite"
+  assert jaxmp.tools.nonfinite_report(_trace_metrics(_CLEAN, True)["nonfinite_trace"]).step is None

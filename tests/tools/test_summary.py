@@ -96,3 +96,25 @@ def test_bad_input():
     jaxmp.tools.summary(lambda x: x, RULES, jnp.ones(2))
   with pytest.raises(ValueError, match="needs rules"):
     jaxmp.tools.summary(Net(), None, jnp.ones((1, 2), jnp.int32))
+
+
+def test_a_tracing_wrapper_is_summarized_with_the_variables_its_init_returned():
+  # Flax's own setup-style linen/NNX pair (docs_nnx/migrating/linen_to_nnx.rst).
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from tests.published.flax_autoencoder import linen_autoencoder, nnx_autoencoder  # pylint: disable=g-import-not-at-top
+  x = jnp.ones((2, 12))
+  tables = {}
+  for trace in (False, True):
+    rules = jaxmp.PolicyRules("p=f32,c=bf16,o=f32", trace_nonfinite=trace)
+    linen = jaxmp.linen.mixed_precision(linen_autoencoder.AutoEncoder(8, 12), rules)
+    variables = linen.init(jax.random.key(0), x)
+    assert (jaxmp.linen.NONFINITE_COLLECTION in variables) == trace
+    nnx_model = jaxmp.nnx.mixed_precision(
+        nnx_autoencoder.AutoEncoder(12, 8, 12, rngs=nnx.Rngs(0)), rules)
+    tables[trace] = (str(jaxmp.tools.summary(linen, None, x, variables=variables)),
+                     str(jaxmp.tools.summary(nnx_model, None, x)))
+  assert tables[True] == tables[False]  # tracing changes no dtype and no matmul
+  assert [line.split()[:2] for line in tables[True][0].splitlines()[2:]] == [
+      ["<root>", "AutoEncoder"], ["<root>.encode", "AutoEncoder"], ["encoder", "Dense"],
+      ["<root>.decode", "AutoEncoder"], ["decoder", "Dense"]]
+  assert tables[True][0].splitlines()[4].split()[-1] == "bfloat16"  # encoder's matmul

@@ -124,6 +124,13 @@ class _Interceptor:
     return self.call.run(path, type(module), method, precision, run, args, kwargs)
 
 
+def _without_probe(variables: Any) -> Any:
+  """``variables`` without a tracing wrapper's probe, which is jaxmp's, not the Module's."""
+  if isinstance(variables, Mapping) and NONFINITE_COLLECTION in variables:
+    return {k: v for k, v in variables.items() if k != NONFINITE_COLLECTION}
+  return variables
+
+
 def _param_dtypes_by_path(records: list[CallRecord]) -> dict[tuple[str, ...], np.dtype]:
   return {tuple(r.path.split("/")) if r.path else (): r.precision.policy.param_dtype
           for r in records}
@@ -235,7 +242,7 @@ class MixedPrecision:
     if not self.rules.trace_nonfinite:
       raise ValueError("nonfinite_probe: this wrapper does not trace non-finite values; "
                        "wrap the model with PolicyRules(..., trace_nonfinite=True).")
-    variables = {k: v for k, v in variables.items() if k != NONFINITE_COLLECTION}
+    variables = _without_probe(variables)
     records = []
     jax.eval_shape(lambda: records.extend(self.trace(
         lambda: self.model.apply(variables, *args, **kwargs))[1]))
@@ -282,7 +289,8 @@ def trace_abstract(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRule
     rules: a policy or rules; ``None`` keeps a wrapper's own.
     args: the call's positional arguments (arrays or ``jax.ShapeDtypeStruct``).
     kwargs: its keyword arguments (``method=``, ``mutable=``, flags).
-    variables: the model's variables; without them the call is traced as ``init``.
+    variables: the model's variables; without them the call is traced as ``init``. A
+      tracing wrapper's probe (:data:`NONFINITE_COLLECTION`) among them is left out.
     rngs: PRNG keys for the call (``jax.random.key(0)`` for ``init`` by default).
 
   Returns:
@@ -299,6 +307,8 @@ def trace_abstract(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRule
                      f"given an unwrapped model {type(model_or_wrapper).__name__}.")
   else:
     wrapper = mixed_precision(model_or_wrapper, rules)
+  # A summary traces no non-finite values: the identities change no dtype.
+  variables = _without_probe(variables)
   records: list[CallRecord] = []
   # Array leaves (ShapeDtypeStructs included) are traced; everything else is static.
   is_array = lambda x: isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))

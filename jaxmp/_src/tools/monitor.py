@@ -28,7 +28,8 @@ history and flags the ways mixed precision fails quietly:
   ``Gradients.nonfinite`` passed to :func:`training_metrics`): the message names the
   module and direction of the step's first non-finite value ("skipped step 12: first
   non-finite value: forward output of block_1/mlp/down"); :meth:`Monitor.nonfinite_report`
-  gives the per-module amax table of the latest step.
+  gives the per-module amax table of the latest step that overflowed (at the end of a
+  loop too, when later steps were finite).
 
 Each kind is reported at the step its condition becomes true, and again only after it
 has been false for a step, so a long collapse is one anomaly, not one per step.
@@ -280,7 +281,10 @@ class Monitor:
     # The last spike_window finite losses, kept apart so that the spike check costs
     # O(spike_window) per step however long the history grows.
     self._recent_losses: collections.deque = collections.deque(maxlen=self.spike_window)
-    self._trace: Optional[nonfinite_lib.NonfiniteTrace] = None
+    # (step, trace) of the latest step that carried a trace, and of the latest whose
+    # trace recorded a non-finite value or that was skipped.
+    self._latest_trace: Optional[tuple[int, nonfinite_lib.NonfiniteTrace]] = None
+    self._overflow_trace: Optional[tuple[int, nonfinite_lib.NonfiniteTrace]] = None
 
   # -- history ---------------------------------------------------------------------------
 
@@ -353,15 +357,16 @@ class Monitor:
                  dict(metrics.get("nonfinite", {})).items()}
     grad_norm = _scalar(metrics, "grad_norm", float)
     streak = _scalar(metrics, "consecutive_skips", int)
-    if metrics.get("nonfinite_trace") is not None:
-      self._trace = nonfinite_lib.check_trace(metrics["nonfinite_trace"],
-                                              "Monitor.update: metrics['nonfinite_trace']")
+    trace = metrics.get("nonfinite_trace")
+    if trace is not None:
+      trace = nonfinite_lib.check_trace(trace, "Monitor.update: metrics['nonfinite_trace']")
     s.steps.append(step)
     s.loss.append(loss)
     s.grad_norm.append(grad_norm)
     s.loss_scale.append(scale)
     s.skipped.append(-1 if finite is None else int(not finite))
     s.nonfinite.append(nonfinite)
+    origin = self._keep_trace(trace, finite, step)
 
     found = {
         "scale_collapse": self._scale_collapse(scale),
@@ -370,8 +375,7 @@ class Monitor:
         "nonfinite_loss": (None if loss is None or math.isfinite(loss)
                            else f"the loss is {loss}"),
         "skip_streak": self._skip_streak(streak, scale, step),
-        "nonfinite_origin": self._nonfinite_origin(metrics.get("nonfinite_trace"), finite,
-                                                   step),
+        "nonfinite_origin": self._nonfinite_origin(trace, origin, finite, step),
     }
     new = []
     for kind in KINDS:
@@ -446,21 +450,55 @@ class Monitor:
             f"{self.max_consecutive_skips}){at_scale}: no step has been applied since "
             f"{since}")
 
-  def _nonfinite_origin(self, trace: Any, finite: Optional[bool], step: int) -> Optional[str]:
+  def _keep_trace(self, trace: Optional[nonfinite_lib.NonfiniteTrace], finite: Optional[bool],
+                  step: int) -> Optional[report_lib.Origin]:
+    """Keeps the step's trace for :meth:`nonfinite_report`; returns its first non-finite value."""
+    if trace is None:
+      return None
+    self._latest_trace = (step, trace)
+    origin = report_lib.first_nonfinite(trace)
+    if origin is not None or finite is False:
+      self._overflow_trace = (step, trace)
+    return origin
+
+  def _nonfinite_origin(self, trace: Optional[nonfinite_lib.NonfiniteTrace],
+                        origin: Optional[report_lib.Origin], finite: Optional[bool],
+                        step: int) -> Optional[str]:
     if trace is None or finite is not False:
       return None
-    origin = report_lib.first_nonfinite(self._trace)
     if origin is None:
       return (f"skipped step {step}: no traced module recorded a non-finite value (it arose "
               f"outside the wrapped model's calls: in the loss function, say)")
     return f"skipped step {step}: first non-finite value: {origin} (amax {origin.amax:g})"
 
   def nonfinite_report(self) -> Optional[report_lib.NonfiniteReport]:
-    """The per-module amax table of the latest step that carried a non-finite trace.
+    """The per-module amax table of the latest step that overflowed, saying which step.
 
-    ``None`` until metrics with ``"nonfinite_trace"`` have been given.
+    The step is the latest whose trace recorded a non-finite value, or that was
+    skipped, so that called at the end of a loop it reports the overflow rather than
+    the finite steps after it; when no step did, the latest step that carried a trace.
+    Its ``step`` attribute (and the table's first line) says which step it is.
+
+    Returns:
+      A :class:`jaxmp.tools.NonfiniteReport`, or ``None`` until metrics with
+      ``"nonfinite_trace"`` have been given.
+
+    Example:
+      >>> calls = (("", "__call__"),)
+      >>> clean = [1.0, 2.0, 1.0, 1.0, -jnp.inf, 0.0, 0.0, 1.0, 1.0, 1.0]
+      >>> overflow = [1.0, jnp.inf, 1.0, 1.0, -jnp.inf, 1.0, 0.0, 1.0, 1.0, 1.0]
+      >>> monitor = jaxmp.tools.Monitor()
+      >>> for row in (clean, overflow, clean):
+      ...   trace = jaxmp.tools.NonfiniteTrace(calls, jnp.array([row]))
+      ...   _ = monitor.update({"nonfinite_trace": trace})
+      >>> print(str(monitor.nonfinite_report()).splitlines()[0])
+      Non-finite trace of step 1: first non-finite value: forward output of <root>
     """
-    return None if self._trace is None else report_lib.nonfinite_report(self._trace)
+    chosen = self._overflow_trace or self._latest_trace
+    if chosen is None:
+      return None
+    step, trace = chosen
+    return report_lib.nonfinite_report(trace)._replace(step=step)
 
   def _loss_spike(self, loss: Optional[float]) -> Optional[str]:
     if loss is None or not math.isfinite(loss):

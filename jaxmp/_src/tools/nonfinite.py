@@ -13,17 +13,22 @@ the backward pass computed them: multiplied by the loss scale.
 **The first non-finite value** (:func:`first_nonfinite`) is defined on events in the
 order they happen:
 
-1. the model's inputs were non-finite (the root call's ``input``);
+1. the model's inputs were non-finite (the ``input`` of the model's own call: the call
+   its caller made, the root's ``__call__`` or the method given to ``apply``; the root's
+   other methods that it calls, ``self.embed(...)``, are calls inside it like a child's,
+   :func:`jaxmp._src.nonfinite.model_calls`);
 2. forward: the first call site, in the order calls finish, that made a non-finite
    output from finite inputs (``made_forward``): in its own code or a child's, and the
    innermost such call finishes first. (The earliest non-finite output alone would
    often name a call that only passed on a value it was given.)
-3. backward: the gradient arriving at the model's output was already non-finite (the
-   loss, or the loss scale, overflowed);
+3. backward: the gradient arriving at the model's output (the ``output_grad`` of its
+   own call) was already non-finite (the loss, or the loss scale, overflowed);
 4. backward: the first call site, in the order the backward pass finishes them
    (reverse start order), that made a non-finite gradient for its inputs from a finite
    output gradient (``made_backward``), or whose parameter gradients are non-finite
-   while its output gradients were finite;
+   while the output gradients of every call site of its module were finite (parameter
+   gradients sum over all the module's calls: a shared embedding's lookups and its
+   ``attend``);
 5. failing those, the earliest non-finite value recorded at all (the forward first).
 
 A forward origin wins over any backward one: a non-finite forward makes the backward
@@ -121,17 +126,25 @@ def first_nonfinite(trace: nonfinite_lib.NonfiniteTrace) -> Optional[Origin]:
   trace = nonfinite_lib.check_trace(trace, "first_nonfinite: trace")
   values = decoded(trace)
   recorded = values[:, nonfinite_lib.COUNT] > 0
-  root = recorded & np.array([path == "" for path, _ in trace.calls], bool)
+  # The model's own call, not every row of the root's path: the root's other methods
+  # it calls (self.embed, self.decode) are calls inside it.
+  model = recorded & nonfinite_lib.model_calls(values)
   bad = {name: _bad(values[:, i]) for i, name in enumerate(nonfinite_lib.COLUMNS[:nonfinite_lib.PARAM_GRAD + 1])}
   made_forward = recorded & (values[:, nonfinite_lib.MADE_FORWARD] > 0)
   made_input_grad = recorded & (values[:, nonfinite_lib.MADE_BACKWARD] > 0)
-  made_backward = made_input_grad | (recorded & ~bad["output_grad"] & bad["param_grad"])
+  # A module's parameter gradients are the sum over all its calls (every method, every
+  # call of one: a shared embedding's lookups and its attend), so the module made them
+  # non-finite only if each of its call sites got a finite output gradient.
+  paths = [path for path, _ in trace.calls]
+  fed_inf = {path for path, b in zip(paths, recorded & bad["output_grad"]) if b}
+  made_param_grad = recorded & bad["param_grad"] & np.array([p not in fed_inf for p in paths])
+  made_backward = made_input_grad | made_param_grad
   backward_value = lambda i: "input_grad" if made_input_grad[i] else "param_grad"
   # (rows, the position column, whether the first is the smallest, direction, value)
   events = (
-      (root & bad["input"], nonfinite_lib.FORWARD, True, "forward", "input"),
+      (model & bad["input"], nonfinite_lib.FORWARD, True, "forward", "input"),
       (made_forward, nonfinite_lib.FORWARD, True, "forward", "output"),
-      (root & bad["output_grad"], nonfinite_lib.FORWARD, False, "backward", "output_grad"),
+      (model & bad["output_grad"], nonfinite_lib.FORWARD, False, "backward", "output_grad"),
       (made_backward, nonfinite_lib.BACKWARD, False, "backward", backward_value),
       (recorded & bad["output"], nonfinite_lib.FORWARD, True, "forward", "output"),
       (recorded & bad["input"], nonfinite_lib.FORWARD, True, "forward", "input"),
@@ -198,11 +211,14 @@ class NonfiniteReport(NamedTuple):
       every recorded value was finite.
     modules: a :class:`ModuleAmax` per recorded call site, in execution order.
     loss_scale: the scale the gradients were multiplied by, when given.
+    step: the training step the trace is of, when known (:meth:`Monitor.nonfinite_report
+      <jaxmp.tools.Monitor.nonfinite_report>` says which step it reports).
   """
 
   origin: Optional[Origin]
   modules: tuple[ModuleAmax, ...]
   loss_scale: Optional[float]
+  step: Optional[int] = None
 
   def largest(self, value: str = "output", n: int = 5) -> tuple[ModuleAmax, ...]:
     """The ``n`` call sites with the largest ``value`` amax (non-finite first): outliers.
@@ -229,7 +245,8 @@ class NonfiniteReport(NamedTuple):
       origin = (self.origin.path, self.origin.method)
       body = [row + ("<- " + self.origin.value if (m.path, m.method) == origin else "",)
               for row, m in zip(body, self.modules)]
-    return (f"Non-finite trace: {first}\nabsolute max per module call, forward then "
+    of_step = "" if self.step is None else f" of step {self.step}"
+    return (f"Non-finite trace{of_step}: {first}\nabsolute max per module call, forward then "
             f"backward{scale}:\n"
             + table.text_table(header, body, (False,) + (True,) * 5 + (False,)))
 

@@ -213,7 +213,8 @@ def summary(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRules] = No
       returned.
     rules: a policy or :class:`jaxmp.PolicyRules`; may be ``None`` for a wrapper.
     *args: the call's positional arguments (arrays or ``jax.ShapeDtypeStruct``).
-    variables: the model's variables; without them the call is traced as ``init``.
+    variables: the model's variables (those a tracing wrapper's ``init`` returned, with
+      the non-finite probe, too); without them the call is traced as ``init``.
     rngs: PRNG keys for the call (``jax.random.key(0)`` for ``init`` by default).
     **kwargs: the call's keyword arguments (``method=``, ``mutable=``, flags).
 
