@@ -349,13 +349,23 @@ CASES = [
         X.astype(jnp.float16), jax.random.key(0)), TypeError, "dtype float16"),
     ("stochastic_round to float16", lambda: jaxmp.optim.stochastic_round(
         X, jax.random.key(0), jnp.float16), ValueError, "got float16"),
-    ("stochastic_rounding without a key", lambda: jaxmp.optim.stochastic_rounding(None),
-     TypeError, "got None"),
+    ("stochastic_rounding without a key", lambda: jaxmp.optim.stochastic_rounding(
+        optax.sgd(1.0), None), TypeError, "got None"),
     ("stochastic_rounding float16 params", lambda: jaxmp.optim.stochastic_rounding(
-        jax.random.key(0)).init({"w": jnp.ones(2, jnp.float16)}), ValueError,
+        optax.sgd(1.0), jax.random.key(0)).init({"w": jnp.ones(2, jnp.float16)}), ValueError,
      "param w has dtype float16"),
-    ("kahan_summation over float32 params", lambda: jaxmp.optim.kahan_summation().init(PARAMS),
-     ValueError, "the params have dtypes ['float32']"),
+    ("stochastic_rounding chained, given only a key", lambda: optax.chain(
+        jaxmp.optim.stochastic_rounding(jax.random.key(0)), optax.sgd(1.0)), TypeError,
+     "stochastic_rounding(inner, key)"),
+    ("stochastic_rounding uncalled optimizer", lambda: jaxmp.optim.stochastic_rounding(
+        optax.sgd, jax.random.key(0)), TypeError, "did you mean to call sgd"),
+    ("kahan_summation over float32 params", lambda: jaxmp.optim.kahan_summation(
+        optax.sgd(1.0)).init(PARAMS), ValueError, "the params have dtypes ['float32']"),
+    ("kahan_summation chained, without its optimizer", lambda: optax.chain(
+        jaxmp.optim.kahan_summation(), optax.sgd(1.0)), TypeError, "'inner'"),
+    ("kahan_summation update without params", lambda: jaxmp.optim.kahan_summation(
+        optax.sgd(1.0)).update(BF16_PARAMS, jaxmp.optim.kahan_summation(optax.sgd(1.0)).init(
+            BF16_PARAMS)), ValueError, "params=None"),
     ("kahan_add float32 param", lambda: jaxmp.optim.kahan_add(X, X, X), TypeError,
      "dtype float32"),
     ("split_remainder of bfloat16", lambda: jaxmp.optim.split_remainder(

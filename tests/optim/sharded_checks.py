@@ -48,11 +48,9 @@ OPTIMIZERS = {
     "master": lambda: jaxmp.optim.master_weights(_adamw()),
     "master remainders": lambda: jaxmp.optim.master_weights(_adamw(), remainders=True),
     "bf16 moments": lambda: jaxmp.optim.state_dtypes(_adamw(), "bfloat16"),
-    "stochastic rounding": lambda: optax.chain(
-        jaxmp.optim.state_dtypes(_adamw(), "bfloat16"),
-        jaxmp.optim.stochastic_rounding(jax.random.key(1))),
-    "kahan": lambda: optax.chain(jaxmp.optim.state_dtypes(_adamw(), "bfloat16"),
-                                 jaxmp.optim.kahan_summation()),
+    "stochastic rounding": lambda: jaxmp.optim.stochastic_rounding(
+        jaxmp.optim.state_dtypes(_adamw(), "bfloat16"), jax.random.key(1)),
+    "kahan": lambda: jaxmp.optim.kahan_summation(jaxmp.optim.state_dtypes(_adamw(), "bfloat16")),
 }
 
 
