@@ -339,6 +339,9 @@ CASES = [
     ("state_dtypes choice returns uint8", lambda: jaxmp.optim.state_dtypes(
         optax.adam(1e-3), lambda path, leaf: jnp.uint8).init(PARAMS), ValueError,
      "state leaf '0/mu/w': storage dtype 'uint8'"),
+    ("state_dtypes float16 for Adam's nu", lambda: jaxmp.optim.state_dtypes(
+        optax.adam(1e-3), "float16").init(PARAMS), ValueError,
+     "'0/nu/w' (ScaleByAdamState.nu) holds squared gradients"),
     ("stochastic_round without a key", lambda: jaxmp.optim.stochastic_round(X, None), TypeError,
      "got None"),
     ("stochastic_round integer key", lambda: jaxmp.optim.stochastic_round(X, 0), TypeError,
