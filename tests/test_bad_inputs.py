@@ -130,6 +130,10 @@ CASES = [
     # Trees.
     ("cast_tree integer target", lambda: jaxmp.cast_tree(PARAMS, "int32"), ValueError, "'int32'"),
     ("cast_tree bool target", lambda: jaxmp.cast_tree(PARAMS, jnp.bool_), ValueError, "'bool'"),
+    ("all_finite of a string", lambda: jaxmp.all_finite("hello"), TypeError,
+     "leaf (the tree itself) is 'hello' of type str"),
+    ("all_finite object leaf", lambda: jaxmp.all_finite({"w": jnp.ones(2), "tag": object()}),
+     TypeError, "leaf ['tag'] is <object object"),
     ("cast_tree None target", lambda: jaxmp.cast_tree(PARAMS, None), TypeError, "got None"),
     ("select_tree vector predicate",
      lambda: jaxmp.select_tree(jnp.array([True, False]), PARAMS, PARAMS), ValueError, "(2,)"),
