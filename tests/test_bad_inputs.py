@@ -286,6 +286,9 @@ CASES = [
      "got list: [{'w'"),
     ("apply_gradients plain dict", lambda: _sgd_state().apply_gradients({"params": PARAMS}),
      TypeError, "got dict"),
+    ("train.value_and_grad loss_scale a number", lambda: jaxmp.linen.value_and_grad(
+        lambda v: jnp.sum(v["params"]["w"]))({"params": PARAMS}, loss_scale=1024.0), TypeError,
+     "got 1024.0 of type float; for a fixed scale pass jaxmp.StaticLossScale(1024.0)"),
     ("train.value_and_grad not callable", lambda: jaxmp.linen.value_and_grad("loss"), TypeError,
      "got 'loss'"),
     ("accumulate_gradients plain dicts",
