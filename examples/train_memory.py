@@ -62,12 +62,11 @@ def master_remainders(schedule) -> optax.GradientTransformation:
 
 
 def stochastic(schedule) -> optax.GradientTransformation:
-  return optax.chain(bf16_adamw(schedule),
-                     jaxmp.optim.stochastic_rounding(jax.random.key(SEED)))
+  return jaxmp.optim.stochastic_rounding(bf16_adamw(schedule), jax.random.key(SEED))
 
 
 def kahan(schedule) -> optax.GradientTransformation:
-  return optax.chain(bf16_adamw(schedule), jaxmp.optim.kahan_summation())
+  return jaxmp.optim.kahan_summation(bf16_adamw(schedule))
 
 
 def _run(name: str, policy: str, optimizer=train_lm.adamw, loss_scale=jaxmp.NoOpLossScale):

@@ -11,8 +11,10 @@ params + float32 master + bfloat16 moments 10; with the master as a 16-bit remai
 * :func:`state_dtypes`: any optimizer's state stored in bfloat16 (per leaf if you
   like), its arithmetic in float32.
 * :func:`stochastic_rounding` and :func:`kahan_summation`: alternatives to a master
-  for pure 16-bit training, so that updates below half an ulp are not lost; the
-  functions :func:`stochastic_round` and :func:`kahan_add` do one rounding.
+  for pure 16-bit training, so that updates below half an ulp are not lost; like
+  :func:`master_weights` they wrap the optimizer (a transform chained after them
+  would undo what they write); the functions :func:`stochastic_round` and
+  :func:`kahan_add` do one rounding.
 
 They compose with :func:`jaxmp.loss_scaling` (outermost), sharding (every state leaf
 has its param's shape) and checkpointing (states are NamedTuples of arrays).

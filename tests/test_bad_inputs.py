@@ -152,6 +152,10 @@ CASES = [
     # Trees.
     ("cast_tree integer target", lambda: jaxmp.cast_tree(PARAMS, "int32"), ValueError, "'int32'"),
     ("cast_tree bool target", lambda: jaxmp.cast_tree(PARAMS, jnp.bool_), ValueError, "'bool'"),
+    ("all_finite of a string", lambda: jaxmp.all_finite("hello"), TypeError,
+     "leaf (the tree itself) is 'hello' of type str"),
+    ("all_finite object leaf", lambda: jaxmp.all_finite({"w": jnp.ones(2), "tag": object()}),
+     TypeError, "leaf ['tag'] is <object object"),
     ("cast_tree None target", lambda: jaxmp.cast_tree(PARAMS, None), TypeError, "got None"),
     ("select_tree vector predicate",
      lambda: jaxmp.select_tree(jnp.array([True, False]), PARAMS, PARAMS), ValueError, "(2,)"),
@@ -304,6 +308,9 @@ CASES = [
      "got list: [{'w'"),
     ("apply_gradients plain dict", lambda: _sgd_state().apply_gradients({"params": PARAMS}),
      TypeError, "got dict"),
+    ("train.value_and_grad loss_scale a number", lambda: jaxmp.linen.value_and_grad(
+        lambda v: jnp.sum(v["params"]["w"]))({"params": PARAMS}, loss_scale=1024.0), TypeError,
+     "got 1024.0 of type float; for a fixed scale pass jaxmp.StaticLossScale(1024.0)"),
     ("train.value_and_grad not callable", lambda: jaxmp.linen.value_and_grad("loss"), TypeError,
      "got 'loss'"),
     ("accumulate_gradients plain dicts",
@@ -366,6 +373,9 @@ CASES = [
     ("state_dtypes choice returns uint8", lambda: jaxmp.optim.state_dtypes(
         optax.adam(1e-3), lambda path, leaf: jnp.uint8).init(PARAMS), ValueError,
      "state leaf '0/mu/w': storage dtype 'uint8'"),
+    ("state_dtypes float16 for Adam's nu", lambda: jaxmp.optim.state_dtypes(
+        optax.adam(1e-3), "float16").init(PARAMS), ValueError,
+     "'0/nu/w' (ScaleByAdamState.nu) holds squared gradients"),
     ("stochastic_round without a key", lambda: jaxmp.optim.stochastic_round(X, None), TypeError,
      "got None"),
     ("stochastic_round integer key", lambda: jaxmp.optim.stochastic_round(X, 0), TypeError,
@@ -376,13 +386,23 @@ CASES = [
         X.astype(jnp.float16), jax.random.key(0)), TypeError, "dtype float16"),
     ("stochastic_round to float16", lambda: jaxmp.optim.stochastic_round(
         X, jax.random.key(0), jnp.float16), ValueError, "got float16"),
-    ("stochastic_rounding without a key", lambda: jaxmp.optim.stochastic_rounding(None),
-     TypeError, "got None"),
+    ("stochastic_rounding without a key", lambda: jaxmp.optim.stochastic_rounding(
+        optax.sgd(1.0), None), TypeError, "got None"),
     ("stochastic_rounding float16 params", lambda: jaxmp.optim.stochastic_rounding(
-        jax.random.key(0)).init({"w": jnp.ones(2, jnp.float16)}), ValueError,
+        optax.sgd(1.0), jax.random.key(0)).init({"w": jnp.ones(2, jnp.float16)}), ValueError,
      "param w has dtype float16"),
-    ("kahan_summation over float32 params", lambda: jaxmp.optim.kahan_summation().init(PARAMS),
-     ValueError, "the params have dtypes ['float32']"),
+    ("stochastic_rounding chained, given only a key", lambda: optax.chain(
+        jaxmp.optim.stochastic_rounding(jax.random.key(0)), optax.sgd(1.0)), TypeError,
+     "stochastic_rounding(inner, key)"),
+    ("stochastic_rounding uncalled optimizer", lambda: jaxmp.optim.stochastic_rounding(
+        optax.sgd, jax.random.key(0)), TypeError, "did you mean to call sgd"),
+    ("kahan_summation over float32 params", lambda: jaxmp.optim.kahan_summation(
+        optax.sgd(1.0)).init(PARAMS), ValueError, "the params have dtypes ['float32']"),
+    ("kahan_summation chained, without its optimizer", lambda: optax.chain(
+        jaxmp.optim.kahan_summation(), optax.sgd(1.0)), TypeError, "'inner'"),
+    ("kahan_summation update without params", lambda: jaxmp.optim.kahan_summation(
+        optax.sgd(1.0)).update(BF16_PARAMS, jaxmp.optim.kahan_summation(optax.sgd(1.0)).init(
+            BF16_PARAMS)), ValueError, "params=None"),
     ("kahan_add float32 param", lambda: jaxmp.optim.kahan_add(X, X, X), TypeError,
      "dtype float32"),
     ("split_remainder of bfloat16", lambda: jaxmp.optim.split_remainder(

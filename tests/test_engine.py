@@ -257,6 +257,17 @@ def test_a_rule_naming_an_op_jaxmp_cannot_intercept_warns_with_the_paths():
     jaxmp.linen.mixed_precision(model, rules).init(jax.random.key(0), jnp.ones((1, 4)))
 
 
+def test_the_model_wide_list_naming_an_op_jaxmp_cannot_intercept_warns_like_a_rule():
+  # PolicyRules(float32_ops=("exp",)) used to be ignored without a word.
+  model = nn.Sequential([nn.Dense(3), nn.Dense(2)])
+  rules = jaxmp.PolicyRules(BF16, [jaxmp.Rule("layers_1", float32_ops=())],
+                            float32_ops=("softmax", "exp"))
+  with pytest.warns(UserWarning, match=r"PolicyRules float32_ops asks for exp in float32, "
+                                       r"which jaxmp cannot intercept .*compute dtype in "
+                                       r"<root>, layers_0\b"):
+    jaxmp.linen.mixed_precision(model, rules).init(jax.random.key(0), jnp.ones((1, 4)))
+
+
 def test_other_threads_see_jax_unchanged_during_a_wrapped_call():
   seen = {}
   started, release = threading.Event(), threading.Event()

@@ -219,6 +219,30 @@ def test_traced_scale_and_counter_are_accepted_inside_jit():
   assert float(ls.loss_scale) == 16.0 and int(ls.counter) == 0
 
 
+@pytest.mark.parametrize("bad", [-8.0, 0.0, math.nan, math.inf, -math.inf, 1e-40])
+def test_an_invalid_traced_scale_becomes_nan_where_a_concrete_one_is_refused(bad):
+  # jit cannot raise on a value; a NaN scale makes every gradient it scales non-finite.
+  make = jax.jit(lambda s: (jaxmp.StaticLossScale(s).loss_scale,
+                            jaxmp.DynamicLossScale(s, min_scale=0.0).loss_scale))
+  assert all(math.isnan(float(x)) for x in make(jnp.float32(bad)))
+  assert [float(x) for x in make(jnp.float32(8.0))] == [8.0, 8.0]
+  ls = jax.jit(jaxmp.StaticLossScale)(jnp.float32(bad))
+  assert math.isnan(float(ls.unscale(jnp.float32(1.0))))
+  assert math.isnan(float(ls.adjust(False).loss_scale))
+
+
+def test_a_traced_scale_or_counter_out_of_its_bounds_becomes_nan():
+  make = jax.jit(lambda s, c: jaxmp.DynamicLossScale(
+      s, growth_interval=2, min_scale=2.0, max_scale=64.0, counter=c))
+  assert float(make(8.0, 1).loss_scale) == 8.0 and int(make(8.0, 1).counter) == 1
+  for scale, counter in [(1.0, 0), (128.0, 0), (8.0, 2), (8.0, -1)]:
+    ls = make(scale, counter)
+    assert math.isnan(float(ls.loss_scale)), (scale, counter)
+    # It stays NaN: backing off or growing a NaN gives NaN.
+    assert math.isnan(float(ls.adjust(False).loss_scale))
+    assert math.isnan(float(ls.adjust(True).adjust(True).loss_scale))
+
+
 def test_adjust_under_vmap_with_a_batched_flag():
   ls = jaxmp.DynamicLossScale(8.0, growth_interval=1)
   out = jax.vmap(lambda f: ls.adjust(f))(jnp.array([True, False]))

@@ -539,6 +539,25 @@ def test_inner_must_be_a_gradient_transformation():
     jaxmp.loss_scaling((lambda p: None, lambda u, s, p: (u, s)))
 
 
+def test_a_loss_scale_built_under_jit_from_an_invalid_value_skips_every_step():
+  @jax.jit
+  def first_step(scale, params):
+    tx = jaxmp.loss_scaling(optax.sgd(0.5), jaxmp.DynamicLossScale(scale))
+    state = tx.init(params)
+    grads = jaxmp.get_loss_scale(state).scale({"w": jnp.ones(2)})
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  params, state = first_step(8.0, {"w": jnp.ones(2)})
+  assert params["w"].tolist() == [0.5, 0.5] and int(state.skipped_steps) == 0
+  # -8 used to be accepted: the sign cancelled out and the step was applied.
+  for bad in (-8.0, 0.0, math.nan):
+    params, state = first_step(bad, {"w": jnp.ones(2)})
+    assert params["w"].tolist() == [1.0, 1.0], bad
+    assert int(state.skipped_steps) == 1 and not bool(state.last_step_finite)
+    assert math.isnan(float(state.loss_scale.loss_scale))
+
+
 def test_loss_scale_must_be_a_jaxmp_loss_scale():
   with pytest.raises(TypeError, match=r"jaxmp.StaticLossScale\(1024.0\)"):
     jaxmp.loss_scaling(optax.sgd(1.0), 1024.0)

@@ -153,6 +153,27 @@ def test_all_finite_accepts_numpy_and_python_leaves():
   assert not bool(jaxmp.all_finite({"a": np.array([np.nan]), "b": 1.0}))
 
 
+def test_all_finite_accepts_every_number_bool_key_and_none():
+  tree = {name: leaf for name, leaf in _mixed_tree().items() if name != "string"}
+  tree.update(complex=1j, np_int=np.int8(3), np_bool=np.bool_(True),
+              np_bf16=np.ones(2, jnp.bfloat16), np_complex=np.ones(2, np.complex64))
+  for fn in (jaxmp.all_finite, jax.jit(jaxmp.all_finite)):
+    assert bool(fn(tree))
+    assert not bool(fn({**tree, "bad": jnp.array([np.nan])}))
+
+
+@pytest.mark.parametrize("bad", ["hello", b"bytes", object(), np.array(["a", "b"]),
+                                 np.array([1.0, None], dtype=object), np.str_("x"),
+                                 jax.ShapeDtypeStruct((2,), jnp.float32)])
+def test_all_finite_refuses_leaves_that_are_not_numbers(bad):
+  # all_finite("hello") used to say True: a tree that is not gradients was taken as finite.
+  with pytest.raises(TypeError, match=r"all_finite: leaf \['b'\] is .* of type "
+                                      + re.escape(type(bad).__name__)):
+    jaxmp.all_finite({"a": jnp.ones(2), "b": bad})
+  with pytest.raises(TypeError, match=r"leaf \(the tree itself\)"):
+    jaxmp.all_finite(bad)
+
+
 def test_all_finite_common_path_has_no_large_temporaries():
   # float32 and bfloat16 leaves (the CPU backend widens float16 before reducing it).
   tree = {"a": jnp.ones((256, 256)), "b": jnp.ones((64,), jnp.bfloat16),

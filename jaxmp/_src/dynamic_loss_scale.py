@@ -27,9 +27,22 @@ from jaxmp._src import checks
 from jaxmp._src.loss_scale import LossScale
 from jaxmp._src.loss_scale import check_grads_finite
 from jaxmp._src.loss_scale import check_scale
+from jaxmp._src.loss_scale import poison_unless
 
 _F32_MAX = float(np.finfo(np.float32).max)
 _INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _f32_rounded(bound: float, *, up: bool) -> np.float32:
+  """The float32 nearest ``bound`` on the side ``up`` says (for ``0 <= bound <= max``).
+
+  For a float32 ``x``, ``x >= bound`` exactly when ``x >= _f32_rounded(bound, up=True)``,
+  and ``x <= bound`` exactly when ``x <= _f32_rounded(bound, up=False)``.
+  """
+  rounded = np.float32(bound)
+  if (float(rounded) < bound) if up else (float(rounded) > bound):
+    rounded = np.nextafter(rounded, np.float32(np.inf if up else -np.inf))
+  return rounded
 
 
 class DynamicLossScale(LossScale):
@@ -59,7 +72,10 @@ class DynamicLossScale(LossScale):
 
   Args:
     scale: the initial scale: a positive, finite number of any real dtype (Python,
-      numpy or jax; float16 included) in ``[min_scale, max_scale]``. May be traced.
+      numpy or jax; float16 included) in ``[min_scale, max_scale]``. May be traced:
+      where a concrete value out of range is refused, a traced one makes the scale
+      NaN (every step it scales is then skipped by ``jaxmp.loss_scaling``; see
+      ``check_scale`` in :mod:`jaxmp._src.loss_scale`).
     growth_interval: the number of consecutive finite steps after which the scale
       grows; an integer >= 1.
     growth_factor: what the scale is multiplied by when it grows; > 1.
@@ -67,7 +83,8 @@ class DynamicLossScale(LossScale):
     min_scale: the scale never backs off below this; >= 0 (0: no lower bound).
     max_scale: the scale never grows above this; >= min_scale, may be ``inf``.
     counter: the number of consecutive finite steps so far, for restoring a state by
-      hand; in ``[0, growth_interval)``. May be traced.
+      hand; in ``[0, growth_interval)``. May be traced: a traced counter out of
+      range makes the scale NaN, as for ``scale``.
 
   Attributes:
     loss_scale: the current scale, a float32 scalar array (a pytree leaf).
@@ -133,7 +150,11 @@ class DynamicLossScale(LossScale):
           f"{owner}: min_scale must be <= max_scale, got min_scale={min_scale} > "
           f"max_scale={max_scale}.")
     loss_scale = check_scale(scale, where=owner)
-    if not checks.is_traced(scale):
+    if checks.is_traced(scale):
+      # The float32 bounds equivalent to the exact ones, as the concrete check compares.
+      low, high = _f32_rounded(min_scale, up=True), _f32_rounded(min(max_scale, _F32_MAX), up=False)
+      loss_scale = poison_unless((loss_scale >= low) & (loss_scale <= high), loss_scale)
+    else:
       # From the concrete argument, not from ``loss_scale``: under ``jax.eval_shape`` or
       # ``jit`` (building a restore target, say) that array is a tracer.
       value = float(np.float32(checks.real_number(scale, "scale", where=owner)))
@@ -144,6 +165,7 @@ class DynamicLossScale(LossScale):
     if checks.is_traced(counter):
       if np.shape(counter) != () or not jnp.issubdtype(counter.dtype, jnp.integer):
         raise TypeError(f"{owner}: counter must be an integer scalar, got {counter!r}.")
+      loss_scale = poison_unless((counter >= 0) & (counter < growth_interval), loss_scale)
     else:
       if isinstance(counter, (bool, np.bool_)) or not (
           isinstance(counter, (int, np.integer)) or (

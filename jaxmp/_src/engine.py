@@ -401,8 +401,9 @@ def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
 
   Returns:
     One sentence per problem: a rule that matches no module, a rule shadowed by
-    earlier ones, an fp8 rule that matches no fp8-capable layer, a rule that asks for
-    float32 ops jaxmp cannot intercept (with the paths of the modules it matches).
+    earlier ones, an fp8 rule that matches no fp8-capable layer, a rule or the
+    model-wide ``PolicyRules(float32_ops=...)`` list that asks for float32 ops jaxmp
+    cannot intercept (with the paths of the modules it applies to).
 
   Example:
     >>> from jaxmp._src import engine
@@ -411,15 +412,13 @@ def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
     ["rule 0 ('encoder') matches no module"]
   """
   problems = []
+  # The model-wide list governs every module whose rule (if any) gives no list of its own.
+  governed = [r for r in records if r.precision.rule is None or r.precision.rule.float32_ops is None]
+  problems += _uninterceptable_ops("PolicyRules float32_ops", rules.float32_ops, governed)
   for index, rule in enumerate(rules.rules):
     decided = [r for r in records if r.precision.rule is rule]
-    uninterceptable = sorted(set(rule.float32_ops or ()) & set(float32_ops_lib.UNINTERCEPTABLE))
-    if decided and uninterceptable:
-      paths = ", ".join(dict.fromkeys(describe_path(r.path) for r in decided))
-      problems.append(f"rule {index} ({rule.describe()}) asks for {', '.join(uninterceptable)} "
-                      f"in float32, which jaxmp cannot intercept (it intercepts "
-                      f"{', '.join(float32_ops_lib.INTERCEPTABLE)}): they run in the compute "
-                      f"dtype in {paths}")
+    problems += _uninterceptable_ops(f"rule {index} ({rule.describe()})", rule.float32_ops,
+                                     decided)
     if decided and rule.fp8 is not None and not any(r.precision.fp8 for r in decided):
       problems.append(f"rule {index} ({rule.describe()}) has an fp8 recipe but matches no "
                       f"layer fp8 applies to ({fp8_layer_names})")
@@ -431,6 +430,18 @@ def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
     else:
       problems.append(f"rule {index} ({rule.describe()}) matches no module")
   return problems
+
+
+def _uninterceptable_ops(who: str, ops: Optional[frozenset],
+                         records: Sequence[CallRecord]) -> list[str]:
+  """The problem of a float32 op list naming ops jaxmp cannot intercept, where it applies."""
+  uninterceptable = sorted(set(ops or ()) & set(float32_ops_lib.UNINTERCEPTABLE))
+  if not (records and uninterceptable):
+    return []
+  paths = ", ".join(dict.fromkeys(describe_path(r.path) for r in records))
+  return [f"{who} asks for {', '.join(uninterceptable)} in float32, which jaxmp cannot "
+          f"intercept (it intercepts {', '.join(float32_ops_lib.INTERCEPTABLE)}): they run in "
+          f"the compute dtype in {paths}"]
 
 
 def describe_paths(records: Sequence[CallRecord]) -> str:

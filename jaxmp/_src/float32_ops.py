@@ -25,8 +25,9 @@ float32 through the normalization rule instead (:mod:`jaxmp._src.rules`).
 Other ops on autocast's float32 list (``exp``, ``log``, ``pow``, ``rsqrt``, ``softplus``,
 ``sum``, ``cumsum``, ...) are primitives used everywhere, including inside the ops
 above and inside Flax's own layers; intercepting them would change far more than the
-model's own arithmetic, so jaxmp does not. A rule that names one warns with the paths
-of the modules it matches (:data:`UNINTERCEPTABLE`).
+model's own arithmetic, so jaxmp does not. A rule, or ``PolicyRules``' model-wide
+list, that names one warns with the paths of the modules it applies to
+(:data:`UNINTERCEPTABLE`).
 
 How: while a wrapped model runs (a :class:`jaxmp._src.engine.Call` is entered), the
 functions above are replaced in their modules by wrappers that look up the float32 ops

@@ -63,8 +63,11 @@ def check_scale(scale: Any, *, where: str, name: str = "scale") -> jax.Array:
 
   A real scalar (Python, NumPy or JAX; any float or integer dtype, float16 included)
   that is positive, finite and normal in float32, where scaling arithmetic happens
-  (XLA flushes float32 subnormals to zero). A traced value is checked for its shape
-  and dtype only (jnp functions do not check traced values either).
+  (XLA flushes float32 subnormals to zero). A traced value's shape and dtype are
+  checked when it is traced; its value cannot raise under ``jit``, so a traced value
+  outside that range becomes NaN (:func:`poison_unless`): every gradient the scale
+  then scales or unscales is NaN, ``jaxmp.loss_scaling`` skips every step, and the
+  NaN stays (backing off or growing NaN gives NaN).
 
   Raises:
     TypeError: for a value that is not a real number.
@@ -74,7 +77,8 @@ def check_scale(scale: Any, *, where: str, name: str = "scale") -> jax.Array:
     checks.scalar_shape(scale, name, where=where)
     if not checks.is_real_dtype(scale.dtype):
       raise TypeError(f"{where}: {name} must be a real number, got dtype {scale.dtype}.")
-    return jnp.asarray(scale, jnp.float32)
+    scale = jnp.asarray(scale, jnp.float32)
+    return poison_unless((scale >= _F32_TINY) & (scale <= _F32_MAX), scale)
   value = checks.real_number(scale, name, where=where)
   # Compared before rounding to float32, so that 1e39 is not an overflow warning;
   # a value that rounds into the range but lies below it is a subnormal here.
@@ -84,6 +88,39 @@ def check_scale(scale: Any, *, where: str, name: str = "scale") -> jax.Array:
         f"float32), got {scale!r}; accepted: a normal float32 in [{_F32_TINY:g}, "
         f"{_F32_MAX:g}].")
   return jnp.asarray(value, jnp.float32)
+
+
+def poison_unless(valid: jax.Array, scale: jax.Array) -> jax.Array:
+  """``scale`` where the traced check ``valid`` holds, else NaN: the deterministic
+  stand-in for a refusal that ``jit`` cannot raise (see :func:`check_scale`)."""
+  return jnp.where(valid, scale, jnp.float32(jnp.nan))
+
+
+def as_loss_scale(loss_scale: Any, *, where: str, default: "LossScale",
+                  none_means: str) -> "LossScale":
+  """``loss_scale`` if it is a jaxmp loss scale, ``default`` for ``None``.
+
+  Args:
+    loss_scale: the argument.
+    where: the function taking it, for the message.
+    default: what ``None`` stands for there.
+    none_means: ``default`` in words, for the message.
+
+  Raises:
+    TypeError: for anything else (a plain number: the message names the
+      ``StaticLossScale`` meant).
+  """
+  if loss_scale is None:
+    return default
+  if isinstance(loss_scale, LossScale):
+    return loss_scale
+  hint = ""
+  if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
+    hint = f"; for a fixed scale pass jaxmp.StaticLossScale({loss_scale!r})"
+  raise TypeError(
+      f"{where}: loss_scale must be a jaxmp loss scale (NoOpLossScale, StaticLossScale, "
+      f"DynamicLossScale, or jaxmp.get_loss_scale(opt_state)) or None for {none_means}, "
+      f"got {loss_scale!r} of type {type(loss_scale).__name__}{hint}.")
 
 
 def loss_scale_array(loss_scale: Any, *, where: str, allow_traced: bool = True) -> jax.Array:
@@ -313,7 +350,8 @@ class StaticLossScale(LossScale):
   Args:
     scale: a positive, finite number: Python number, numpy or jax scalar of any float
       or integer dtype (float16 included). Stored as a float32 scalar array, the only
-      leaf of this pytree.
+      leaf of this pytree. May be traced: a traced value outside that range is
+      stored as NaN (see :func:`check_scale`).
 
   Raises:
     ValueError: if ``scale`` is not positive and finite in float32.
@@ -368,7 +406,9 @@ __all__ = (
     "LossScale",
     "NoOpLossScale",
     "StaticLossScale",
+    "as_loss_scale",
     "check_grads_finite",
     "check_scale",
     "loss_scale_array",
+    "poison_unless",
 )

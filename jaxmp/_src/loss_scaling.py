@@ -113,20 +113,6 @@ class LossScalingState(NamedTuple):
   consecutive_skips: jax.Array
 
 
-def _check_loss_scale(loss_scale: Any) -> loss_scale_lib.LossScale:
-  if loss_scale is None:
-    return dynamic_loss_scale.DynamicLossScale()
-  if isinstance(loss_scale, loss_scale_lib.LossScale):
-    return loss_scale
-  hint = ""
-  if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
-    hint = f"; for a fixed scale pass jaxmp.StaticLossScale({loss_scale!r})"
-  raise TypeError(
-      "loss_scaling: loss_scale must be a jaxmp.NoOpLossScale, StaticLossScale or "
-      f"DynamicLossScale (or None for DynamicLossScale()), got {loss_scale!r} of type "
-      f"{type(loss_scale).__name__}{hint}.")
-
-
 def _check_axis_name(axis_name: Any) -> Optional[Hashable]:
   if axis_name is None:
     return None
@@ -255,7 +241,9 @@ def loss_scaling(
     Array(32768., dtype=float32)
   """
   inner = checks.gradient_transformation(inner, "inner", where="loss_scaling")
-  initial_loss_scale = _check_loss_scale(loss_scale)
+  initial_loss_scale = loss_scale_lib.as_loss_scale(
+      loss_scale, where="loss_scaling", default=dynamic_loss_scale.DynamicLossScale(),
+      none_means="DynamicLossScale()")
   axis_name = _check_axis_name(axis_name)
   max_consecutive_skips = _check_max_skips(max_consecutive_skips)
 

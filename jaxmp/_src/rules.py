@@ -226,7 +226,10 @@ class PolicyRules:
       rule matches them (default ``True``).
     float32_ops: the ops that compute in float32 inside every module a rule does not
       give its own list (default :data:`jaxmp._src.float32_ops.DEFAULT`: softmax,
-      log_softmax, logsumexp; ``()`` for none).
+      log_softmax, logsumexp; ``()`` for none). An op jaxmp cannot intercept
+      (``exp``, ... :data:`jaxmp._src.float32_ops.UNINTERCEPTABLE`) is accepted, as in
+      a :class:`Rule`, and warned about with the paths it would apply to when the
+      model first runs.
     module_dtypes: ``"policy"`` (default): a module's own computation-dtype field
       (``dtype``) is its resolved compute dtype while it runs; ``"model"``: the fields
       keep what the model set, and a field that says float32 computes in float32.

@@ -87,14 +87,9 @@ def check_loss_scale(loss_scale: Any, where: str) -> loss_scale_lib.LossScale:
   Raises:
     TypeError: for anything else, naming ``where``.
   """
-  if loss_scale is None:
-    return loss_scale_lib.NoOpLossScale()
-  if isinstance(loss_scale, loss_scale_lib.LossScale):
-    return loss_scale
-  raise TypeError(
-      f"{where}: loss_scale must be a jaxmp loss scale (e.g. "
-      f"jaxmp.get_loss_scale(opt_state)) or None, got {loss_scale!r} of type "
-      f"{type(loss_scale).__name__}.")
+  return loss_scale_lib.as_loss_scale(loss_scale, where=where,
+                                      default=loss_scale_lib.NoOpLossScale(),
+                                      none_means="no scaling")
 
 
 def accumulate_gradients(a: Gradients, b: Gradients) -> Gradients:

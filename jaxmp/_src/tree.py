@@ -2,11 +2,13 @@
 
 All three are pure, work inside and outside ``jit``, and leave alone every leaf that is
 not a floating-point value: integer and bool arrays, PRNG keys (new-style typed keys
-and raw ``uint32`` keys), ``None`` and other objects. A gradient tree may also hold
-floating-point *scalars* that are not arrays (NumPy scalars such as ``np.float32(x)``,
-Python floats): :func:`all_finite` checks them like arrays (see
-:func:`is_float_leaf`), while :func:`cast_tree` leaves them alone (a Python number is
-not a parameter to store in another dtype).
+and raw ``uint32`` keys), ``None`` and, in :func:`cast_tree`, other objects
+(:func:`all_finite` refuses a leaf that is not a number: a tree holding a string is
+not one of gradients). A gradient tree may also hold floating-point *scalars* that
+are not arrays (NumPy scalars such as ``np.float32(x)``, Python floats):
+:func:`all_finite` checks them like arrays (see :func:`is_float_leaf`), while
+:func:`cast_tree` leaves them alone (a Python number is not a parameter to store in
+another dtype).
 
 Example:
   >>> import jax.numpy as jnp, jaxmp
@@ -90,6 +92,29 @@ def cast_tree(tree: T, dtype: dtypes_lib.DTypeLike) -> T:
   return jax.tree_util.tree_map(cast, tree)
 
 
+def _is_number_leaf(x: Any) -> bool:
+  """Whether :func:`all_finite` accepts ``x``: a JAX array (keys included), a NumPy
+  array or scalar of a numeric or bool dtype, or a Python number or bool."""
+  if isinstance(x, jax.Array):
+    return True
+  if isinstance(x, (np.ndarray, np.generic)):
+    return jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.bool_)
+  return isinstance(x, (bool, int, float, complex))
+
+
+def _check_number_leaves(tree: Any, leaves: list) -> None:
+  if all(_is_number_leaf(x) for x in leaves):
+    return
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if not _is_number_leaf(x):
+      where = jax.tree_util.keystr(path) if path else "(the tree itself)"
+      shown = repr(x) if len(repr(x)) <= 80 else repr(x)[:80] + "..."
+      raise TypeError(
+          f"all_finite: leaf {where} is {shown} of type {type(x).__name__}; accepted "
+          "leaves: JAX arrays (PRNG keys included), NumPy arrays and scalars of a "
+          "numeric or bool dtype, Python numbers and bools, and None.")
+
+
 def _exactly_all_finite(leaves: list) -> jax.Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
@@ -104,7 +129,7 @@ def all_finite(tree: Any) -> jax.Array:
   """Whether every floating-point value in ``tree`` is finite.
 
   Non-float leaves (integers, bools, keys, ``None``) are finite by definition, and an
-  empty tree is finite. Floating-point NumPy arrays and scalars and Python floats
+  empty tree is finite; any other leaf (a string, an object) is refused. Floating-point NumPy arrays and scalars and Python floats
   count like arrays (:func:`is_float_leaf`); being concrete, they are checked on the
   host, in their own dtype. For JAX arrays the check is one float32 reduction per
   leaf, chosen per backend when the computation is lowered:
@@ -127,13 +152,19 @@ def all_finite(tree: Any) -> jax.Array:
   Returns:
     A scalar ``bool`` array.
 
+  Raises:
+    TypeError: for a leaf that is not a JAX array, a NumPy array or scalar of a
+      numeric or bool dtype, or a Python number or bool.
+
   Example:
     >>> bool(jaxmp.all_finite({"g": jnp.array([1.0, jnp.inf])}))
     False
     >>> bool(jaxmp.all_finite({"g": jnp.array([3e38, 3e38])}))  # the sum overflows
     True
   """
-  values = [x for x in jax.tree_util.tree_leaves(tree) if is_float_leaf(x)]
+  all_leaves = jax.tree_util.tree_leaves(tree)
+  _check_number_leaves(tree, all_leaves)
+  values = [x for x in all_leaves if is_float_leaf(x)]
   if not _host_values_finite([x for x in values if not isinstance(x, jax.Array)]):
     return jnp.array(False)
   leaves = [x for x in values if isinstance(x, jax.Array)]

@@ -12,6 +12,15 @@ if any failed.
   remainders), stochastic rounding, Kahan and bfloat16 moments under AdamW (an
   elementwise update) give bit for bit what one device gives, and the state keeps
   the params' shardings.
+* ``clipped_parity``: with ``optax.clip_by_global_norm`` inside (not elementwise: a
+  float32 sum over every gradient), master weights (full and remainders) follow
+  float32 Optax bit for bit on one device and on 8, masters and AdamW state. One
+  device and 8 do not agree bit for bit here, for float32 Optax itself: XLA sums each
+  device's shard and then the partial sums, a different order from one device's
+  sum, and the float32 norms differ by a few ulps (the line reports how many). Plain
+  Optax over bfloat16 params agrees only because it rounds that float32 sum to
+  bfloat16, which hides a few float32 ulps (except where the sum lies near a bfloat16
+  rounding boundary).
 * ``fsdp_train_step``: a bfloat16-param MLP trained with master weights under
   ``jaxmp.loss_scaling``, FSDP-sharded, matches one device; a NaN in one device's
   data makes every device skip with masters and params untouched.
@@ -48,11 +57,9 @@ OPTIMIZERS = {
     "master": lambda: jaxmp.optim.master_weights(_adamw()),
     "master remainders": lambda: jaxmp.optim.master_weights(_adamw(), remainders=True),
     "bf16 moments": lambda: jaxmp.optim.state_dtypes(_adamw(), "bfloat16"),
-    "stochastic rounding": lambda: optax.chain(
-        jaxmp.optim.state_dtypes(_adamw(), "bfloat16"),
-        jaxmp.optim.stochastic_rounding(jax.random.key(1))),
-    "kahan": lambda: optax.chain(jaxmp.optim.state_dtypes(_adamw(), "bfloat16"),
-                                 jaxmp.optim.kahan_summation()),
+    "stochastic rounding": lambda: jaxmp.optim.stochastic_rounding(
+        jaxmp.optim.state_dtypes(_adamw(), "bfloat16"), jax.random.key(1)),
+    "kahan": lambda: jaxmp.optim.kahan_summation(jaxmp.optim.state_dtypes(_adamw(), "bfloat16")),
 }
 
 
@@ -69,10 +76,17 @@ def _fsdp_shardings(tree, mesh):
   return jax.tree.map(one, tree)
 
 
+def _grads(params, i):
+  """Step ``i``'s gradients, bfloat16 values whatever the param dtype: the same for
+  bfloat16 params and their float32 copies."""
+  key = jax.random.fold_in(jax.random.key(2), i)
+  return jax.tree.map(
+      lambda p: jax.random.normal(key, p.shape).astype(jnp.bfloat16).astype(p.dtype), params)
+
+
 def _optimizer_run(tx, params, mesh=None):
   def step(params, opt_state, i):
-    key = jax.random.fold_in(jax.random.key(2), i)
-    grads = jax.tree.map(lambda p: jax.random.normal(key, p.shape).astype(p.dtype), params)
+    grads = _grads(params, i)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
@@ -109,6 +123,42 @@ def check_optimizer_parity() -> str:
     assert n_sharded >= 6, f"{name}: only {n_sharded} param-shaped state leaves"
     checked.append(f"{name} ({n_sharded} sharded state leaves)")
   return "bit for bit as on one device: " + ", ".join(checked)
+
+
+def _clipped_adamw():
+  return optax.chain(optax.clip_by_global_norm(1.0), _adamw())
+
+
+def _norm_ulps(params, mesh) -> int:
+  """How many float32 ulps the global norm of step 0's gradients moves when sharded."""
+  grads = jax.tree.map(lambda g: g.astype(jnp.float32), _grads(params, 0))
+  single = jax.jit(optax.tree.norm)(grads)
+  sharded = jax.jit(optax.tree.norm)(jax.device_put(grads, _fsdp_shardings(grads, mesh)))
+  as_int = lambda x: int(np.asarray(x, np.float32).view(np.int32))
+  return abs(as_int(single) - as_int(sharded))
+
+
+def check_clipped_parity() -> str:
+  mesh = _mesh()
+  params = {"w": jax.random.normal(jax.random.key(0), (16, 64)).astype(jnp.bfloat16),
+            "b": jnp.zeros(64, jnp.bfloat16), "norm": jnp.ones(64, jnp.float32)}
+  params32 = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+  runs = {}
+  for layout, on in (("1 device", None), ("8 devices", mesh)):
+    runs[layout] = reference = jax.device_get(_optimizer_run(_clipped_adamw(), params32, on))
+    for remainders in (False, True):
+      name = f"master{' remainders' if remainders else ''} on {layout}"
+      tx = jaxmp.optim.master_weights(_clipped_adamw(), remainders=remainders)
+      new_params, state = jax.device_get(_optimizer_run(tx, params, on))
+      masters = jaxmp.optim.master_params(state, new_params)
+      dc.assert_bitwise_equal(masters, reference[0], f"{name}: masters vs float32 optax")
+      dc.assert_bitwise_equal(state.inner_state, reference[1],
+                              f"{name}: AdamW state vs float32 optax")
+  differ = sum(int(np.sum(np.asarray(a) != np.asarray(b))) for a, b in zip(
+      jax.tree.leaves(runs["1 device"]), jax.tree.leaves(runs["8 devices"])))
+  return (f"masters and AdamW state equal float32 optax bit for bit on 1 and on 8 devices; "
+          f"float32 optax itself differs between them in {differ} values, its global norm "
+          f"by {_norm_ulps(params, mesh)} float32 ulps")
 
 
 class MLP(nn.Module):
@@ -162,6 +212,7 @@ def check_fsdp_train_step() -> str:
 
 CHECKS = {
     "optimizer_parity": check_optimizer_parity,
+    "clipped_parity": check_clipped_parity,
     "fsdp_train_step": check_fsdp_train_step,
 }
 

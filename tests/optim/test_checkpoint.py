@@ -18,9 +18,8 @@ def _adamw():
 OPTIMIZERS = {
     "master": jaxmp.optim.master_weights(_adamw()),
     "master remainders": jaxmp.optim.master_weights(_adamw(), remainders=True),
-    "stochastic rounding": optax.chain(_adamw(),
-                                       jaxmp.optim.stochastic_rounding(jax.random.key(3))),
-    "kahan": optax.chain(_adamw(), jaxmp.optim.kahan_summation()),
+    "stochastic rounding": jaxmp.optim.stochastic_rounding(_adamw(), jax.random.key(3)),
+    "kahan": jaxmp.optim.kahan_summation(_adamw()),
 }
 
 

@@ -1,5 +1,7 @@
 """Optimizer-state storage dtypes: stored narrow, computed in float32, rounded on storage."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,5 +105,48 @@ def test_a_skipped_step_leaves_the_stored_state_bit_for_bit():
 
 @pytest.mark.parametrize("dtype", ["float16", jnp.float32])
 def test_other_floating_storage_dtypes(dtype):
-  state = jaxmp.optim.state_dtypes(optax.adam(1e-3), dtype).init(PARAMS)
-  assert state[0].mu["kernel"].dtype == jnp.dtype(dtype)
+  state = jaxmp.optim.state_dtypes(optax.sgd(1e-3, momentum=0.9), dtype).init(PARAMS)
+  assert state[0].trace["kernel"].dtype == jnp.dtype(dtype)
+  state = jaxmp.optim.state_dtypes(optax.adam(1e-3), jnp.float32).init(PARAMS)
+  assert state[0].nu["kernel"].dtype == jnp.float32
+
+
+def test_float16_underflows_what_adam_keeps_in_nu():
+  # Why float16 is refused there: a gradient of 1e-4 gives nu = (1 - b2) * g**2 = 1e-11,
+  # below float16's smallest subnormal (2**-24, 6e-8), so it is stored as zero and the
+  # next step divides mu by eps alone.
+  nu = (1 - 0.999) * np.float32(1e-4) ** 2
+  assert nu > 0 and float(jnp.float16(nu)) == 0.0 and float(jnp.bfloat16(nu)) > 0
+
+
+@pytest.mark.parametrize("inner, leaf", [
+    (optax.adam(1e-3), "'0/nu/bias' (ScaleByAdamState.nu)"),
+    (optax.chain(optax.clip(1.0), optax.adamw(1e-3)), "'1/0/nu/bias' (ScaleByAdamState.nu)"),
+    (optax.rmsprop(1e-3), "'0/nu/bias' (ScaleByRmsState.nu)"),
+    (optax.adagrad(1e-3), "'0/sum_of_squares/bias' (ScaleByRssState.sum_of_squares)"),
+    (optax.adafactor(1e-3), "'0/v_row/bias' (FactoredState.v_row)"),
+    (optax.sm3(1e-3), "'0/mu/bias/0' (ScaleBySM3State.mu)"),
+    (optax.adadelta(1e-3), "'1/e_g/bias' (ScaleByAdaDeltaState.e_g)"),
+    (optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
+     "'inner_state/0/nu/bias' (ScaleByAdamState.nu)"),
+])
+def test_float16_is_refused_for_state_that_holds_squared_gradients(inner, leaf):
+  for dtype in ("float16", lambda path, leaf: "float16"):
+    with pytest.raises(ValueError, match=re.escape(leaf) + r".*float16"):
+      jaxmp.optim.state_dtypes(inner, dtype).init(PARAMS)
+
+
+def test_float16_first_moments_with_bfloat16_second_moments_compute_as_by_hand():
+  halves = lambda path, leaf: "bfloat16" if "/nu/" in f"/{path}/" else "float16"
+  inner = optax.adam(1e-2)
+  tx = jaxmp.optim.state_dtypes(inner, halves)
+  state, natural = tx.init(PARAMS), inner.init(PARAMS)
+  assert (state[0].mu["kernel"].dtype, state[0].nu["kernel"].dtype) == (
+      jnp.float16, jnp.bfloat16)
+  for i in range(3):
+    widened = jax.tree.map(lambda s, n: s.astype(n.dtype), state, natural)
+    expected_updates, new = jax.jit(inner.update)(_grads(i), widened, PARAMS)
+    expected_state = jax.tree.map(lambda n, s: n.astype(s.dtype), new, state)
+    updates, state = jax.jit(tx.update)(_grads(i), state, PARAMS)
+    _leaves_equal(updates, expected_updates)
+    _leaves_equal(state, expected_state)

@@ -91,15 +91,14 @@ def test_small_updates_survive_on_average_where_nearest_rounding_loses_them():
   params = {"w": jnp.ones(4096, jnp.bfloat16)}
   lr = 2e-4  # 1/20 of a bfloat16 ulp below 1.0: nearest rounding never moves
   nearest, _ = _train(optax.sgd(lr), params, 50)
-  sr, _ = _train(optax.chain(optax.sgd(lr), jaxmp.optim.stochastic_rounding(jax.random.key(0))),
-                 params, 50)
+  sr, _ = _train(jaxmp.optim.stochastic_rounding(optax.sgd(lr), jax.random.key(0)), params, 50)
   exact = 1.0 - lr * sum(1.0 + 0.1 * i for i in range(50))
   assert np.all(np.asarray(nearest["w"], np.float32) == 1.0)
   assert abs(float(jnp.mean(sr["w"].astype(jnp.float32))) - exact) < 2e-4
 
 
 def test_a_restored_state_continues_with_the_same_bits():
-  tx = optax.chain(optax.adam(1e-3), jaxmp.optim.stochastic_rounding(jax.random.key(5)))
+  tx = jaxmp.optim.stochastic_rounding(optax.adam(1e-3), jax.random.key(5))
   params = {"w": jax.random.normal(jax.random.key(1), (300,)).astype(jnp.bfloat16),
             "f32": jnp.ones(3)}
   straight, _ = _train(tx, params, 6)
@@ -108,11 +107,12 @@ def test_a_restored_state_continues_with_the_same_bits():
   resumed, _ = _train(tx, half, 3, state=restored, start=3)
   for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  assert int(state[1].count) == 3 and state[1].key.dtype == jnp.uint32
+  assert int(state.count) == 3 and state.key.dtype == jnp.uint32
+  assert int(state.inner_state[0].count) == 3  # Adam's
 
 
 def test_each_step_and_each_leaf_draws_its_own_bits():
-  tx = jaxmp.optim.stochastic_rounding(jax.random.key(0))
+  tx = jaxmp.optim.stochastic_rounding(optax.identity(), jax.random.key(0))
   params = {"a": jnp.ones(1000, jnp.bfloat16), "b": jnp.ones(1000, jnp.bfloat16)}
   small = jax.tree.map(lambda p: jnp.full(p.shape, 2.0**-9, jnp.float32), params)  # 1/4 ulp
   state = tx.init(params)
@@ -122,3 +122,39 @@ def test_each_step_and_each_leaf_draws_its_own_bits():
   assert np.any(moved(first["a"]) != moved(first["b"]))
   assert np.any(moved(first["a"]) != moved(second["a"]))
   assert 0.15 < moved(first["a"]).mean() < 0.35  # rounds up a quarter of the time
+
+
+def test_each_step_rounds_param_plus_the_inner_update_with_the_formula_bit_for_bit():
+  key = jax.random.key(11)
+  rng = np.random.default_rng(4)
+  params = {"a": jnp.asarray(rng.normal(size=300), jnp.bfloat16),
+            "b": jnp.asarray(rng.normal(size=(4, 5)), jnp.bfloat16), "f32": jnp.ones(3)}
+  # Momentum in float32 (bfloat16 arithmetic inside jit may keep excess precision).
+  inner = jaxmp.optim.state_dtypes(optax.sgd(1e-3, momentum=0.9), "bfloat16")
+  tx = jaxmp.optim.stochastic_rounding(inner, key)
+  state, inner_ref = tx.init(params), inner.init(params)
+  for step in range(3):
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    u, inner_ref = jax.jit(inner.update)(grads, inner_ref, params)
+    expected = {}
+    for i, name in enumerate(sorted(params)):  # leaf i draws from fold_in(key_step, i)
+      if name == "f32":
+        expected[name] = np.asarray(params[name] + u[name])
+        continue
+      x = np.asarray(params[name], np.float32) + np.asarray(u[name], np.float32)
+      r = np.asarray(jax.random.bits(jax.random.fold_in(jax.random.fold_in(key, step), i),
+                                     x.shape, jnp.uint16))
+      expected[name] = numpy_stochastic_round(x, r)
+    params = optax.apply_updates(params, updates)
+    for name in params:
+      np.testing.assert_array_equal(np.asarray(params[name], np.float32),
+                                    np.asarray(expected[name], np.float32),
+                                    err_msg=f"step {step}, {name}")
+
+
+def test_the_chain_form_that_a_later_transform_silently_undid_is_refused():
+  # optax.chain(stochastic_rounding(key), optax.sgd(lr)) trained exactly like nearest
+  # rounding: SGD rescaled the updates that were meant to land on the rounded values.
+  with pytest.raises(TypeError, match=r"stochastic_rounding\(inner, key\)"):
+    optax.chain(jaxmp.optim.stochastic_rounding(jax.random.key(0)), optax.sgd(1e-3))

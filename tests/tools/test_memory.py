@@ -31,7 +31,7 @@ def _bf16_adamw():
      jaxmp.optim.master_weights(_bf16_adamw(), remainders=True), (2, 2, 4, 2)),
     ("pure bf16", jnp.bfloat16, _bf16_adamw(), (2, 0, 4, 2)),
     ("pure bf16 + Kahan", jnp.bfloat16,
-     optax.chain(_bf16_adamw(), jaxmp.optim.kahan_summation()), (2, 0, 6, 2)),
+     jaxmp.optim.kahan_summation(_bf16_adamw()), (2, 0, 6, 2)),
 ])
 def test_bytes_per_param_of_each_role(name, dtype, tx, expected):
   params = _params(dtype)

@@ -7,6 +7,15 @@ Kahan-compensated) and returns the update ``u = float32(t) - float32(p)``, so th
 user's usual ``optax.apply_updates(params, updates)`` (``(p + u).astype(p.dtype)``,
 computed in float32 because ``u`` is float32) lands on ``t``.
 
+So the updates must reach ``optax.apply_updates`` as they are: a transform that
+rescaled them afterwards would land each param elsewhere (``optax.chain(kahan,
+optax.sgd(lr))`` would train exactly like round-to-nearest). That is why every
+transform here wraps the optimizer whose updates it writes (``master_weights(inner)``,
+``stochastic_rounding(inner, key)``, ``kahan_summation(inner)``) instead of being
+chained after it; only wrappers that pass updates through or zero them
+(``jaxmp.loss_scaling``, ``optax.MultiSteps``, ``optax.apply_if_finite``) belong
+outside.
+
 When is that exact? ``t - p`` is exact in float32 whenever ``t`` or ``p`` is zero or
 their magnitudes are within a factor ``2**15`` of each other (``2**13`` for float16):
 two 8-bit bfloat16 significands (11-bit float16 ones) then span at most 24 bits, and

@@ -14,9 +14,11 @@ moves by an ulp and ``c`` keeps the excess. 1000 updates of ``1e-4`` leave a
 bfloat16 ``1.0`` at ``1.0`` with round-to-nearest and take it to about ``1.1`` with
 compensation.
 
-:func:`kahan_summation` is the Optax transform: last in a chain, it returns for each
-16-bit param the float32 update that ``optax.apply_updates`` turns ``p`` into ``t``
-by (see :mod:`jaxmp._src.optim.base`). Params in other dtypes pass through.
+:func:`kahan_summation` is the Optax transform. It wraps the optimizer,
+``kahan_summation(inner)``, takes ``inner``'s update ``u`` of each 16-bit param and
+returns the float32 update that ``optax.apply_updates`` turns ``p`` into ``t`` by
+(see :mod:`jaxmp._src.optim.base`, and there why it wraps rather than chains).
+Params in other dtypes get ``inner``'s updates unchanged.
 
 Example:
   >>> p, c = jnp.bfloat16(1.0), jnp.bfloat16(0.0)
@@ -35,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxmp._src import checks
 from jaxmp._src import dtypes as dtypes_lib
 from jaxmp._src.optim import base
 
@@ -87,32 +90,47 @@ class KahanState(NamedTuple):
   Attributes:
     compensation: a tree like the params: for each 16-bit param, what rounding has
       lost so far (negated), in the param's dtype and shape; ``None`` for the others.
+    inner_state: the wrapped optimizer's state.
 
   Example:
-    >>> jaxmp.optim.kahan_summation().init({"w": jnp.ones(2, jnp.bfloat16)})
-    KahanState(compensation={'w': Array([0, 0], dtype=bfloat16)})
+    >>> import optax
+    >>> state = jaxmp.optim.kahan_summation(optax.sgd(0.1)).init({"w": jnp.ones(2, jnp.bfloat16)})
+    >>> state.compensation
+    {'w': Array([0, 0], dtype=bfloat16)}
   """
 
   compensation: Any
+  inner_state: optax.OptState
 
 
-def kahan_summation() -> optax.GradientTransformation:
-  """Makes ``optax.apply_updates`` add updates to 16-bit params with Kahan compensation.
+def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  """Runs ``inner`` and adds its updates to 16-bit params with Kahan compensation.
 
-  Put it last in a chain, after the learning rate. See the module docstring.
+  Each ``update`` runs ``inner`` on the gradients and the 16-bit params as they are,
+  then turns its update of each 16-bit param into the one that makes
+  ``optax.apply_updates`` land on the compensated sum (see the module docstring).
+  Pass the updates straight to ``optax.apply_updates``: a transform that rescaled them
+  (one chained after this, say) would undo the compensation, which is why this wraps
+  the optimizer instead of being chained after it.
+
+  Args:
+    inner: the optimizer whose updates are added: any ``optax.GradientTransformation``
+      (or ``optax.MultiSteps``), e.g. ``jaxmp.optim.state_dtypes(optax.adamw(1e-3),
+      "bfloat16")``.
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is a :class:`KahanState`.
-    ``update(updates, state, params)`` needs the params; it returns float32 updates
-    for the 16-bit params and the others' updates unchanged.
+    An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`KahanState`.
+    ``update(updates, state, params, **extra_args)`` needs the params; it returns
+    float32 updates for the 16-bit params and ``inner``'s updates of the others.
 
   Raises:
+    TypeError: if ``inner`` is not a gradient transformation.
     ValueError: from ``init``/``update``, if no param is bfloat16 or float16; from
       ``update``, if ``params`` is ``None``.
 
   Example:
     >>> import optax
-    >>> tx = optax.chain(optax.sgd(1e-4), jaxmp.optim.kahan_summation())
+    >>> tx = jaxmp.optim.kahan_summation(optax.sgd(1e-4))
     >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
     >>> state = tx.init(params)
     >>> for _ in range(1000):
@@ -121,6 +139,7 @@ def kahan_summation() -> optax.GradientTransformation:
     >>> params["w"]
     Array([1.10156, 1.10156], dtype=bfloat16)
   """
+  inner = checks.gradient_transformation(inner, "inner", where=_WHERE)
 
   def select(params):
     return base.select_leaves(params, base.HALF_DTYPES, _WHERE, "compensates updates of",
@@ -128,20 +147,22 @@ def kahan_summation() -> optax.GradientTransformation:
 
   def init_fn(params):
     mask = select(params)
-    return KahanState(compensation=base.map_selected(
-        jnp.zeros_like, mask, params, otherwise=lambda p: None))
+    return KahanState(compensation=base.map_selected(jnp.zeros_like, mask, params,
+                                                     otherwise=lambda p: None),
+                      inner_state=inner.init(params))
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, **extra_args):
     params = base.require_params(params, _WHERE)
     mask = select(params)
+    updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
     added = base.map_selected(kahan_add, mask, params, updates, state.compensation,
                               otherwise=lambda p, u, c: None)
     new_updates = base.map_selected(lambda p, a, u: base.update_to(p, a[0]), mask, params,
                                     added, updates, otherwise=lambda p, a, u: u)
     compensation = base.map_selected(lambda a: a[1], mask, added, otherwise=lambda a: None)
-    return new_updates, KahanState(compensation=compensation)
+    return new_updates, KahanState(compensation=compensation, inner_state=inner_state)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 __all__ = (

@@ -26,10 +26,18 @@ and its shape and dtype (a ``jax.ShapeDtypeStruct``), and returns a dtype or ``N
 to keep the inner optimizer's own.
 
 Storage dtypes: ``bfloat16`` (float32's range: Adam's ``nu``, a square, neither
-underflows nor overflows), ``float16`` (its range is float32's square root: ``nu``
-underflows to zero below about ``6e-8``, ``mu / (sqrt(nu) + eps)`` then becomes
-``mu / eps``; use it for ``mu`` only) and ``float32``. Block-scaled 8-bit states are
-not offered.
+underflows nor overflows), ``float16`` and ``float32``. float16's range is about
+float32's square root, so a state that holds *squared* gradients underflows it long
+before the gradients do: a gradient of ``1e-4`` gives Adam a ``nu`` of ``1e-11``,
+below float16's smallest subnormal (``6e-8``), stored as zero, and the next update
+``mu / (sqrt(nu) + eps)`` becomes ``mu / eps``. float16 is therefore refused (a
+``ValueError`` from ``init``, naming the leaf) for the fields in which Optax's
+optimizers keep squares (:data:`SQUARED_FIELDS`: Adam's, AdamW's, LAMB's... ``nu``,
+RMSProp's ``nu``, Adagrad's ``sum_of_squares``, Adafactor's ``v_row``/``v_col``/``v``,
+SM3's ``mu``, ...), whether a plain dtype or a function chose it; keep those in
+bfloat16 and store the first moments in float16 if you like. A custom optimizer's
+squares are not recognised: keep them out of float16 yourself. Block-scaled 8-bit
+states are not offered.
 
 Example:
   >>> import optax
@@ -56,6 +64,34 @@ from jaxmp._src.optim import base
 _WHERE = "state_dtypes"
 STORAGE_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
 DTypeChoice = Callable[[str, jax.ShapeDtypeStruct], Optional[dtypes_lib.DTypeLike]]
+_F16 = np.dtype(jnp.float16)
+
+SQUARED_FIELDS: dict[str, tuple[str, ...]] = {
+    # optax
+    "ScaleByAdamState": ("nu",),
+    "ScaleByAmsgradState": ("nu", "nu_max"),
+    "ScaleByBeliefState": ("nu",),
+    "ScaleByNovogradState": ("nu",),
+    "ScaleByRmsState": ("nu",),
+    "ScaleByRmsWithCountState": ("nu",),
+    "ScaleByRStdDevState": ("nu",),
+    "ScaleByRStdDevWithCountState": ("nu",),
+    "ScaleByRssState": ("sum_of_squares",),
+    "ScaleBySM3State": ("mu",),
+    "ScaleByAdaDeltaState": ("e_g", "e_x"),
+    "ScaleByAdanState": ("n",),
+    "ScaleByDistanceOverGradientsState": ("grad_sum_of_squares",),
+    "FactoredState": ("v_row", "v_col", "v"),
+    # optax.contrib
+    "ScaleByAdemamixState": ("nu",),
+    "ScaleBySimplifiedAdEMAMixState": ("n",),
+    "DAdaptAdamWState": ("exp_avg_sq",),
+    "ProdigyState": ("exp_avg_sq",),
+    "MomoAdamState": ("exp_avg_sq",),
+    "MadgradState": ("grad_sum_sq",),
+}
+"""Optax's state classes and their fields that hold squared gradients (or squared
+updates): float16 cannot store them (see the module docstring)."""
 
 
 def _storage_dtype(value: Any, where: str) -> np.dtype:
@@ -89,16 +125,48 @@ def _float_leaf(x: Any) -> bool:
   return hasattr(x, "dtype") and dtypes_lib.is_float_dtype(x.dtype)
 
 
+def _squared_leaves(natural: Any) -> dict[str, str]:
+  """The paths of the leaves holding squares (:data:`SQUARED_FIELDS`), each to its field."""
+
+  def holds_squares(x):
+    return type(x).__module__.startswith("optax") and type(x).__name__ in SQUARED_FIELDS
+
+  found = {}
+  flat, _ = jax.tree_util.tree_flatten_with_path(natural, is_leaf=holds_squares)
+  for path, node in flat:
+    if not holds_squares(node):
+      continue
+    for field in SQUARED_FIELDS[type(node).__name__]:
+      for sub, _ in jax.tree_util.tree_flatten_with_path(getattr(node, field))[0]:
+        full = (*path, jax.tree_util.GetAttrKey(field), *sub)
+        found[base.path_name(full)] = f"{type(node).__name__}.{field}"
+  return found
+
+
 def _storage(choose: DTypeChoice, natural: Any) -> Any:
-  """The storage dtype of each leaf of the inner state (``None``: not a float)."""
+  """The storage dtype of each leaf of the inner state (``None``: not a float).
+
+  Raises:
+    ValueError: for float16 chosen for a leaf that holds squares.
+  """
+  squared = _squared_leaves(natural)
 
   def one(path, leaf):
     if not _float_leaf(leaf):
       return None
-    chosen = choose(base.path_name(path), jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+    name = base.path_name(path)
+    chosen = choose(name, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
     if chosen is None:
       return np.dtype(leaf.dtype)
-    return _storage_dtype(chosen, f"{_WHERE}: for the state leaf {base.path_name(path)!r}")
+    dtype = _storage_dtype(chosen, f"{_WHERE}: for the state leaf {name!r}")
+    if dtype == _F16 and name in squared:
+      raise ValueError(
+          f"{_WHERE}: the state leaf {name!r} ({squared[name]}) holds squared gradients, "
+          "which float16 cannot store: below its smallest subnormal (6e-8; a gradient "
+          "of 1e-4 squares to 1e-8) they are stored as zero, and Adam-like updates then "
+          "divide by eps alone. Store it in bfloat16 or float32, e.g. dtype=lambda path, "
+          "leaf: 'bfloat16' if '/nu/' in f'/{path}/' else 'float16'.")
+    return dtype
 
   return jax.tree_util.tree_map_with_path(one, natural)
 
@@ -135,7 +203,8 @@ def state_dtypes(inner: optax.GradientTransformation,
     TypeError: if ``inner`` is not a gradient transformation or ``dtype`` neither a
       dtype nor a function.
     ValueError: if a storage dtype is not floating or not accepted (bfloat16,
-      float16, float32); from ``init``, if the function returns one.
+      float16, float32); from ``init``, if the function returns one, or if float16
+      is chosen for a leaf that holds squared gradients (:data:`SQUARED_FIELDS`).
 
   Example:
     >>> import optax
@@ -173,6 +242,7 @@ def _upcast(tree: Any) -> Any:
 
 __all__ = (
     "DTypeChoice",
+    "SQUARED_FIELDS",
     "STORAGE_DTYPES",
     "state_dtypes",
 )

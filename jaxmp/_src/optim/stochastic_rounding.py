@@ -14,11 +14,12 @@ care (the bit pattern is sign and magnitude); subnormals round the same way; a v
 within an ulp of float32's largest may round up to infinity. Infinities and NaNs are
 left alone (cast, not rounded: a NaN's payload may sit in the low bits only).
 
-:func:`stochastic_rounding` is the Optax transform: put it last in a chain, after the
-learning rate, and it turns each update ``u`` of a bfloat16 param ``p`` into the one
-that ``optax.apply_updates`` turns ``p`` into ``stochastic_round(p + u)`` by (see
-:mod:`jaxmp._src.optim.base`). Its state holds the key and a step count; the random
-bits of a step come from ``fold_in(fold_in(key, count), leaf index)``, so a restored
+:func:`stochastic_rounding` is the Optax transform. It wraps the optimizer,
+``stochastic_rounding(inner, key)``, and turns ``inner``'s update ``u`` of each
+bfloat16 param ``p`` into the one that ``optax.apply_updates`` turns ``p`` into
+``stochastic_round(p + u)`` by (see :mod:`jaxmp._src.optim.base`, and there why it
+wraps rather than chains). Its state holds the key, a step count and ``inner``'s
+state; the random bits of a step come from ``fold_in(fold_in(key, count), leaf index)``, so a restored
 checkpoint continues with the same bits, a skipped step (under loss scaling, which
 leaves this state alone) is retried with the same bits, and a sharded param gets the
 same bits as on one device (JAX's partitionable threefry, the default).
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxmp._src import checks
 from jaxmp._src.optim import base
 
 _BF16 = np.dtype(jnp.bfloat16)
@@ -119,40 +121,64 @@ class StochasticRoundingState(NamedTuple):
     key: the key's raw data (``jax.random.key_data``), uint32, so that any
       checkpointer saves it.
     count: the steps taken so far, int32; each step's bits depend on it.
+    inner_state: the wrapped optimizer's state.
 
   Example:
-    >>> tx = jaxmp.optim.stochastic_rounding(jax.random.key(0))
+    >>> import optax
+    >>> tx = jaxmp.optim.stochastic_rounding(optax.sgd(0.1), jax.random.key(0))
     >>> tx.init({"w": jnp.ones(2, jnp.bfloat16)}).count
     Array(0, dtype=int32)
   """
 
   key: jax.Array
   count: jax.Array
+  inner_state: optax.OptState
 
 
-def stochastic_rounding(key: Any) -> optax.GradientTransformation:
-  """Makes ``optax.apply_updates`` round bfloat16 params stochastically; last in a chain.
+def _is_key(value: Any) -> bool:
+  """Whether ``value`` is a typed PRNG key or a raw ``uint32[2]`` one."""
+  dtype = getattr(value, "dtype", None)
+  if dtype is None:
+    return False
+  if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    return True
+  return np.dtype(dtype) == np.uint32 and np.shape(value) == (2,)
 
-  See the module docstring for how the updates are made and where the randomness
-  comes from.
+
+def stochastic_rounding(inner: optax.GradientTransformation,
+                        key: Any = None) -> optax.GradientTransformationExtraArgs:
+  """Runs ``inner`` and writes its updates into bfloat16 params with stochastic rounding.
+
+  Each ``update`` runs ``inner`` on the gradients and the bfloat16 params as they
+  are, then turns its update ``u`` of each bfloat16 param ``p`` into the one that
+  makes ``optax.apply_updates`` land on ``stochastic_round(p + u)``. See the module
+  docstring for where the randomness comes from. Pass the updates straight to
+  ``optax.apply_updates``: a transform that rescaled them (one chained after this,
+  say) would land elsewhere, which is why this wraps the optimizer instead of being
+  chained after it.
 
   Args:
+    inner: the optimizer whose updates are rounded: any
+      ``optax.GradientTransformation`` (or ``optax.MultiSteps``), e.g.
+      ``jaxmp.optim.state_dtypes(optax.adamw(1e-3), "bfloat16")``.
     key: a JAX PRNG key.
 
   Returns:
-    An ``optax.GradientTransformation`` whose state is a
-    :class:`StochasticRoundingState`. ``update(updates, state, params)`` needs the
-    params; it returns float32 updates for the bfloat16 params and the others'
-    updates unchanged.
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`StochasticRoundingState`. ``update(updates, state, params, **extra_args)``
+    needs the params; it returns float32 updates for the bfloat16 params and
+    ``inner``'s updates of the others.
 
   Raises:
-    TypeError: if ``key`` is missing or not a PRNG key.
+    TypeError: if ``inner`` is not a gradient transformation (a key alone is the form
+      this replaced, chained after the optimizer) or ``key`` is missing or not a PRNG
+      key.
     ValueError: from ``init``/``update``, if no param is bfloat16 or one is float16;
       from ``update``, if ``params`` is ``None``.
 
   Example:
     >>> import optax
-    >>> tx = optax.chain(optax.sgd(1e-3), jaxmp.optim.stochastic_rounding(jax.random.key(0)))
+    >>> tx = jaxmp.optim.stochastic_rounding(optax.sgd(1e-3), jax.random.key(0))
     >>> params = {"w": jnp.ones(1000, jnp.bfloat16)}
     >>> state = tx.init(params)
     >>> for _ in range(100):  # steps of 1e-3: round-to-nearest would stay at 1.0
@@ -162,6 +188,12 @@ def stochastic_rounding(key: Any) -> optax.GradientTransformation:
     0.9
   """
   where = "stochastic_rounding"
+  if _is_key(inner):
+    raise TypeError(
+        f"{where}: inner must be the optimizer, got a PRNG key ({inner!r}); "
+        "stochastic_rounding wraps the optimizer, stochastic_rounding(inner, key): "
+        "chained after it, any transform in between would undo the rounding.")
+  inner = checks.gradient_transformation(inner, "inner", where=where)
   raw, impl = _key_data(key, where)
   raw = jnp.array(raw)  # a private copy: donating a state must not delete the caller's key
 
@@ -172,11 +204,13 @@ def stochastic_rounding(key: Any) -> optax.GradientTransformation:
 
   def init_fn(params):
     select(params)
-    return StochasticRoundingState(key=jnp.array(raw), count=jnp.zeros((), jnp.int32))
+    return StochasticRoundingState(key=jnp.array(raw), count=jnp.zeros((), jnp.int32),
+                                   inner_state=inner.init(params))
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, **extra_args):
     params = base.require_params(params, where)
     mask = select(params)
+    updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
     key = state.key if impl is None else jax.random.wrap_key_data(state.key, impl=impl)
     step_key = jax.random.fold_in(key, state.count)
     flat_mask, treedef = jax.tree_util.tree_flatten(mask)
@@ -186,9 +220,10 @@ def stochastic_rounding(key: Any) -> optax.GradientTransformation:
                                     jax.random.fold_in(step_key, i))) if m else u
            for i, (m, p, u) in enumerate(zip(flat_mask, flat_params, flat_updates))]
     return (jax.tree_util.tree_unflatten(treedef, new),
-            StochasticRoundingState(key=state.key, count=optax.safe_increment(state.count)))
+            StochasticRoundingState(key=state.key, count=optax.safe_increment(state.count),
+                                    inner_state=inner_state))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 __all__ = (
