@@ -399,7 +399,8 @@ CASES = [
     ("kahan_summation over float32 params", lambda: jaxmp.optim.kahan_summation(
         optax.sgd(1.0)).init(PARAMS), ValueError, "the params have dtypes ['float32']"),
     ("kahan_summation chained, without its optimizer", lambda: optax.chain(
-        jaxmp.optim.kahan_summation(), optax.sgd(1.0)), TypeError, "'inner'"),
+        jaxmp.optim.kahan_summation(), optax.sgd(1.0)), TypeError,
+     r"inner, the optimizer, is missing; kahan_summation wraps the optimizer"),
     ("kahan_summation update without params", lambda: jaxmp.optim.kahan_summation(
         optax.sgd(1.0)).update(BF16_PARAMS, jaxmp.optim.kahan_summation(optax.sgd(1.0)).init(
             BF16_PARAMS)), ValueError, "params=None"),

@@ -82,7 +82,8 @@ def test_each_step_is_kahan_add_of_the_inner_optimizers_update_bit_for_bit():
 def test_the_chain_form_that_a_later_transform_silently_undid_is_refused():
   # optax.chain(kahan_summation(), optax.sgd(lr)) trained exactly like nearest rounding:
   # SGD rescaled the updates that were meant to land on the compensated values.
-  with pytest.raises(TypeError, match=r"inner"):
+  with pytest.raises(TypeError, match=r"kahan_summation wraps the optimizer, "
+                                      r"kahan_summation\(inner\)"):
     optax.chain(jaxmp.optim.kahan_summation(), optax.sgd(1e-4))
 
 

@@ -30,7 +30,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -103,7 +103,9 @@ class KahanState(NamedTuple):
   inner_state: optax.OptState
 
 
-def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+def kahan_summation(
+    inner: Optional[optax.GradientTransformation] = None,
+) -> optax.GradientTransformationExtraArgs:
   """Runs ``inner`` and adds its updates to 16-bit params with Kahan compensation.
 
   Each ``update`` runs ``inner`` on the gradients and the 16-bit params as they are,
@@ -124,7 +126,8 @@ def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransf
     float32 updates for the 16-bit params and ``inner``'s updates of the others.
 
   Raises:
-    TypeError: if ``inner`` is not a gradient transformation.
+    TypeError: if ``inner`` is missing (``kahan_summation()``, the form this replaced,
+      chained after the optimizer) or not a gradient transformation.
     ValueError: from ``init``/``update``, if no param is bfloat16 or float16; from
       ``update``, if ``params`` is ``None``.
 
@@ -139,6 +142,11 @@ def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransf
     >>> params["w"]
     Array([1.10156, 1.10156], dtype=bfloat16)
   """
+  if inner is None:
+    raise TypeError(
+        f"{_WHERE}: inner, the optimizer, is missing; kahan_summation wraps the optimizer, "
+        "kahan_summation(inner): chained after it, any transform in between would undo "
+        "the compensation.")
   inner = checks.gradient_transformation(inner, "inner", where=_WHERE)
 
   def select(params):
