@@ -362,6 +362,9 @@ CASES = [
             BF16_PARAMS)), ValueError, "params=None"),
     ("master_params without master_weights", lambda: jaxmp.optim.master_params(
         {"a": 1}, BF16_PARAMS), ValueError, "found 0"),
+    ("master_params of other params", lambda: jaxmp.optim.master_params(
+        jaxmp.optim.master_weights(optax.sgd(1.0)).init(BF16_PARAMS), {"v": jnp.ones(2)}),
+     ValueError, "the params have ['v'] where the master weights have ['w']"),
     ("state_dtypes int8", lambda: jaxmp.optim.state_dtypes(optax.adam(1e-3), "int8"),
      ValueError, "storage dtype 'int8' is not accepted"),
     ("state_dtypes int32 dtype", lambda: jaxmp.optim.state_dtypes(optax.adam(1e-3), jnp.int32),

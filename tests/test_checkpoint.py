@@ -1,13 +1,19 @@
-"""Checkpointing a mixed-precision TrainState with Orbax, mid-run, and resuming exactly.
+"""Checkpointing a mixed-precision run with Orbax, mid-run, and resuming exactly.
 
 What must survive a save and restore: the params, the optimizer state (inner Adam
 moments and count, the loss scale with its growth counter, skipped steps, the last
 step's finiteness), the fp8 delayed-scaling state, and the loss scale's
 hyperparameters, which are static pytree aux data: they are not in the checkpoint but
-come from the restore target, built by the same code as the original state.
+come from the restore target, built by the same code as the original state. A linen
+``TrainState`` first; then an NNX model and ``nnx.Optimizer`` (with float32 masters,
+batch statistics and an RNG stream too), saved and restored by the README's own code
+(:mod:`tests.nnx_checkpoint_run`), in this process and in a fresh one.
 """
 
 import contextlib
+import pathlib
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -16,9 +22,11 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from flax import nnx
 
 import jaxmp
 from jaxmp import fp8
+from tests import nnx_checkpoint_run as nnx_run
 
 LOSS_SCALE = dict(scale=2.0**10, growth_interval=3, growth_factor=2.0, backoff_factor=0.5,
                   min_scale=0.5, max_scale=2.0**14)
@@ -226,3 +234,80 @@ def test_the_readme_recipe_on_one_device_restores_without_compiling_again(run, t
   with count_compilations() as compilations:
     step(restored, x, y, clean)
   assert compilations == [] and len(traces) == 1
+
+
+# ---- NNX: the README's recipe, killed and resumed -------------------------------------
+
+SAVED_AT, RESUMED = 4, 3  # steps before the save (the second one skipped), and after
+
+
+def _nnx_snapshot(model, optimizer):
+  """The run's whole state as host arrays (PRNG keys as their key data)."""
+  as_host = lambda a: np.asarray(jax.random.key_data(a) if jax.dtypes.issubdtype(
+      a.dtype, jax.dtypes.prng_key) else a)
+  return jax.tree.map(as_host, nnx.state((model, optimizer)))
+
+
+@pytest.fixture(scope="module")
+def nnx_checkpointed(tmp_path_factory):
+  """Trains SAVED_AT steps, saves with the README's code, trains RESUMED more."""
+  directory = tmp_path_factory.mktemp("nnx_ckpt")
+  recipe = nnx_run.recipe()
+  model, optimizer = recipe["create"]()
+  nnx_run.train(model, optimizer, SAVED_AT, skip_at=1)
+  recipe["save"](directory, model, optimizer)
+  saved = _nnx_snapshot(model, optimizer)
+  losses = [np.asarray(loss) for loss in nnx_run.train(model, optimizer, RESUMED)]
+  return dict(directory=directory, saved=saved, losses=losses,
+              final=_nnx_snapshot(model, optimizer))
+
+
+def test_nnx_restore_gives_back_the_mid_run_state_bit_for_bit(nnx_checkpointed):
+  model, optimizer = nnx_run.recipe()["restore"](nnx_checkpointed["directory"])
+  assert_identical(_nnx_snapshot(model, optimizer), nnx_checkpointed["saved"])
+  # What was saved is mid-run and non-trivial in every part.
+  metrics = jaxmp.loss_scaling_metrics(optimizer.opt_state)
+  assert int(metrics["skipped_steps"]) == 1 and int(optimizer.step[...]) == SAVED_AT
+  ls = optimizer.opt_state.loss_scale  # 1024 -> 512 (skip) -> 1024 (grown after 2 steps)
+  assert float(ls.loss_scale[...]) == 1024.0 and int(ls.counter[...]) == 0
+  assert (ls.growth_interval, optimizer.tx) == (2, nnx_run.TX)  # static: from the target
+  history = nnx.state(model, jaxmp.nnx.Fp8State)
+  assert any(np.count_nonzero(np.asarray(x)) for x in jax.tree.leaves(history))
+  params = nnx.state(model, nnx.Param)
+  kernel = jaxmp.optim.master_params(optimizer.opt_state, params)["model"]["layers"][
+      "linear"]["kernel"][...]
+  assert kernel.dtype == jnp.float32 and model.model.layers.linear.kernel[...].dtype == jnp.bfloat16
+  assert not np.array_equal(np.asarray(kernel),
+                            np.asarray(kernel.astype(jnp.bfloat16), np.float32))
+  fresh, _ = nnx_run.recipe()["create"]()
+  for kind in (nnx.BatchStat, nnx.RngCount):
+    assert any(not np.array_equal(a, b) for a, b in zip(
+        jax.tree.leaves(nnx.state(model, kind)), jax.tree.leaves(nnx.state(fresh, kind))))
+
+
+def test_nnx_resuming_in_fresh_objects_reproduces_the_run_without_recompiling(nnx_checkpointed):
+  model, optimizer = nnx_run.recipe()["restore"](nnx_checkpointed["directory"])
+  traces = len(nnx_run.TRACES)
+  with count_compilations() as compilations:
+    losses = nnx_run.train(model, optimizer, RESUMED)
+  for loss, reference in zip(losses, nnx_checkpointed["losses"], strict=True):
+    assert np.asarray(loss).tobytes() == reference.tobytes()
+  assert_identical(_nnx_snapshot(model, optimizer), nnx_checkpointed["final"])
+  assert compilations == [], "the restored state made the step compile again"
+  assert len(nnx_run.TRACES) == traces == 1, "the step was traced again"
+
+
+@pytest.mark.slow
+def test_nnx_resuming_in_a_fresh_process_reproduces_the_run(nnx_checkpointed, tmp_path):
+  # What a killed job does on restart: a new process restores and trains on.
+  root = pathlib.Path(__file__).parents[1]
+  result = subprocess.run(
+      [sys.executable, "-m", "tests.nnx_checkpoint_run", str(nnx_checkpointed["directory"]),
+       str(tmp_path), str(RESUMED)], cwd=root, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-4000:]
+  losses = [float.fromhex(line.split()[1]) for line in result.stdout.splitlines()
+            if line.startswith("loss ")]
+  assert losses == [float(loss) for loss in nnx_checkpointed["losses"]]
+  model, optimizer = nnx_run.recipe()["restore"](tmp_path)
+  assert int(optimizer.step[...]) == SAVED_AT + RESUMED
+  assert_identical(_nnx_snapshot(model, optimizer), nnx_checkpointed["final"])

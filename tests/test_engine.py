@@ -156,6 +156,51 @@ def test_nnx_carry_threaded_through_the_wrapper():
   assert carry.dtype == jnp.bfloat16 and y.dtype == jnp.float32
 
 
+# ---- caches written in place ---------------------------------------------------------------
+
+
+def test_a_cache_is_read_in_the_compute_dtype_and_written_in_its_own():
+  from jaxmp._src import engine  # pylint: disable=g-import-not-at-top
+  call = engine.Call(jaxmp.PolicyRules(BF16), supports_fp8=lambda t: False)
+  cache = {"k": jnp.full(3, 1 / 3, jnp.float32), "q": jnp.ones(3, jnp.float8_e4m3fn),
+           "index": jnp.int32(2)}
+  read = call.read_cache(cache, jnp.bfloat16)
+  # A float cache is an input: read in the compute dtype. The index, and a cache the
+  # model quantizes to 8 bits itself, are read as stored.
+  assert {k: v.dtype.name for k, v in read.items()} == {
+      "k": "bfloat16", "q": "float8_e4m3fn", "index": "int32"}
+  new = engine.written({"k": read["k"] * 2, "q": read["q"], "index": read["index"] + 1}, cache)
+  assert {k: v.dtype.name for k, v in new.items()} == {
+      "k": "float32", "q": "float8_e4m3fn", "index": "int32"}
+  assert float(new["k"][0]) == float(jnp.bfloat16(1 / 3)) * 2  # rounded once, kept exactly
+  fresh = jnp.ones(2, jnp.bfloat16)
+  assert engine.written(fresh, None) is fresh  # a variable that held no array
+
+
+class LinenCacheWriter(nn.Module):
+  """A cache written through put_variable/get_variable rather than self.variable."""
+
+  @nn.compact
+  def __call__(self, x):
+    step = nn.Dense(x.shape[-1], name="proj")(x)
+    if not self.has_variable("cache", "total"):
+      self.put_variable("cache", "total", jnp.zeros(x.shape, jnp.float32))
+      return step
+    total = jax.lax.dynamic_update_slice(self.get_variable("cache", "total"), step, (0, 0))
+    self.put_variable("cache", "total", total)
+    return total
+
+
+def test_linen_put_and_get_variable_keep_a_float32_cache_float32():
+  wrapped = jaxmp.linen.mixed_precision(LinenCacheWriter(), BF16)
+  x = jnp.ones((2, 4))
+  variables = wrapped.init(jax.random.key(0), x)
+  assert variables["cache"]["total"].dtype == jnp.float32
+  out, updates = wrapped.apply(variables, x, mutable=["cache"])
+  assert updates["cache"]["total"].dtype == jnp.float32 and out.dtype == jnp.float32
+  assert _dot_dtypes(lambda v: wrapped.apply(v, x, mutable=["cache"]), variables) == ["bfloat16"]
+
+
 # ---- the float32 op list ------------------------------------------------------------------
 
 

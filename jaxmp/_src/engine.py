@@ -23,10 +23,16 @@ for every module the adapter hands it:
    element of a tuple, list or dict output with the same structure and shapes as an
    argument: a KV cache, a recurrent carry) goes back in the dtypes it came in, so a
    ``lax.scan`` over the wrapped model keeps its carry type.
-6. **record**: a :class:`CallRecord` per module call, for the unused-rule report and
+6. **caches written in place** (linen's ``cache`` collection, NNX's ``nnx.Cache``
+   variables: a KV cache a decoder updates with ``lax.dynamic_update_slice`` and
+   assigns back): read like an input, in the compute dtype of the module that owns
+   them (:meth:`Call.read_cache`), and written, like a param, in the dtypes the
+   variable held (:func:`written`). The in-place update sees one dtype, and the cache
+   keeps the dtype the model built it with (a float32 ``init_cache`` stays float32).
+7. **record**: a :class:`CallRecord` per module call, for the unused-rule report and
    :func:`jaxmp.tools.summary` (which, with ``annotate=True``, attributes every
    traced matmul to the module call it ran in).
-7. **non-finite tracing** (only when the adapter hands the call a probe, which it does
+8. **non-finite tracing** (only when the adapter hands the call a probe, which it does
    for ``PolicyRules(trace_nonfinite=True)``): the call runs between the identities of
    :mod:`jaxmp._src.nonfinite`, one on the arguments as the caller passed them and one
    on the output as the caller gets it back, which record the amaxes of both and of
@@ -227,6 +233,21 @@ class Call:
               for x in leaves]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
+  def read_cache(self, value: T, dtype: np.dtype) -> T:
+    """A cache variable's value as the module that owns it reads it.
+
+    Step 6 of the module docstring. A cache is an input of the module's computation:
+    its floating-point leaves of 16 bits or more are read in the module's compute
+    dtype ``dtype`` (no rounding through a narrower dtype, as for :meth:`cast`).
+    Integer leaves (the cache index) and 8-bit floats (a cache the model quantizes
+    itself) are read as stored.
+    """
+    dtype = np.dtype(dtype)
+    leaves, treedef = jax.tree_util.tree_flatten(value, is_leaf=self._is_node)
+    return jax.tree_util.tree_unflatten(treedef, [
+        self._cast_leaf(x, dtype) if tree_lib.is_float_array(x) and x.dtype.itemsize > 1 else x
+        for x in leaves])
+
   def output_dtype(self, precision: rules_lib.ModulePrecision) -> np.dtype:
     """The dtype a module hands its output back in (see the module docstring)."""
     if precision.output_dtype is not None:
@@ -274,7 +295,7 @@ class Call:
     module's float32 ops in effect, and casts the output to :meth:`output_dtype`
     (threaded state back to the dtype it came in). With a non-finite probe, the
     arguments pass through the probe's *enter* identity before all that and the
-    output through its *leave* identity after (step 7 of the module docstring). Calls
+    output through its *leave* identity after (step 8 of the module docstring). Calls
     are numbered in the order they start, from 1: call 1 is the one the model's caller
     made, which :func:`jaxmp._src.nonfinite.model_calls` reads as the model's own call.
 
@@ -374,6 +395,31 @@ def _same_shapes(a: Any, b: Any, is_node: Optional[Callable[[Any], bool]]) -> bo
   return def_a == def_b and all(
       np.shape(x) == np.shape(y) and tree_lib.is_float_array(x) == tree_lib.is_float_array(y)
       for x, y in zip(leaves_a, leaves_b))
+
+
+def written(value: T, stored: Any) -> T:
+  """``value``, written in place to a variable that held ``stored``, in ``stored``'s dtypes.
+
+  The rule for state a module writes in place (a param it overwrites, a cache, step 6
+  of the module docstring): each floating-point leaf goes back in the dtype of the
+  leaf it replaces, so the variable keeps the dtype the model gave it. A value of
+  another tree structure (a variable that held ``None``) is written as it is.
+
+  Example:
+    >>> from jaxmp._src import engine
+    >>> cache = {"k": jnp.zeros(4, jnp.float32), "index": jnp.int32(0)}
+    >>> new = engine.written({"k": jnp.ones(4, jnp.bfloat16), "index": jnp.int32(1)}, cache)
+    >>> new["k"].dtype, new["index"].dtype
+    (dtype('float32'), dtype('int32'))
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(value)
+  stored_leaves, stored_treedef = jax.tree_util.tree_flatten(stored)
+  if treedef != stored_treedef:
+    return value
+  return jax.tree_util.tree_unflatten(treedef, [
+      x.astype(y.dtype) if tree_lib.is_float_array(x) and tree_lib.is_float_array(y)
+      and x.dtype != y.dtype else x
+      for x, y in zip(leaves, stored_leaves)])
 
 
 def owner(path: tuple, by_path: Mapping[tuple, T]) -> Optional[T]:
@@ -490,4 +536,5 @@ __all__ = (
     "resolve",
     "unused_rules",
     "warn_unused_rules",
+    "written",
 )

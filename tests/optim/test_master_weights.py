@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import jaxmp
 from jaxmp._src.optim import base
@@ -180,6 +181,53 @@ def test_a_linen_train_state_with_bfloat16_params_trains_its_master():
   np.testing.assert_array_equal(
       state.params["kernel"], jaxmp.optim.split_remainder(masters["kernel"])[0])
   assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.parametrize("remainders", [False, True])
+def test_an_nnx_optimizer_with_bfloat16_params_trains_its_master(remainders):
+  rules = jaxmp.PolicyRules("params=bfloat16,compute=bfloat16,output=float32",
+                            [jaxmp.Rule("layers/1", "float32")])  # the norm's own master
+  model = jaxmp.nnx.mixed_precision(nnx.Sequential(
+      nnx.Linear(8, 4, rngs=nnx.Rngs(1)), nnx.LayerNorm(4, rngs=nnx.Rngs(2))), rules)
+  tx = jaxmp.loss_scaling(jaxmp.optim.master_weights(optax.adam(1e-2), remainders=remainders),
+                          jaxmp.NoOpLossScale())
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  x = jax.random.normal(jax.random.key(0), (16, 8))
+  y = jnp.tanh(x[:, :4])
+
+  @nnx.jit
+  def train_step(model, optimizer):
+    loss, grads = jaxmp.nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(
+        model, loss_scale=jaxmp.get_loss_scale(optimizer.opt_state))
+    jaxmp.nnx.apply_gradients(optimizer, model, grads)
+    return loss
+
+  losses = [float(train_step(model, optimizer)) for _ in range(30)]
+  assert losses[-1] < 0.5 * losses[0]
+  params = nnx.state(model, nnx.Param)
+  masters = jaxmp.optim.master_params(optimizer.opt_state, params)
+  assert jax.tree.structure(masters) == jax.tree.structure(params)  # an nnx.State of Params
+  kernel = masters["model"]["layers"][0]["kernel"][...]
+  assert kernel.dtype == jnp.float32
+  rounded = (jaxmp.optim.split_remainder(kernel)[0] if remainders
+             else kernel.astype(jnp.bfloat16))
+  np.testing.assert_array_equal(model.model.layers[0].kernel[...], rounded)
+  assert not np.array_equal(np.asarray(kernel), np.asarray(rounded, np.float32))  # more bits
+  scale = model.model.layers[1].scale[...]
+  assert scale.dtype == jnp.float32  # its own master, handed back as it is
+  _assert_bitwise(masters["model"]["layers"][1]["scale"][...], scale, "norm scale")
+  # Inside jit too, and the same.
+  _assert_bitwise(jax.jit(jaxmp.optim.master_params)(optimizer.opt_state, params), masters,
+                  "masters under jit")
+
+
+def test_master_params_names_a_param_tree_that_does_not_match():
+  model = jaxmp.nnx.mixed_precision(nnx.Linear(2, 2, rngs=nnx.Rngs(0)),
+                                    "params=bfloat16,compute=bfloat16,output=float32")
+  optimizer = nnx.Optimizer(model, jaxmp.optim.master_weights(optax.sgd(0.1)), wrt=nnx.Param)
+  # The wrapped model's own params: their paths lack the wrapper's "model".
+  with pytest.raises(ValueError, match=r"master_params: .*\['bias'\].*\['model'\]\['bias'\]"):
+    jaxmp.optim.master_params(optimizer.opt_state, nnx.state(model.model, nnx.Param))
 
 
 def test_master_params_needs_exactly_one_master_weights_state():

@@ -9,6 +9,7 @@ the rules say should run.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import warnings
 
@@ -439,6 +440,89 @@ def test_nnx_kv_cache_comes_back_in_its_own_dtype_through_a_scan(cache_dtype):
                              jax.tree.leaves(entry.decode.init_cache(model.model, batch))):
     expected = cache_dtype if jnp.issubdtype(reference.dtype, jnp.floating) else reference.dtype
     assert leaf.dtype == expected
+
+
+# ---- caches written in place ------------------------------------------------------------
+# A decoder that writes its KV cache in place (linen: `cached_key.value = ...` in the
+# `cache` collection; NNX: `self.cached_key[...] = ...` on nnx.Cache variables) updates
+# it with `lax.dynamic_update_slice(cache, key, ...)`, which needs one dtype. A cache
+# built float32 by the model's own code (the unwrapped model's init, NNX init_cache's
+# default) is read in the module's compute dtype and written back in its own dtype.
+
+
+def _floats(tree):
+  return {x.dtype for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)}
+
+
+@pytest.mark.parametrize("name", ["lm1b_transformer_lm", "wmt_transformer"])
+def test_linen_decoder_writing_a_float32_cache_in_place(name):
+  entry = registry.BY_NAME[name]
+  key, batch = jax.random.key(0), _batch(entry)
+  plain = entry.module("decode")
+  wrapped = jaxmp.linen.mixed_precision(plain, BF16)
+  variables = _init(entry, wrapped, key, batch)
+  cache = entry.decode.init_cache(plain, key, batch)  # built by the unwrapped model
+  assert _floats(cache) == {jnp.dtype(jnp.float32)}
+  # The same published model configured for bfloat16 (its own cache is bfloat16).
+  bf16 = type(plain)(dataclasses.replace(plain.config, dtype=jnp.bfloat16))
+  ref_cache = entry.decode.init_cache(bf16, key, batch)
+  step = jax.jit(lambda v, c: entry.decode.step(wrapped, v, c, batch))
+  reference = jax.jit(lambda v, c: entry.decode.step(bf16, v, c, batch))
+  for _ in range(3):
+    logits, cache = step(variables, cache)
+    ref_logits, ref_cache = reference(variables, ref_cache)
+  assert _floats(cache) == {jnp.dtype(jnp.float32)}
+  assert logits.dtype == jnp.float32
+  np.testing.assert_allclose(logits, ref_logits.astype(jnp.float32), rtol=0.05, atol=0.05)
+  for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(ref_cache)):
+    np.testing.assert_allclose(a, b.astype(a.dtype), rtol=0.05, atol=0.05)
+  jaxpr = jax.make_jaxpr(lambda v, c: entry.decode.step(wrapped, v, c, batch))(variables, cache)
+  assert set(matmuls.count_matmuls(jaxpr)) == {"bfloat16"}, matmuls.describe_matmuls(jaxpr)
+
+
+def _attention(**kwargs):
+  # Flax's own nnx.MultiHeadAttention in decode mode, as its init_cache docstring uses it.
+  return nnx.MultiHeadAttention(num_heads=registry.HEADS, in_features=registry.WIDTH,
+                                decode=True, rngs=nnx.Rngs(0), **kwargs)
+
+
+def test_nnx_attention_writing_its_float32_cache_in_place():
+  shape = (registry.BATCH, registry.SEQ, registry.WIDTH)
+  tokens = jax.random.normal(jax.random.key(1), shape)
+  model = _attention()
+  model.init_cache(shape)  # float32: init_cache's default dtype
+  wrapped = jaxmp.nnx.mixed_precision(model, BF16)
+  reference = _attention(dtype=jnp.bfloat16)  # the same params, computing in bfloat16
+  reference.init_cache(shape, dtype=jnp.bfloat16)
+  step = nnx.jit(lambda m, x: m(x))
+  for t in range(3):
+    out = step(wrapped, tokens[:, t:t + 1])
+    ref = step(reference, tokens[:, t:t + 1])
+  for name in ("cached_key", "cached_value"):
+    assert getattr(model, name)[...].dtype == jnp.float32
+    # The projections ran in bfloat16 exactly as the reference's: the float32 cache
+    # holds the reference's bfloat16 cache exactly.
+    np.testing.assert_array_equal(getattr(model, name)[...],
+                                  getattr(reference, name)[...].astype(jnp.float32))
+  assert int(model.cache_index[...]) == 3
+  assert out.dtype == jnp.float32
+  np.testing.assert_allclose(out, ref.astype(jnp.float32), rtol=0.02, atol=0.02)
+  graphdef, state = nnx.split(wrapped)
+  jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(tokens[:, :1]))(state)
+  assert matmuls.count_matmuls(jaxpr) == {"bfloat16": 6}, matmuls.describe_matmuls(jaxpr)
+
+
+def test_nnx_bfloat16_cache_stays_bfloat16_under_a_float32_policy():
+  shape = (registry.BATCH, registry.SEQ, registry.WIDTH)
+  model = _attention()
+  model.init_cache(shape, dtype=jnp.bfloat16)
+  wrapped = jaxmp.nnx.mixed_precision(model, "float32")
+  x = jax.random.normal(jax.random.key(1), shape)[:, :1]
+  wrapped(x)
+  assert model.cached_key[...].dtype == model.cached_value[...].dtype == jnp.bfloat16
+  # What was written is the float32 key projection, rounded once to the cache's dtype.
+  np.testing.assert_array_equal(model.cached_key[...][:, :1],
+                                model.key(x).astype(jnp.bfloat16))
 
 
 def test_keras_mixed_names_hand_back_float32_logits():

@@ -14,8 +14,11 @@ module call by its path and class and:
 4. casts the output to the caller's compute dtype (an override is local), to the
    dtype the rule names, or, for the outermost call, to the default output dtype.
 
-``init`` stores each module's params in its param dtype. Other collections
-(``batch_stats``, caches, fp8 state) are never cast.
+``init`` stores each module's params in its param dtype. A module reads its
+:data:`CACHE_COLLECTION` variables (the KV caches Flax's decoders write in place) in
+its compute dtype and writes them in the dtypes they hold, so a float32 cache stays
+float32 (:func:`jaxmp._src.engine.written`). Other collections (``batch_stats``, fp8
+state) are never cast.
 
 With ``PolicyRules(..., trace_nonfinite=True)``, ``init`` also returns the non-finite
 probe (:mod:`jaxmp._src.nonfinite`) as the collection :data:`NONFINITE_COLLECTION`,
@@ -57,6 +60,9 @@ CallRecord = engine.CallRecord
 NONFINITE_COLLECTION = "jaxmp_nonfinite"
 """The variables collection that holds the non-finite probe of a tracing wrapper."""
 
+CACHE_COLLECTION = "cache"
+"""The collection of caches a module writes in place (Flax's decode caches)."""
+
 
 def _params_in(module: nn.Module, dtype: np.dtype, call: engine.Call):
   """Makes ``module.param(...)`` return its value cast to ``dtype`` (storage unchanged)."""
@@ -68,6 +74,52 @@ def _params_in(module: nn.Module, dtype: np.dtype, call: engine.Call):
     return tree_lib.cast_tree(value, dtype)
 
   return injection.instance_attribute(module, "param", param)
+
+
+class _CacheVariable(nn.Variable):
+  """A :data:`CACHE_COLLECTION` variable as a wrapped module sees it.
+
+  Read in the module's compute dtype and written in the dtypes the variable holds
+  (:meth:`jaxmp._src.engine.Call.read_cache`, :func:`jaxmp._src.engine.written`).
+  """
+
+  def __init__(self, variable: nn.Variable, read: Callable[[Any], Any]):
+    super().__init__(variable.scope, variable.collection, variable.name, variable.unbox)
+    self._read = read
+
+  @property
+  def value(self) -> Any:
+    return self._read(nn.Variable.value.fget(self))
+
+  @value.setter
+  def value(self, value: Any) -> None:
+    nn.Variable.value.fset(self, engine.written(value, nn.Variable.value.fget(self)))
+
+
+def _caches_in(module: nn.Module, dtype: np.dtype, call: engine.Call) -> contextlib.ExitStack:
+  """Makes ``module`` read its caches in ``dtype`` and write them in their own dtypes."""
+  cls = type(module)
+  read = lambda value: call.read_cache(value, dtype)
+
+  def variable(col, name, *args, **kwargs):
+    found = cls.variable(module, col, name, *args, **kwargs)
+    return _CacheVariable(found, read) if col == CACHE_COLLECTION else found
+
+  def get_variable(col, name, default=None):
+    if col != CACHE_COLLECTION or not module.has_variable(col, name):
+      return cls.get_variable(module, col, name, default)
+    return read(cls.get_variable(module, col, name))
+
+  def put_variable(col, name, value):
+    if col == CACHE_COLLECTION and module.has_variable(col, name):
+      value = engine.written(value, cls.get_variable(module, col, name))
+    cls.put_variable(module, col, name, value)
+
+  stack = contextlib.ExitStack()
+  for name, method in (("variable", variable), ("get_variable", get_variable),
+                       ("put_variable", put_variable)):
+    stack.enter_context(injection.instance_attribute(module, name, method))
+  return stack
 
 
 def _field_values(module: nn.Module, precision, call: engine.Call) -> dict[str, Any]:
@@ -82,9 +134,10 @@ def _field_values(module: nn.Module, precision, call: engine.Call) -> dict[str, 
 
 
 def _module_in(module: nn.Module, precision, call: engine.Call) -> contextlib.ExitStack:
-  """Params read in the compute dtype, and the fields the engine chose."""
+  """Params and caches read in the compute dtype, and the fields the engine chose."""
   stack = contextlib.ExitStack()
   stack.enter_context(_params_in(module, precision.policy.compute_dtype, call))
+  stack.enter_context(_caches_in(module, precision.policy.compute_dtype, call))
   for name, value in _field_values(module, precision, call).items():
     stack.enter_context(injection.instance_attribute(module, name, value))
   return stack

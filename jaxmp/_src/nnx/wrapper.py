@@ -21,11 +21,12 @@ inputs:
    floating-point inputs to the module's compute dtype and the output to the
    caller's compute dtype (an override is local), to the dtype the rule names, or,
    for the outermost call, to the default output dtype. Integer inputs, bools, PRNG
-   keys and graph nodes (``nnx.Rngs``, variables, modules) are never cast; neither
-   are non-param variables (``BatchStat``, ``Cache``, fp8 state). The module's path
-   and precision ride on the copy as a static attribute, so modules that NNX
-   transforms inside the model (``nnx.scan``, ``nnx.vmap``, ``nnx.remat``) split and
-   merge again keep them;
+   keys and graph nodes (``nnx.Rngs``, variables, modules) are never cast. An
+   ``nnx.Cache`` (a KV cache the model writes in place) holds its value in the
+   compute dtype of its module, as an input would be; other non-param variables
+   (``BatchStat``, fp8 state) are not cast. The module's path and precision ride on
+   the copy as a static attribute, so modules that NNX transforms inside the model
+   (``nnx.scan``, ``nnx.vmap``, ``nnx.remat``) split and merge again keep them;
 3. layers an fp8 rule matches (``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``
    and the projections of ``nnx.MultiHeadAttention``) compute their product with the
    :class:`~jaxmp.nnx.Fp8DotGeneral`/:class:`~jaxmp.nnx.Fp8Einsum` the
@@ -33,9 +34,10 @@ inputs:
    wrapper's ``fp8`` dict, keyed by layer path;
 4. after the call, the variables the model changed (batch statistics, RNG counts,
    caches, ``sow``-n intermediates) are written back to the model's own variables;
-   a param the model itself overwrote is written back in its param dtype. Nothing
-   else of the model is touched: the casts, class swaps and traced values live and
-   die with the copy, even when the call raises.
+   a param or cache the model itself overwrote is written back in the dtype it is
+   stored in (:func:`jaxmp._src.engine.written`), so a float32 cache stays float32.
+   Nothing else of the model is touched: the casts, class swaps and traced values
+   live and die with the copy, even when the call raises.
 
 Gradients flow through the casts to the stored params, so they come back in the param
 dtype. Params are cast to their param dtype once, by :func:`mixed_precision`.
@@ -84,6 +86,7 @@ from flax import nnx
 from flax.nnx import graphlib
 
 from jaxmp._src import engine
+from jaxmp._src import policy as policy_lib
 from jaxmp._src import rules as rules_lib
 from jaxmp._src import tree as tree_lib
 from jaxmp._src.linen import wrapper as linen_wrapper
@@ -205,8 +208,15 @@ def _resolve(model: nnx.Module, rules: rules_lib.PolicyRules) -> dict[tuple, _Re
   return resolved
 
 
-def _params(model: nnx.Module) -> list[tuple[tuple, nnx.Variable]]:
-  return list(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+def _variables(model: nnx.Module, kind: type = nnx.Param) -> list[tuple[tuple, nnx.Variable]]:
+  return list(nnx.to_flat_state(nnx.state(model, kind)))
+
+
+def _policy(path: tuple, modules: dict[tuple, _Resolved],
+            rules: rules_lib.PolicyRules) -> policy_lib.Policy:
+  """The policy of the module that owns the variable at ``path``."""
+  owner = engine.owner(path, modules)
+  return owner.precision.policy if owner else rules.default
 
 
 def _fp8_layer_names() -> str:
@@ -311,12 +321,14 @@ class MixedPrecision(nnx.Module):
     return out, call.records
 
   def _prepare(self, model: nnx.Module, call: engine.Call) -> None:
-    """Casts the copy's params, installs fp8, and swaps in the intercepting classes."""
+    """Casts the copy's params and caches, installs fp8, swaps in the intercepting classes."""
     modules = _resolve(model, self.rules)
-    for path, variable in _params(model):
-      owner = engine.owner(path, modules)
-      dtype = (owner.precision.policy if owner else self.rules.default).compute_dtype
+    for path, variable in _variables(model):
+      dtype = _policy(path, modules, self.rules).compute_dtype
       variable.set_raw_value(tree_lib.cast_tree(variable.get_raw_value(), dtype))
+    for path, variable in _variables(model, nnx.Cache):
+      dtype = _policy(path, modules, self.rules).compute_dtype
+      variable.set_raw_value(call.read_cache(variable.get_raw_value(), dtype))
     fp8_modules = dict(self.fp8.items())
     for r in modules.values():
       precision = r.precision
@@ -368,8 +380,8 @@ def _write_back(graph: Any, originals: dict, copy: Any, before: dict) -> None:
       new.append((path, variable))
     elif not before[path].unchanged(value):
       original = originals[path]
-      if isinstance(original, nnx.Param):
-        value = tree_lib.cast_tree(value, original.get_raw_value().dtype)
+      if isinstance(original, (nnx.Param, nnx.Cache)):
+        value = engine.written(value, original.get_raw_value())
       original.set_raw_value(value)
   if new:
     nnx.update(graph, nnx.from_flat_state(new))
@@ -431,9 +443,8 @@ def mixed_precision(model: nnx.Module,
   rules = rules_lib.as_rules(policy_or_rules)
   modules = _resolve(model, rules)
 
-  for path, variable in _params(model):
-    owner = engine.owner(path, modules)
-    dtype = (owner.precision.policy if owner else rules.default).param_dtype
+  for path, variable in _variables(model):
+    dtype = _policy(path, modules, rules).param_dtype
     value = variable.get_raw_value()
     cast = tree_lib.cast_tree(value, dtype)
     if cast is not value:

@@ -207,23 +207,39 @@ def _masters(mask: Any, stored: Any, params: Any, remainders: bool) -> Any:
 def master_params(opt_state: Any, params: Any) -> Any:
   """The float32 masters held by the :func:`master_weights` state in ``opt_state``.
 
+  The masters are matched to the params leaf by leaf, by key path: the state of an
+  ``nnx.Optimizer`` (``optimizer.opt_state``) holds them as ``OptVariable`` nodes
+  where the model's state has ``Param`` ones, at the same paths.
+
   Args:
     opt_state: an optimizer state holding exactly one :class:`MasterWeightsState`
-      (anywhere: inside ``jaxmp.loss_scaling``, ``optax.chain``...).
-    params: the current params (with remainders, the masters' top halves).
+      (anywhere: inside ``jaxmp.loss_scaling``, ``optax.chain``, an
+      ``nnx.Optimizer``'s ``opt_state``...).
+    params: the current params (with remainders, the masters' top halves): the tree
+      the optimizer updates, ``nnx.state(model, nnx.Param)`` for an ``nnx.Optimizer``
+      built on ``model``.
 
   Returns:
-    A tree like ``params``: the float32 master of each 16-bit param, and the params
-    that are their own master as they are. Works inside ``jit``.
+    A tree like ``params`` (an ``nnx.State`` of ``Param`` for NNX): the float32
+    master of each 16-bit param, and the params that are their own master as they
+    are. Works inside ``jit``.
 
   Raises:
-    ValueError: if ``opt_state`` holds no ``MasterWeightsState`` or more than one.
+    ValueError: if ``opt_state`` holds no ``MasterWeightsState`` or more than one, or
+      if the params' leaves are not at the masters' key paths.
 
   Example:
     >>> import optax
     >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
     >>> state = jaxmp.loss_scaling(jaxmp.optim.master_weights(optax.sgd(0.1))).init(params)
     >>> jaxmp.optim.master_params(state, params)["w"].dtype
+    dtype('float32')
+    >>> from flax import nnx
+    >>> model = jaxmp.nnx.mixed_precision(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), "bfloat16")
+    >>> optimizer = nnx.Optimizer(model, jaxmp.optim.master_weights(optax.sgd(0.1)),
+    ...                           wrt=nnx.Param)
+    >>> masters = jaxmp.optim.master_params(optimizer.opt_state, nnx.state(model, nnx.Param))
+    >>> masters["model"]["kernel"][...].dtype
     dtype('float32')
   """
   found = base.find_states(opt_state, MasterWeightsState)
@@ -232,12 +248,26 @@ def master_params(opt_state: Any, params: Any) -> Any:
                      f"optimizer state of type {type(opt_state).__name__}, found "
                      f"{len(found)}; was the optimizer wrapped in jaxmp.optim.master_weights "
                      "once?")
-  stored = found[0].master
+  is_none = lambda x: x is None
+  by_path, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)
+  stored_by_path = jax.tree_util.tree_flatten_with_path(found[0].master, is_leaf=is_none)[0]
+  paths = [path for path, _ in by_path]
+  stored_paths = [path for path, _ in stored_by_path]
+  if paths != stored_paths:
+    i = next((i for i, (a, b) in enumerate(zip(paths, stored_paths)) if a != b),
+             min(len(paths), len(stored_paths)))
+    at = lambda ps: jax.tree_util.keystr(ps[i]) if i < len(ps) else "no more leaves"
+    raise ValueError(
+        f"master_params: the params do not match the master weights: the params have "
+        f"{at(paths)} where the master weights have {at(stored_paths)}. Pass the "
+        f"params the optimizer updates (for an nnx.Optimizer, nnx.state(model, "
+        f"nnx.Param) of the model it was built on).")
+  leaves = [x for _, x in by_path]
+  stored = [x for _, x in stored_by_path]
   remainders = any(np.dtype(x.dtype) == remainders_lib.REMAINDER_DTYPE
-                   for x in jax.tree_util.tree_leaves(stored))
-  mask = jax.tree_util.tree_map(lambda p, s: s is not None, params, stored,
-                                is_leaf=lambda x: x is None)
-  return _masters(mask, stored, params, remainders)
+                   for x in stored if x is not None)
+  mask = [x is not None for x in stored]
+  return jax.tree_util.tree_unflatten(treedef, _masters(mask, stored, leaves, remainders))
 
 
 __all__ = (
