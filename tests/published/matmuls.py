@@ -7,32 +7,24 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from jaxmp._src.tools import summary
+
 MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")
-
-
-def _sub_jaxprs(value: Any) -> Iterator[Any]:
-  """The jaxprs inside an equation parameter (pjit, custom_jvp/vjp, scan, cond, remat...)."""
-  if hasattr(value, "eqns"):            # Jaxpr
-    yield value
-  elif hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):  # ClosedJaxpr
-    yield value.jaxpr
-  elif isinstance(value, (tuple, list)):  # cond branches
-    for item in value:
-      yield from _sub_jaxprs(item)
 
 
 def iter_matmuls(jaxpr: Any) -> Iterator[tuple[str, tuple[np.dtype, ...]]]:
   """Yields (primitive name, operand dtypes) for every matmul equation, nested ones too.
 
-  A scan or while body is counted once, however many iterations it runs.
+  A scan or while body is counted once, however many iterations it runs; of a
+  ``lax.platform_dependent`` choice only the branch that runs here counts.
   """
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  platform = summary.lowering_platform()
   for eqn in jaxpr.eqns:
     if eqn.primitive.name in MATMUL_PRIMITIVES:
       yield eqn.primitive.name, tuple(np.dtype(v.aval.dtype) for v in eqn.invars)
-    for value in eqn.params.values():
-      for sub in _sub_jaxprs(value):
-        yield from iter_matmuls(sub)
+    for sub in summary.sub_jaxprs_that_run(eqn, platform):
+      yield from iter_matmuls(sub)
 
 
 def classify(dtypes: tuple[np.dtype, ...]) -> str:
@@ -55,7 +47,6 @@ def describe_matmuls(jaxpr: Any) -> list[str]:
       operands = ", ".join(f"{np.dtype(v.aval.dtype).name}{list(v.aval.shape)}"
                            for v in eqn.invars)
       lines.append(f"{eqn.primitive.name}({operands})")
-    for value in eqn.params.values():
-      for sub in _sub_jaxprs(value):
-        lines.extend(describe_matmuls(sub))
+    for sub in summary.sub_jaxprs_that_run(eqn, summary.lowering_platform()):
+      lines.extend(describe_matmuls(sub))
   return lines

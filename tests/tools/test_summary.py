@@ -118,3 +118,27 @@ def test_a_tracing_wrapper_is_summarized_with_the_variables_its_init_returned():
       ["<root>", "AutoEncoder"], ["<root>.encode", "AutoEncoder"], ["encoder", "Dense"],
       ["<root>.decode", "AutoEncoder"], ["decoder", "Dense"]]
   assert tables[True][0].splitlines()[4].split()[-1] == "bfloat16"  # encoder's matmul
+
+
+def test_ran_counts_the_platform_branch_that_runs_here():
+  # On CUDA a 4-element contraction multiplies its fp8 values as bfloat16
+  # (lax.platform_dependent): the CPU's table says fp8, and the CUDA branch holds the
+  # bfloat16 GEMM, which is counted only when asked for that platform.
+  from jaxmp._src.tools import summary as summary_lib
+  rules = jaxmp.PolicyRules("p=f32,c=bf16,o=f32",
+                            [jaxmp.Rule(nn.Dense, fp8=jaxmp.fp8.CurrentScaling())])
+  x = jnp.ones((2, 4))
+  table = jaxmp.tools.summary(nn.Dense(3), rules, x)
+  assert _rows(table)["<root>"].ran == "float8_e4m3fn"
+  model = jaxmp.linen.mixed_precision(nn.Dense(3), rules)
+  jaxpr = jax.make_jaxpr(model.apply)(model.init(jax.random.key(0), x), x)
+
+  def operands(jaxpr, platform):
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+      if eqn.primitive.name == "dot_general":
+        yield tuple(str(v.aval.dtype) for v in eqn.invars)
+      for sub in summary_lib.sub_jaxprs_that_run(eqn, platform):
+        yield from operands(sub, platform)
+
+  assert list(operands(jaxpr, "cpu")) == [("float8_e4m3fn", "float8_e4m3fn")]
+  assert list(operands(jaxpr, "cuda")) == [("bfloat16", "bfloat16")]

@@ -32,6 +32,7 @@ import warnings
 from typing import Any, NamedTuple, Optional
 
 import flax.linen as nn
+import jax
 import numpy as np
 from flax import nnx
 
@@ -124,6 +125,30 @@ def _sub_jaxprs(value: Any):
       yield from _sub_jaxprs(item)
 
 
+def lowering_platform() -> str:
+  """The platform ``lax.platform_dependent`` picks a branch for on JAX's default backend."""
+  platform = jax.default_backend()
+  if platform == "gpu":
+    return "rocm" if "rocm" in jax.devices()[0].client.platform_version.lower() else "cuda"
+  return platform
+
+
+def sub_jaxprs_that_run(eqn: Any, platform: str):
+  """The jaxprs nested in ``eqn`` that run on ``platform``.
+
+  A ``cond`` made by ``lax.platform_dependent`` runs one branch per platform (jaxmp's
+  CUDA forms of fp8 GEMMs, fused attention, the finite check): only that one counts.
+  """
+  platforms = eqn.params.get("branches_platforms")
+  if platforms is None:
+    for value in eqn.params.values():
+      yield from _sub_jaxprs(value)
+    return
+  index = next((i for i, names in enumerate(platforms) if names and platform in names),
+               platforms.index(None))
+  yield from _sub_jaxprs(eqn.params["branches"][index])
+
+
 def _owner_index(name_stack: str) -> Optional[int]:
   """The record index of the innermost annotated module call in a name stack."""
   found = list(_CALL.finditer(name_stack))
@@ -132,16 +157,25 @@ def _owner_index(name_stack: str) -> Optional[int]:
   return int(found[-1].group(1))
 
 
-def matmul_dtypes(jaxpr: Any, prefix: str = "") -> dict[int, collections.Counter]:
+def matmul_dtypes(jaxpr: Any, prefix: str = "",
+                  platform: Optional[str] = None) -> dict[int, collections.Counter]:
   """How many matmuls/convolutions of each operand dtype class each module call ran.
 
-  Walks nested jaxprs (jit, scan, cond, remat, custom_vjp; a loop body counts once);
-  an equation belongs to the innermost module call its name stack names
+  Walks nested jaxprs (jit, scan, cond, remat, custom_vjp; a loop body counts once;
+  of a ``lax.platform_dependent`` choice, the branch for ``platform``); an equation
+  belongs to the innermost module call its name stack names
   (:data:`jaxmp._src.engine.ANNOTATION`).
+
+  Args:
+    jaxpr: a (closed) jaxpr.
+    prefix: the name stack of the equation that holds ``jaxpr``.
+    platform: the lowering platform (``"cpu"``, ``"cuda"``, ``"tpu"``...); by default
+      that of JAX's default backend.
 
   Returns:
     Record index -> Counter of classes (``"bfloat16"``, ``"bfloat16*float32"``...).
   """
+  platform = platform or lowering_platform()
   found: dict[int, collections.Counter] = {}
   for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
     stack = f"{prefix}/{eqn.source_info.name_stack}"
@@ -149,10 +183,9 @@ def matmul_dtypes(jaxpr: Any, prefix: str = "") -> dict[int, collections.Counter
       index = _owner_index(stack)
       if index is not None:
         found.setdefault(index, collections.Counter())[_operand_class(eqn)] += 1
-    for value in eqn.params.values():
-      for sub in _sub_jaxprs(value):
-        for index, counts in matmul_dtypes(sub, stack).items():
-          found.setdefault(index, collections.Counter()).update(counts)
+    for sub in sub_jaxprs_that_run(eqn, platform):
+      for index, counts in matmul_dtypes(sub, stack, platform).items():
+        found.setdefault(index, collections.Counter()).update(counts)
   return found
 
 
@@ -268,4 +301,5 @@ def trace_calls(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRules] 
                                   rngs=rngs)
 
 
-__all__ = ("PrecisionSummary", "SummaryRow", "matmul_dtypes", "summary", "trace_calls")
+__all__ = ("PrecisionSummary", "SummaryRow", "lowering_platform", "matmul_dtypes", "sub_jaxprs_that_run",
+           "summary", "trace_calls")
