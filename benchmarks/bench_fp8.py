@@ -21,7 +21,7 @@ beside the H100 SXM dense peaks (bf16 989, fp8 1979 TFLOP/s).
 
 Run: ``.venv/bin/python benchmarks/bench_fp8.py`` (CPU, 1024^3 Dense) or
 ``.venv/bin/python benchmarks/bench_fp8.py --preset gpu`` (8192^3 Dense and a
-d_model 4096 block).
+d_model 4096 block); ``--preset smoke`` runs tiny shapes once (the tests).
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ PRESETS = {
     "gpu": dict(dense=(8192, 8192, 8192), block=dict(batch=4, seq=2048, d_model=4096, heads=32,
                                                        d_ff=16384),
                 rounds=7, calls=10),
+    "smoke": dict(dense=(32, 32, 32), block=dict(batch=1, seq=8, d_model=16, heads=2, d_ff=32),
+                  rounds=1, calls=1),
 }
 
 
@@ -189,6 +191,7 @@ def main(argv=None):
   if hasattr(os, "getloadavg"):
     print(f"load average before: {os.getloadavg()[0]:.2f}")
 
+  results = {}
   for workload in args.workloads.split(","):
     runs = {name: build(workload, preset, *all_variants[name], jax.random.key(0))
             for name in names}
@@ -213,8 +216,10 @@ def main(argv=None):
     if jax.devices()[0].platform == "gpu":
       print(f"peaks (H100 SXM dense): bf16 {PEAK_TFLOPS['bf16']:.0f}, "
             f"fp8 {PEAK_TFLOPS['fp8']:.0f} TFLOP/s")
+    results[workload] = result
   if hasattr(os, "getloadavg"):
     print(f"load average after: {os.getloadavg()[0]:.2f}")
+  return results
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ timed as a full jitted train step (forward, backward, Adam update) in one run:
 Also prints the number of ``convert`` ops in each compiled step: the wrapper should add
 none beyond the casts a hand-written model does.
 
-Run: ``.venv/bin/python benchmarks/bench_linen.py`` (``--preset gpu`` for a larger model).
+Run: ``.venv/bin/python benchmarks/bench_linen.py`` (``--preset gpu`` for a larger model,
+``--preset smoke --rounds 1 --calls 1`` for a tiny one, once).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ PRESETS = {
     "cpu": dict(config=transformer.Config(context=64, width=128, depth=2, heads=4), batch=16),
     "gpu": dict(config=transformer.Config(context=1024, width=1024, depth=8, heads=16),
                 batch=32),
+    "smoke": dict(config=transformer.Config(context=8, width=16, depth=1, heads=2), batch=2),
 }
 
 
@@ -58,12 +60,12 @@ def convert_count(step, *args) -> int:
   return len(re.findall(r"\bconvert\(", step.lower(*args).compile().as_text()))
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
   parser.add_argument("--rounds", type=int, default=7)
   parser.add_argument("--calls", type=int, default=5)
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   preset = PRESETS[args.preset]
   config, batch = preset["config"], preset["batch"]
 
@@ -95,6 +97,7 @@ def main():
   timing.print_table(
       f"linen interceptor, transformer LM width {config.width} depth {config.depth} "
       f"context {config.context} batch {batch}", timings, converts)
+  return timings, converts
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ outputs + temporaries - aliased) against (a), and the validation loss of each se
 against float32; then the share of updates round-to-nearest drops in (c).
 
 Run: ``.venv/bin/python benchmarks/bench_memory.py`` (2-core CPU: about 6 minutes;
-``--settings demo`` for the first only).
+``--settings demo`` for the first only; ``--runs`` to pick runs; ``--preset smoke --steps
+2`` for the demo's tiny test model).
 """
 
 from __future__ import annotations
@@ -71,18 +72,30 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--settings", nargs="*", choices=sorted(SETTINGS),
                       default=list(SETTINGS))
-  parser.add_argument("--batch", type=int, default=train_lm.PRESETS["cpu"]["batch"])
+  parser.add_argument("--preset", choices=sorted(train_lm.PRESETS), default="cpu",
+                      help="the demo's model (and the default batch)")
+  parser.add_argument("--batch", type=int)
+  parser.add_argument("--steps", type=int, help="steps of every setting (default: its own)")
+  parser.add_argument("--runs", nargs="*", choices=[run.name for run in train_memory.RUNS],
+                      metavar="RUN", help=f"runs besides {REFERENCE!r} and {BASELINE!r}, which "
+                      "the table compares against (default: all)")
   args = parser.parse_args(argv)
+  runs = [run for run in train_memory.RUNS
+          if not args.runs or run.name in (REFERENCE, BASELINE, *args.runs)]
+  preset = train_lm.PRESETS[args.preset]
+  args.batch = args.batch or preset["batch"]
   start = time.perf_counter()
-  data = train_memory.load_data(args.batch)
+  data = train_memory.load_data(args.batch, args.preset)
   device = jax.devices()[0]
   print(f"device {device.platform} ({device.device_kind}), {jax.device_count()} device(s); "
-        f"jax {jax.__version__}; batch {args.batch} x {train_lm.PRESETS['cpu']['config'].context}"
-        " tokens")
+        f"jax {jax.__version__}; batch {args.batch} x {preset['config'].context} tokens")
 
+  settings = {name: {**SETTINGS[name], "steps": args.steps or SETTINGS[name]["steps"]}
+              for name in args.settings}
   rows, vals, lost = {}, {}, {}
   for setting in args.settings:
-    results = train_runs(setting, args.batch, data)
+    results = train_memory.train_runs(runs, batch=args.batch, seed=train_memory.SEED,
+                                      data=data, preset=args.preset, **settings[setting])
     vals[setting] = {r["name"]: r["val"] for r in results}
     for result in results:
       rows.setdefault(result["name"], train_memory.report(result))
@@ -91,16 +104,11 @@ def main(argv=None):
 
   print_table(rows, vals)
   for setting, share in lost.items():
-    print(f"{train_memory.NEAREST}, {setting} ({SETTINGS[setting]['steps']} steps, peak LR "
-          f"{SETTINGS[setting]['lr']:g}): round-to-nearest drops {100 * share:.1f}% of the "
+    print(f"{train_memory.NEAREST}, {setting} ({settings[setting]['steps']} steps, peak LR "
+          f"{settings[setting]['lr']:g}): round-to-nearest drops {100 * share:.1f}% of the "
           "nonzero updates of one more step at the end")
   print(f"(total {time.perf_counter() - start:.0f} s)")
   return rows, vals
-
-
-def train_runs(setting: str, batch: int, data) -> list[dict]:
-  return train_memory.train_runs(train_memory.RUNS, batch=batch, seed=train_memory.SEED,
-                                 data=data, **SETTINGS[setting])
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ On a CPU, bfloat16/float16 are emulated and fp8 is widened to a wider type, so t
 mixed runs are *not* faster there; the CPU figures bound the overhead. Use
 ``--preset gpu`` on a GPU (bf16 should be >= 2x float32 per step on an H100).
 
-Run: ``.venv/bin/python benchmarks/bench_precisions.py [--preset gpu]``.
+Run: ``.venv/bin/python benchmarks/bench_precisions.py [--preset gpu]`` (``--preset
+smoke --rounds 1 --calls 1``: the demo's tiny test model, once).
 """
 
 from __future__ import annotations
@@ -49,13 +50,13 @@ def build_step(run: train_lm.Run, config, batch: int):
   return compiled, state, tokens
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--preset", choices=sorted(train_lm.PRESETS), default="cpu")
   parser.add_argument("--batch", type=int)
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--calls", type=int, default=5)
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   preset = train_lm.PRESETS[args.preset]
   config, batch = preset["config"], args.batch or preset["batch"]
   runs = [r for r in train_lm.RUNS if not r.note]  # the unscaled fp16 run is a demo only
@@ -84,6 +85,7 @@ def main():
   timing.print_table(
       f"train step of the demo transformer (width {config.width}, depth {config.depth}, "
       f"context {config.context}, batch {batch})", timings, extra)
+  return timings
 
 
 if __name__ == "__main__":

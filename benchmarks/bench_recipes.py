@@ -16,7 +16,8 @@ Two parts, either or both (``--parts``):
   benchmarks/bench_recipes.py --parts support``.
 
 Run: ``.venv/bin/python benchmarks/bench_recipes.py`` (quality, a few minutes on a
-2-core CPU); ``--steps`` shortens it.
+2-core CPU); ``--steps`` shortens it, ``--recipes`` picks recipes, ``--preset`` the
+demo's model size (``smoke``: a tiny model, for the tests).
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ def rules_for(recipe) -> jaxmp.PolicyRules:
   ])
 
 
-def quality(steps: int, seed: int) -> None:
-  preset = train_lm.PRESETS["cpu"]
+def quality(steps: int | None, seed: int, preset_name: str, recipes: dict) -> None:
+  preset = train_lm.PRESETS[preset_name]
   config = preset["config"]
+  steps = steps or preset["steps"]
   args = argparse.Namespace(steps=steps, batch=preset["batch"], lr=preset["lr"], seed=seed)
   corpus = train_lm.load_corpus()
   split = int(len(corpus) * 0.95)
@@ -67,13 +69,14 @@ def quality(steps: int, seed: int) -> None:
   val_batches = [next(val_stream) for _ in range(preset["eval_batches"])]
   runs = [train_lm.Run("bfloat16", POLICY, jaxmp.NoOpLossScale)]
   runs += [train_lm.Run(name, rules_for(recipe), jaxmp.NoOpLossScale)
-           for name, recipe in RECIPES.items()]
+           for name, recipe in recipes.items()]
   results = []
   with warnings.catch_warnings():
     # On a CPU every fine-grained recipe warns that its GEMMs are emulated.
     warnings.simplefilter("ignore", fp8.Fp8FallbackWarning)
     for run in runs:
-      results.append(train_lm.train(run, args, config, corpus[:split], val_batches))
+      results.append(train_lm.train(run, args, config, corpus[:split], val_batches,
+                                    preset.get("fused_attention", False)))
   base = results[0]
   device = jax.devices()[0]
   print(f"\nfp8 recipes on the demo LM: {steps} steps, batch {args.batch} x {config.context}, "
@@ -86,7 +89,7 @@ def quality(steps: int, seed: int) -> None:
     print(f"{r['name']:<34} {r['train']:>7.4f} {r['val']:>7.4f} {delta:>+10.2f}%")
 
 
-def support() -> None:
+def support(recipes: dict) -> None:
   from jaxmp._src.fp8 import support as support_lib  # pylint: disable=g-import-not-at-top
   from jaxmp._src.tools import targets  # pylint: disable=g-import-not-at-top
   chips = ["h100", "b200"] + (["v7"] if targets.installed("libtpu") else [])
@@ -94,7 +97,7 @@ def support() -> None:
         f"jax {jax.__version__}): fp8 = fp8 GEMM, mx = MX block-scaled GEMM, otherwise "
         f"the dtype the GEMM falls back to; 'warns' = Fp8FallbackWarning at use\n")
   print("| recipe | " + " | ".join(chips) + " |\n|---|" + "---|" * len(chips))
-  for name, recipe in RECIPES.items():
+  for name, recipe in recipes.items():
     cells = []
     for chip in chips:
       kinds, warned = support_lib.compiled_gemms(recipe, chip)
@@ -105,17 +108,22 @@ def support() -> None:
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--parts", default="quality", help="quality,support")
-  parser.add_argument("--steps", type=int, default=600)
+  parser.add_argument("--steps", type=int, help="training steps (default: the preset's)")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--preset", choices=sorted(train_lm.PRESETS), default="cpu",
+                      help="the demo's model and batch size (quality)")
+  parser.add_argument("--recipes", nargs="*", choices=list(RECIPES), metavar="RECIPE",
+                      help=f"names of the recipes to run (default: all): {list(RECIPES)}")
   args = parser.parse_args(argv)
+  recipes = {name: RECIPES[name] for name in args.recipes or RECIPES}
   parts = args.parts.split(",")
   unknown = set(parts) - {"quality", "support"}
   if unknown:
     parser.error(f"unknown parts {sorted(unknown)}; accepted: quality, support")
   if "quality" in parts:
-    quality(args.steps, args.seed)
+    quality(args.steps, args.seed, args.preset, recipes)
   if "support" in parts:
-    support()
+    support(recipes)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ On a machine with a GPU the same script also times each variant on it and prints
 measured milliseconds and TFLOP/s beside the estimates.
 
 Run: ``make gpu-report`` (builds ``.venv-cuda`` with ``jax[cuda12,tpu]`` on first use),
-or ``.venv-cuda/bin/python benchmarks/gpu_report.py --workloads dense``.
+or ``.venv-cuda/bin/python benchmarks/gpu_report.py --workloads dense``. ``--preset
+smoke`` compiles every workload at tiny sizes (the tests; its figures mean nothing).
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ from jaxmp import fp8  # pylint: disable=g-import-not-at-top
 
 OWG = fp8.OVERWRITE_WITH_GRADIENT
 MODES = {"cuBLAS": {"xla_gpu_enable_triton_gemm": False}, "Triton": {}}
+# --preset: bench_fp8's and the demo's preset of that name, and the edge of the
+# traffic and TPU tables' square matmuls.
+MATMUL_SIZE = {"gpu": 4096, "smoke": 128}
 PRECISIONS = ("float32", "bf16", "fp16 + loss scaling", "bf16 + jaxmp fp8", "bf16 + Flax fp8")
 
 
@@ -96,9 +100,10 @@ def _layer_case(model, state_update, x_shape, g_shape, dtype, loss_scale=1.0) ->
   return Case(bench_fp8.make_step(model, state_update, loss_scale), make)
 
 
-def layer_cases(workload: str, power_of_two: bool = False) -> dict[str, Case]:
-  """The five precisions of bench_fp8's ``dense`` (8192^3) or ``block`` workload."""
-  preset = bench_fp8.PRESETS["gpu"]
+def layer_cases(workload: str, power_of_two: bool = False,
+                preset_name: str = "gpu") -> dict[str, Case]:
+  """The five precisions of bench_fp8's ``dense`` or ``block`` workload (GPU: 8192^3)."""
+  preset = bench_fp8.PRESETS[preset_name]
   variants = bench_fp8.variants_of(1024, power_of_two)
   chosen = {"float32": variants["float32"], "bf16": variants["bf16"],
             "fp16 + loss scaling": (jnp.float16, None, None),
@@ -118,15 +123,15 @@ def layer_cases(workload: str, power_of_two: bool = False) -> dict[str, Case]:
   return cases
 
 
-def demo_cases() -> dict[str, Case]:
-  """The demo's train step at ``--preset gpu``, seven ways."""
-  preset = train_lm.PRESETS["gpu"]
+def demo_cases(preset_name: str = "gpu") -> dict[str, Case]:
+  """The demo's train step at its ``preset_name`` preset (``--preset gpu``), seven ways."""
+  preset = train_lm.PRESETS[preset_name]
   config, batch = preset["config"], preset["batch"]
   runs = {r.name: r for r in train_lm.RUNS}
   tokens = lambda: jax.random.randint(jax.random.key(1), (batch, config.context + 1), 0,
                                       config.vocab)
 
-  def jaxmp_case(run, fused_attention=preset["fused_attention"]):
+  def jaxmp_case(run, fused_attention=preset.get("fused_attention", False)):
     def make():
       model = train_lm.make_model(run, config, fused_attention)
       t = tokens()
@@ -168,9 +173,10 @@ def demo_cases() -> dict[str, Case]:
           "bf16 + Flax fp8 (unfused attention)": Case(flax_step, flax_make)}
 
 
-def traffic_cases(power_of_two: bool = False) -> dict[str, dict[str, Case]]:
+def traffic_cases(power_of_two: bool = False,
+                  preset_name: str = "gpu") -> dict[str, dict[str, Case]]:
   """jaxmp's fp8 and Flax's, side by side: {case: {"jaxmp": Case, "Flax": Case}}."""
-  size = 4096
+  size = MATMUL_SIZE[preset_name]
   dims = (((1,), (0,)), ((), ()))
   recipe = fp8.DelayedScaling(power_of_two=power_of_two)
   flax_op = nn.Fp8DirectDotGeneralOp()
@@ -193,24 +199,25 @@ def traffic_cases(power_of_two: bool = False) -> dict[str, dict[str, Case]]:
   flax_state = lambda: flax_op.init(jax.random.key(0), jnp.ones((2, 2), jnp.bfloat16),
                                     jnp.ones((2, 2), jnp.bfloat16), dims)[OWG]
   cases = {
-      "Dense 4096^3 forward": {
+      f"Dense {size}^3 forward": {
           "jaxmp": Case(jaxmp_fwd, lambda: (*operands(), jaxmp_state())),
           "Flax": Case(flax_fwd, lambda: (*operands(), flax_state()))},
-      "Dense 4096^3 forward + backward": {
+      f"Dense {size}^3 forward + backward": {
           "jaxmp": Case(with_backward(jaxmp_fwd),
                         lambda: (*operands(), jaxmp_state(), bf((size, size), 2))),
           "Flax": Case(with_backward(flax_fwd),
                        lambda: (*operands(), flax_state(), bf((size, size), 2)))},
-      "Dense 4096^3 train step, Flax's step code (Adam)": flax_step_cases(size, power_of_two),
-      "Dense 4096^3 train step, jaxmp TrainState (Adam)": dense_step_cases(
+      f"Dense {size}^3 train step, Flax's step code (Adam)": flax_step_cases(
+          size, power_of_two),
+      f"Dense {size}^3 train step, jaxmp TrainState (Adam)": dense_step_cases(
           size, power_of_two, loss_scaling=False),
-      "Dense 4096^3 train step, jaxmp TrainState + loss_scaling (Adam)": dense_step_cases(
+      f"Dense {size}^3 train step, jaxmp TrainState + loss_scaling (Adam)": dense_step_cases(
           size, power_of_two, loss_scaling=True),
-      "Dense 4096^3 train step skipping non-finite steps: jaxmp TrainState + "
+      f"Dense {size}^3 train step skipping non-finite steps: jaxmp TrainState + "
       "loss_scaling, Flax + optax.apply_if_finite (Adam)": dense_step_cases(
           size, power_of_two, loss_scaling=True, flax_skips=True),
   }
-  block = layer_cases("block", power_of_two)
+  block = layer_cases("block", power_of_two, preset_name)
   cases["block forward + backward"] = {"jaxmp": block["bf16 + jaxmp fp8"],
                                        "Flax": block["bf16 + Flax fp8"]}
   return cases
@@ -326,12 +333,12 @@ def precision_table(title: str, cases: dict[str, Case], on_gpu: bool) -> None:
   print(f"\nGEMM work per step: {flops / 1e12:.3f} TFLOP (from the HLO).")
 
 
-def traffic_table(power_of_two: bool = False) -> None:
+def traffic_table(power_of_two: bool = False, preset_name: str = "gpu") -> None:
   print("\n### fp8: non-GEMM HBM traffic, jaxmp vs Flax (MiB per call)"
         + (", jaxmp with power-of-two scales" if power_of_two else "") + "\n")
   print("| case | mode | jaxmp | Flax | jaxmp GEMMs fp8/all | Flax GEMMs fp8/all |\n"
         "|---|---|---:|---:|---|---|")
-  for case, pair in traffic_cases(power_of_two).items():
+  for case, pair in traffic_cases(power_of_two, preset_name).items():
     for mode in MODES:
       r = {who: audit(c, mode) for who, c in pair.items()}
       count = lambda rep: f"{sum(g.fp8 for g in rep.gemms)}/{len(rep.gemms)}"
@@ -339,9 +346,9 @@ def traffic_table(power_of_two: bool = False) -> None:
             f"{r['Flax'].non_gemm_bytes / 2**20:.0f} | {count(r['jaxmp'])} | {count(r['Flax'])} |")
 
 
-def tpu_table(generations=("v5e", "v5p", "v6e", "v7")) -> None:
+def tpu_table(generations=("v5e", "v5p", "v6e", "v7"), size: int = 4096) -> None:
   """fp8 and int8 matmuls on TPUs, by the TPU compiler's cost model (deviceless)."""
-  size, dims = 4096, (((1,), (0,)), ((), ()))
+  dims = (((1,), (0,)), ((), ()))
   S = jax.ShapeDtypeStruct
   mat = lambda dtype: S((size, size), dtype)
   dot = lambda out: (lambda a, b: jax.lax.dot_general(a, b, dims, preferred_element_type=out))
@@ -382,23 +389,26 @@ def main(argv=None) -> None:
   parser.add_argument("--workloads", default="traffic,dense,block,demo,tpu")
   parser.add_argument("--power-of-two", action="store_true",
                       help="jaxmp's delayed scaling with power_of_two=True (traffic table)")
+  parser.add_argument("--preset", choices=sorted(MATMUL_SIZE), default="gpu",
+                      help="the workloads' sizes (smoke: tiny, to check the script runs)")
   args = parser.parse_args(argv)
   on_gpu = jax.devices()[0].platform == "gpu"
   print(f"jax {jax.__version__}; estimates from compiled H100 HLO (deviceless)"
         + (f"; measured on {jax.devices()[0].device_kind}" if on_gpu else ""))
   for workload in args.workloads.split(","):
     if workload == "traffic":
-      traffic_table(args.power_of_two)
+      traffic_table(args.power_of_two, args.preset)
     elif workload == "tpu":
-      tpu_table()
+      tpu_table(size=MATMUL_SIZE[args.preset])
     elif workload == "demo":
-      precision_table("demo train step, examples/train_lm.py --preset gpu (AdamW)",
-                      demo_cases(), on_gpu)
+      precision_table(f"demo train step, examples/train_lm.py --preset {args.preset} (AdamW)",
+                      demo_cases(args.preset), on_gpu)
     elif workload in ("dense", "block"):
-      preset = bench_fp8.PRESETS["gpu"]
+      preset = bench_fp8.PRESETS[args.preset]
       size = ("x".join(map(str, preset["dense"])) if workload == "dense" else
               ", ".join(f"{k} {v}" for k, v in preset["block"].items()))
-      precision_table(f"{workload} forward + backward ({size})", layer_cases(workload), on_gpu)
+      precision_table(f"{workload} forward + backward ({size})",
+                      layer_cases(workload, preset_name=args.preset), on_gpu)
     else:
       parser.error(f"unknown workload {workload!r}; accepted: traffic, dense, block, demo, tpu")
 

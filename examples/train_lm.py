@@ -15,7 +15,8 @@ then prints one table (train and validation loss, tokens/s, memory, skipped step
 final loss scale) and saves a plot of the loss curves and the fp16 loss scale.
 
 Run: ``make demo``, or ``python examples/train_lm.py --steps 300``;
-``--preset gpu`` trains a larger model on an accelerator.
+``--preset gpu`` trains a larger model on an accelerator, ``--preset smoke`` a tiny one
+for a few steps (what the tests run; its figures mean nothing).
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ PRESETS = {
     # the [batch, heads, T, T] scores never reach memory (see make_model).
     "gpu": dict(config=transformer.Config(context=512, width=768, depth=8, heads=12),
                 batch=64, steps=2000, lr=6e-4, eval_batches=16, fused_attention=True),
+    # What the tests run: every code path of the demo and of the benchmarks built on
+    # it, at a size that says nothing about quality or speed.
+    "smoke": dict(config=transformer.Config(context=8, width=16, depth=1, heads=2),
+                  batch=2, steps=3, lr=2e-3, eval_batches=1),
 }
 
 
@@ -87,7 +92,7 @@ def adamw(schedule) -> optax.GradientTransformation:
 @dataclasses.dataclass(frozen=True)
 class Run:
   name: str
-  policy: Any                      # what jaxmp.linen.mixed_precision gets
+  policy: Any  # a policy (string) or a jaxmp.PolicyRules: what mixed_precision gets
   loss_scale: Optional[Callable[[], jaxmp.LossScale]]  # None: no loss_scaling wrapper
   note: str = ""
   optimizer: Callable[[Any], optax.GradientTransformation] = adamw  # of the LR schedule
@@ -107,7 +112,7 @@ RUNS = (
     # back-off show within a short demo run.
     Run("float16 + loss scaling", "params=float32,compute=float16,output=float32",
         lambda: jaxmp.DynamicLossScale(growth_interval=50)),
-    Run("bfloat16 + fp8", None, jaxmp.NoOpLossScale),
+    Run("bfloat16 + fp8", fp8_rules(), jaxmp.NoOpLossScale),
     Run("float16, no loss scaling", "params=float32,compute=float16,output=float32",
         jaxmp.NoOpLossScale, note="what loss scaling is for"),
 )
@@ -125,7 +130,8 @@ def make_model(run: Run, config: transformer.Config, fused_attention: bool = Fal
   ``PolicyRules(fused_attention=True)`` in the 16-bit runs if ``fused_attention``
   (cuDNN's fused kernel takes 16-bit inputs only; the float32 run keeps Flax's
   attention, which moves fewer bytes than XLA's fused-attention fallback there)."""
-  rules = fp8_rules() if run.policy is None else jaxmp.PolicyRules(run.policy)
+  rules = (run.policy if isinstance(run.policy, jaxmp.PolicyRules)
+           else jaxmp.PolicyRules(run.policy))
   sixteen_bit = rules.default.compute_dtype != jnp.float32
   rules = dataclasses.replace(rules, fused_attention=fused_attention and sixteen_bit)
   return jaxmp.linen.mixed_precision(transformer.TransformerLM(config), rules)

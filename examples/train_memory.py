@@ -21,7 +21,8 @@ Every run wraps its optimizer in ``jaxmp.loss_scaling(..., NoOpLossScale())``
 (outermost), so a non-finite step would be skipped, masters and all.
 
 Run: ``python examples/train_memory.py`` (the demo's 600 steps at learning rate
-2e-3), ``--lr 2e-4`` for updates that round-to-nearest loses, ``--runs`` to pick.
+2e-3), ``--lr 2e-4`` for updates that round-to-nearest loses, ``--runs`` to pick,
+``--preset smoke`` for the demo's tiny test model.
 ``benchmarks/bench_memory.py`` runs both learning rates side by side.
 """
 
@@ -139,35 +140,42 @@ def print_table(rows: list[Row], baseline: Row) -> None:
         "moments, Kahan's compensation, counters)")
 
 
-def load_data(batch: int):
+def load_data(batch: int, preset: str = "cpu"):
   """The demo's training bytes and validation batches (``examples/train_lm.py``)."""
-  preset = train_lm.PRESETS["cpu"]
+  settings = train_lm.PRESETS[preset]
   corpus = train_lm.load_corpus()
   split = int(len(corpus) * 0.95)
-  val_stream = train_lm.batches(corpus[split:], batch, preset["config"].context, seed=12345)
-  return corpus[:split], [next(val_stream) for _ in range(preset["eval_batches"])]
+  val_stream = train_lm.batches(corpus[split:], batch, settings["config"].context, seed=12345)
+  return corpus[:split], [next(val_stream) for _ in range(settings["eval_batches"])]
 
 
-def train_runs(runs, *, steps: int, batch: int, lr: float, seed: int, data) -> list[dict]:
+def train_runs(runs, *, steps: int, batch: int, lr: float, seed: int, data,
+               preset: str = "cpu") -> list[dict]:
   """Trains each run with ``train_lm.train`` (same model, weights, data order, seed)."""
   args = argparse.Namespace(steps=steps, batch=batch, lr=lr, seed=seed)
   train_data, val_batches = data
-  return [train_lm.train(run, args, train_lm.PRESETS["cpu"]["config"], train_data, val_batches)
+  return [train_lm.train(run, args, train_lm.PRESETS[preset]["config"], train_data, val_batches)
           for run in runs]
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=train_lm.PRESETS["cpu"]["steps"])
-  parser.add_argument("--batch", type=int, default=train_lm.PRESETS["cpu"]["batch"])
-  parser.add_argument("--lr", type=float, default=train_lm.PRESETS["cpu"]["lr"])
+  parser.add_argument("--preset", choices=sorted(train_lm.PRESETS), default="cpu",
+                      help="the demo's model; the defaults of the next three")
+  parser.add_argument("--steps", type=int)
+  parser.add_argument("--batch", type=int)
+  parser.add_argument("--lr", type=float)
   parser.add_argument("--seed", type=int, default=SEED)
   parser.add_argument("--runs", nargs="*", help="names of the runs to do (default: all)")
   args = parser.parse_args(argv)
-  data = load_data(args.batch)
+  preset = train_lm.PRESETS[args.preset]
+  args.steps = args.steps or preset["steps"]
+  args.batch = args.batch or preset["batch"]
+  args.lr = args.lr or preset["lr"]
+  data = load_data(args.batch, args.preset)
   runs = [r for r in RUNS if not args.runs or r.name in args.runs]
   results = train_runs(runs, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed,
-                       data=data)
+                       data=data, preset=args.preset)
   rows = [report(r) for r in results]
   print(f"\n{args.steps} steps, peak learning rate {args.lr:g}")
   print_table(rows, rows[0])

@@ -1,18 +1,25 @@
 """The examples run end to end and show what they claim (short settings)."""
 
+import dataclasses
 import os
 import pathlib
 import re
 import subprocess
 import sys
 
+import flax.linen as nn
 import pytest
+
+import jaxmp
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import train_classifier  # pylint: disable=g-import-not-at-top
 import train_lm  # pylint: disable=g-import-not-at-top
+import transformer  # pylint: disable=g-import-not-at-top
+
+BF16 = "params=float32,compute=bfloat16,output=float32"
 
 
 @pytest.mark.slow
@@ -32,6 +39,22 @@ def test_train_lm_runs_every_configuration(tmp_path, capsys):
     assert run.name in out
   assert "val vs f32" in out
   assert plot.exists() and plot.stat().st_size > 10_000
+
+
+def test_the_demo_builds_a_run_from_a_policy_or_from_policy_rules():
+  # benchmarks/bench_recipes.py gives train_lm one PolicyRules per fp8 recipe.
+  rules = jaxmp.PolicyRules(BF16, [jaxmp.Rule("head"),
+                                   jaxmp.Rule(nn.Dense, fp8=jaxmp.fp8.RowwiseScaling())])
+  config = transformer.Config(context=8, width=16, depth=1, heads=2)
+  run = train_lm.Run("rowwise", rules, jaxmp.NoOpLossScale)
+  assert train_lm.make_model(run, config).rules == rules
+  assert (train_lm.make_model(run, config, fused_attention=True).rules
+          == dataclasses.replace(rules, fused_attention=True))
+  by_string = train_lm.make_model(train_lm.Run("bf16", BF16, jaxmp.NoOpLossScale), config)
+  assert by_string.rules == jaxmp.PolicyRules(BF16)
+  # The float32 run keeps Flax's attention even when the preset fuses it.
+  float32 = train_lm.make_model(train_lm.RUNS[0], config, fused_attention=True)
+  assert float32.rules == jaxmp.PolicyRules("float32")
 
 
 @pytest.mark.slow

@@ -62,7 +62,8 @@ def test_each_gemm_runs_the_recipe_it_is_given(operands):
 def test_a_none_gemm_is_the_plain_gemm_in_the_compute_dtype(operands):
   plain = _run(lambda x, w: jax.lax.dot_general(x, w, DIMS), operands)
   rows = fp8.RowwiseScaling()
-  # torchao's "rowwise with high-precision weight gradient".
+  # A weight gradient in the compute dtype, as torchao's rowwise_with_gw_hp (which
+  # differs in the input-gradient GEMM: the next test).
   y, dx, dw = _fp8_run(fp8.GemmRecipes(rows, rows, None), operands)
   np.testing.assert_array_equal(dw, plain[2])
   np.testing.assert_array_equal(y, _fp8_run(rows, operands)[0])
@@ -70,6 +71,23 @@ def test_a_none_gemm_is_the_plain_gemm_in_the_compute_dtype(operands):
   y, _, dw = _fp8_run(fp8.GemmRecipes(None, rows, rows), operands)
   np.testing.assert_array_equal(y, plain[0])
   np.testing.assert_array_equal(dw, _fp8_run(rows, operands)[2])
+
+
+def test_rowwise_input_gradient_scales_the_kernel_per_input_channel_not_per_tensor(operands):
+  # One recipe serves both operands of a GEMM, so GemmRecipes(rows, rows, None) scales
+  # the kernel of dx = g @ w.T per row of w (per input channel), where torchao's
+  # rowwise_with_gw_hp scales it per tensor: one input channel 2**12 times larger
+  # leaves the other channels' input gradients bit for bit as they were.
+  x, w, g = operands
+  loud = (x, w.at[0].multiply(2**12), g)
+  rows = fp8.RowwiseScaling()
+  dx = _fp8_run(fp8.GemmRecipes(rows, rows, None), operands)[1]
+  np.testing.assert_array_equal(_run(_fp8(fp8.GemmRecipes(rows, rows, None)), loud)[1][:, 1:],
+                                dx[:, 1:])
+  # A per-tensor kernel scale in that GEMM would move them.
+  tensor = fp8.GemmRecipes(rows, fp8.CurrentScaling(), None)
+  assert not np.array_equal(_run(_fp8(tensor), loud)[1][:, 1:],
+                            _fp8_run(tensor, operands)[1][:, 1:])
 
 
 def test_one_current_scaling_for_every_gemm_is_current_scaling_bit_for_bit(operands):

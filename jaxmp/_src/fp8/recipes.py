@@ -337,9 +337,12 @@ class GemmRecipes:
   Each field gives one of them a current-scaling recipe (:class:`CurrentScaling`,
   :class:`RowwiseScaling`, :class:`BlockScaling`, :class:`MXScaling`) or ``None``,
   which computes that GEMM in the operands' own dtype (the compute dtype) as a plain
-  ``dot_general`` would. ``GemmRecipes(RowwiseScaling(), RowwiseScaling(), None)`` is
-  torchao's "rowwise with high-precision weight gradient". A single recipe ``r`` used
-  as a layer's recipe means ``GemmRecipes(r, r, r)``.
+  ``dot_general`` would. A GEMM's recipe scales both of its operands.
+  ``GemmRecipes(RowwiseScaling(), RowwiseScaling(), None)`` keeps the weight gradient
+  in the compute dtype, as torchao's ``rowwise_with_gw_hp`` does, but differs from it
+  in the input-gradient GEMM: there it scales the kernel per row (one scale per input
+  channel), where torchao scales the kernel per tensor. A single recipe ``r`` used as
+  a layer's recipe means ``GemmRecipes(r, r, r)``.
 
   Attributes:
     forward: the forward GEMM's recipe, or ``None``.

@@ -1,0 +1,167 @@
+"""Every script in benchmarks/ runs at tiny sizes and prints what it measures.
+
+Smoke tests: the figures of a tiny model mean nothing, so these check that each script
+runs end to end and reports every variant it claims to, with the few facts that hold
+at any size (fp8 GEMMs in the compiled HLO, bytes per parameter, no skipped steps).
+They run in-process through each script's ``main(argv)``, except those that compile
+for a GPU or TPU without one: those need JAX's CUDA plugin (``make gpu-report`` builds
+``.venv-cuda``), run in a subprocess with ``JAX_PLATFORMS=cpu``, and are skipped
+without it.
+"""
+
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from jaxmp._src.tools import targets
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+sys.path.insert(0, str(ROOT / "examples"))
+
+NEEDS_CUDA_PLUGIN = pytest.mark.skipif(
+    not targets.installed("jax_plugins.xla_cuda12"),
+    reason="compiles for GPUs without one through JAX's CUDA plugin (jax[cuda12]), not "
+           "installed here; `make gpu-report` builds .venv-cuda with it")
+
+
+def _table_rows(out: str, names) -> dict[str, list[str]]:
+  """The cells after the name of each table line that starts with one of ``names``."""
+  rows = {}
+  for line in out.splitlines():
+    cells = [c.strip() for c in line.strip("|").split("|")] if line.startswith("|") else None
+    for name in names:
+      if cells is not None and cells[0] == name:
+        rows[name] = cells[1:]
+      elif cells is None and re.match(re.escape(name) + r" {2,}\S", line):
+        rows[name] = line[len(name):].split()
+  return rows
+
+
+def _run_deviceless(script: str, *args: str) -> str:
+  """``script`` in a subprocess that compiles for chips that are not here."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
+             ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+             PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+  result = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], env=env,
+                          capture_output=True, text=True, timeout=1800, cwd=ROOT)
+  assert result.returncode == 0, f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+  return result.stdout
+
+
+@pytest.mark.slow
+def test_bench_recipes_quality_trains_the_demo_with_fp8_recipes(capsys):
+  # Two recipes (each is a few seconds of compiling): delayed scaling's state and a
+  # recipe per GEMM; tests/fp8 runs every recipe.
+  import bench_recipes  # pylint: disable=g-import-not-at-top
+  recipes = ["per-tensor delayed", "rowwise, bf16 weight gradient"]
+  bench_recipes.main(["--parts", "quality", "--preset", "smoke", "--steps", "2",
+                      "--recipes", *recipes])
+  names = ["bfloat16", *recipes]
+  rows = _table_rows(capsys.readouterr().out, names)
+  assert list(rows) == names, rows
+  for name, (train, val, delta) in rows.items():
+    assert 0 < float(train) < 10 and 0 < float(val) < 10, (name, rows[name])
+  assert rows["bfloat16"][2] == "+0.00%"
+
+
+@pytest.mark.slow
+@NEEDS_CUDA_PLUGIN
+def test_bench_recipes_support_compiles_every_recipe_for_each_chip():
+  import bench_recipes  # pylint: disable=g-import-not-at-top
+  rows = _table_rows(_run_deviceless("bench_recipes.py", "--parts", "support"),
+                     bench_recipes.RECIPES)
+  assert list(rows) == list(bench_recipes.RECIPES), rows
+  assert rows["per-tensor delayed"][:2] == ["fp8, fp8, fp8"] * 2  # h100, b200
+
+
+@pytest.mark.slow
+def test_bench_fp8_times_every_variant_of_both_workloads():
+  import bench_fp8  # pylint: disable=g-import-not-at-top
+  results = bench_fp8.main(["--preset", "smoke"])
+  assert list(results) == ["dense", "block"]
+  for timings in results.values():
+    assert list(timings) == list(bench_fp8.variants_of(16)), timings
+    assert all(t.ms > 0 and t.ratio > 0 for t in timings.values()), timings
+
+
+@pytest.mark.slow
+def test_bench_linen_times_the_wrapper_beside_the_hand_written_model():
+  import bench_linen  # pylint: disable=g-import-not-at-top
+  timings, converts = bench_linen.main(["--preset", "smoke", "--rounds", "1", "--calls", "1"])
+  assert list(timings) == ["hand_bf16", "jaxmp_bf16", "float32"]
+  assert timings["hand_bf16"].ratio == 1.0
+  # The wrapper adds no casts beyond those of the model written in bfloat16 by hand.
+  assert converts["jaxmp_bf16"]["converts"] <= converts["hand_bf16"]["converts"], converts
+
+
+@pytest.mark.slow
+def test_bench_loss_scaling_times_every_formulation_of_the_skip(capsys):
+  import bench_loss_scaling  # pylint: disable=g-import-not-at-top
+  times = bench_loss_scaling.main(["--width", "8", "--batch", "4", "--blocks", "2",
+                                   "--steps", "1", "--warmup", "1", "--max-other-load", "inf"])
+  names = [v.name for v in bench_loss_scaling.variants(1e-4)]
+  assert list(times) == names
+  rows = _table_rows(capsys.readouterr().out, names)
+  assert list(rows) == names and rows["plain"][2:4] == ["1.000", "1.000"], rows
+
+
+@pytest.mark.slow
+def test_bench_memory_reports_bytes_per_param_and_loss_of_each_run(capsys):
+  import bench_memory  # pylint: disable=g-import-not-at-top
+  import train_memory  # pylint: disable=g-import-not-at-top
+  picked = ["(b) remainders", train_memory.NEAREST]
+  rows, vals = bench_memory.main(["--preset", "smoke", "--steps", "2", "--settings", "demo",
+                                  "--runs", *picked])
+  assert list(rows) == ["float32", "(a) mixed", *picked]
+  assert all(math.isfinite(v) for v in vals["demo"].values()), vals
+  per_param = {name: row.bytes_per_param for name, row in rows.items()}
+  assert (per_param["(a) mixed"]["params"], per_param["(a) mixed"]["master"]) == (4.0, 0.0)
+  assert (per_param[train_memory.NEAREST]["params"],
+          per_param[train_memory.NEAREST]["master"]) == (2.0, 0.0)
+  assert (per_param["(b) remainders"]["params"], per_param["(b) remainders"]["master"]) == (
+      2.0, 2.0)
+  assert "round-to-nearest drops" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_nonfinite_times_the_step_with_tracing_off_and_on(capsys):
+  import bench_nonfinite  # pylint: disable=g-import-not-at-top
+  timings = bench_nonfinite.main(["--preset", "smoke", "--blocks", "2", "--steps", "1",
+                                  "--max-other-load", "inf"])
+  assert list(timings) == ["off", "on"]
+  rows = _table_rows(capsys.readouterr().out, ["off", "on"])
+  # HLO instructions: tracing adds some; no step was skipped.
+  assert int(rows["on"][6]) > int(rows["off"][6]), rows
+  assert rows["off"][8] == rows["on"][8] == "0", rows
+
+
+@pytest.mark.slow
+def test_bench_precisions_times_every_configuration_of_the_demo():
+  import bench_precisions  # pylint: disable=g-import-not-at-top
+  import train_lm  # pylint: disable=g-import-not-at-top
+  timings = bench_precisions.main(["--preset", "smoke", "--rounds", "1", "--calls", "1"])
+  assert list(timings) == [run.name for run in train_lm.RUNS if not run.note]
+  assert timings["float32"].ratio == 1.0
+
+
+@pytest.mark.slow
+@NEEDS_CUDA_PLUGIN
+def test_gpu_report_compiles_every_workload_for_an_h100():
+  workloads = ["traffic", "dense", "block", "demo"] + (
+      ["tpu"] if targets.installed("libtpu") else [])
+  out = _run_deviceless("gpu_report.py", "--preset", "smoke", "--workloads", ",".join(workloads))
+  for title in ("### fp8: non-GEMM HBM traffic", "### dense forward + backward",
+                "### block forward + backward", "### demo train step"):
+    assert title in out, out
+  # jaxmp's fp8 Dense runs its three GEMMs in fp8 on an H100, at any size.
+  dense = out[out.index("### dense"):out.index("### block")]
+  assert _table_rows(dense, ["bf16 + jaxmp fp8"])["bf16 + jaxmp fp8"][5] == "3/3", dense
+  if "tpu" in workloads:
+    assert "### TPU:" in out and "| v7 (" in out, out
