@@ -26,7 +26,7 @@ sys.path.insert(0, str(BENCHMARKS))
 sys.path.insert(0, str(ROOT / "examples"))
 
 NEEDS_CUDA_PLUGIN = pytest.mark.skipif(
-    not targets.installed("jax_plugins.xla_cuda12"),
+    not targets.cuda_plugin_installed(),
     reason="compiles for GPUs without one through JAX's CUDA plugin (jax[cuda12]), not "
            "installed here; `make gpu-report` builds .venv-cuda with it")
 
