@@ -282,11 +282,11 @@ def main(argv=None):
   print("| variant | ms/step p25 | ms/step median | ratio vs plain (p25) | "
         "ratio vs plain (median) | blocks |")
   print("| --- | ---: | ---: | ---: | ---: | ---: |")
-  plain_q1 = statistics.quantiles(times["plain"], n=4)[0]
+  plain_q1 = statistics.quantiles(times["plain"], n=4, method="inclusive")[0]
   plain_median = statistics.median(times["plain"])
   for v in vs:
     t = times[v.name]
-    q1 = statistics.quantiles(t, n=4)[0]
+    q1 = statistics.quantiles(t, n=4, method="inclusive")[0]
     median = statistics.median(t)
     print(f"| {v.name} | {q1 * 1e3:.2f} | {median * 1e3:.2f} | {q1 / plain_q1:.3f} | "
           f"{median / plain_median:.3f} | {kept[v.name]} |")

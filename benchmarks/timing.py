@@ -148,10 +148,14 @@ def quiet_blocks(variants: Mapping[str, Callable[[], object]], *, baseline: str,
   counts = {name: len(c) for name, c in cpu.items()}
   if min(counts.values()) < 2:
     raise RuntimeError(f"too few quiet blocks ({counts}); raise max_other_load or max_seconds")
-  p25 = {name: statistics.quantiles(t, n=4)[0] for name, t in kept.items()}
+  # "inclusive": the quartile of the times measured. The default ("exclusive")
+  # extrapolates below the fastest time for few samples, down to zero or less.
+  p25 = {name: statistics.quantiles(t, n=4, method="inclusive")[0] for name, t in kept.items()}
 
   def paired(name, i):
-    ratios = [r[name][i] / r[baseline][i] for r in rounds if name in r and baseline in r]
+    # CPU time comes in clock ticks (10 ms): a short block can read 0, and says nothing.
+    ratios = [r[name][i] / r[baseline][i] for r in rounds
+              if name in r and baseline in r and r[baseline][i] > 0]
     return statistics.median(ratios) if ratios else float("nan")
 
   return {name: QuietTiming(p25[name], statistics.median(kept[name]), p25[name] / p25[baseline],

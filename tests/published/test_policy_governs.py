@@ -22,6 +22,7 @@ import pytest
 from flax import nnx
 
 import jaxmp
+from jaxmp._src.tools import summary as summary_lib
 from tests.published import matmuls
 from tests.published import models as registry
 
@@ -188,9 +189,8 @@ def _exp_dtypes(jaxpr):
     for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
       if eqn.primitive.name == "exp":
         found[np.dtype(eqn.invars[0].aval.dtype).name] += 1
-      for value in eqn.params.values():
-        for sub in matmuls._sub_jaxprs(value):  # pylint: disable=protected-access
-          walk(sub)
+      for sub in summary_lib.sub_jaxprs_that_run(eqn, summary_lib.lowering_platform()):
+        walk(sub)
 
   walk(jaxpr)
   return found
