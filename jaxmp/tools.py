@@ -39,6 +39,7 @@ from jaxmp._src.tools.memory import MemoryReport
 from jaxmp._src.tools.memory import memory_report
 from jaxmp._src.tools.monitor import Anomaly
 from jaxmp._src.tools.monitor import Monitor
+from jaxmp._src.tools.monitor import StepRecord
 from jaxmp._src.tools.monitor import training_metrics
 from jaxmp._src.tools.nonfinite import ModuleAmax
 from jaxmp._src.tools.nonfinite import NonfiniteReport
@@ -68,6 +69,7 @@ __all__ = (
     "PrecisionSummary",
     "RecommendedPolicy",
     "SensitivityReport",
+    "StepRecord",
     "UnderflowReport",
     "audit",
     "device_capabilities",
