@@ -12,6 +12,9 @@
 * :func:`training_metrics` (inside ``jit``) and :class:`Monitor` (on the host):
   gradient norms, non-finite counts, loss-scale collapse, skip rate, loss spikes, and
   the module where a skipped step's first inf or NaN appeared.
+* :class:`PrecisionController` / :func:`propose_change`: a run that keeps overflowing
+  moves the module that overflows (or, with no single culprit, the model) to a wider
+  dtype, by rule, with the evidence logged.
 * :func:`nonfinite_report`: that module and direction, and the per-module amax table,
   from the trace of a model wrapped with ``PolicyRules(trace_nonfinite=True)``.
 * :func:`device_capabilities` / :func:`recommended_policy`: what a device computes fast.
@@ -27,6 +30,10 @@ Example:
 from jaxmp._src.dtypes import FloatFormat
 from jaxmp._src.dtypes import float_format
 from jaxmp._src.dtypes import parse_dtype
+from jaxmp._src.tools.adaptive import DivergenceError
+from jaxmp._src.tools.adaptive import PrecisionChange
+from jaxmp._src.tools.adaptive import PrecisionController
+from jaxmp._src.tools.adaptive import propose_change
 from jaxmp._src.tools.audit import AuditReport
 from jaxmp._src.tools.audit import audit
 from jaxmp._src.nonfinite import NonfiniteTrace
@@ -39,6 +46,7 @@ from jaxmp._src.tools.memory import MemoryReport
 from jaxmp._src.tools.memory import memory_report
 from jaxmp._src.tools.monitor import Anomaly
 from jaxmp._src.tools.monitor import Monitor
+from jaxmp._src.tools.monitor import StepRecord
 from jaxmp._src.tools.monitor import training_metrics
 from jaxmp._src.tools.nonfinite import ModuleAmax
 from jaxmp._src.tools.nonfinite import NonfiniteReport
@@ -58,6 +66,7 @@ __all__ = (
     "Anomaly",
     "AuditReport",
     "DeviceCapabilities",
+    "DivergenceError",
     "FloatFormat",
     "MemoryReport",
     "ModuleAmax",
@@ -65,9 +74,12 @@ __all__ = (
     "NonfiniteReport",
     "NonfiniteTrace",
     "Origin",
+    "PrecisionChange",
+    "PrecisionController",
     "PrecisionSummary",
     "RecommendedPolicy",
     "SensitivityReport",
+    "StepRecord",
     "UnderflowReport",
     "audit",
     "device_capabilities",
@@ -76,6 +88,7 @@ __all__ = (
     "memory_report",
     "nonfinite_report",
     "parse_dtype",
+    "propose_change",
     "recommended_policy",
     "relative_error",
     "sensitivity",

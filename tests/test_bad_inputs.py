@@ -123,6 +123,33 @@ def _probe():
   return nonfinite.probe(PROBE_CALLS)
 
 
+def _controller(model=None, **kwargs):
+  if model is None:
+    model = jaxmp.linen.mixed_precision(nn.Dense(2), TRACE_RULES)
+  return jaxmp.tools.PrecisionController(model, jaxmp.tools.Monitor(), **kwargs)
+
+
+def _controller_update(metrics):
+  controller = _controller()
+  if metrics is not None:
+    controller.monitor.update(metrics)
+  return controller.update(jaxmp.linen.mixed_precision(nn.Dense(2), TRACE_RULES))
+
+
+def _propose(origin_path="dense", **kwargs):
+  origin = jaxmp.tools.Origin(origin_path, "__call__", "forward", "output", float("inf"))
+  step = jaxmp.tools.StepRecord(0, None, True, 1.0, origin, True, frozenset())
+  args = {"culprit_steps": 1, "bfloat16": False, **kwargs}
+  return jaxmp.tools.propose_change(TRACE_RULES, [step], {"": nn.Dense}, **args)
+
+
+def _nnx_with_rules_restoring_params():
+  from flax import nnx
+
+  model = jaxmp.nnx.mixed_precision(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), "float32")
+  return model.with_rules(jaxmp.PolicyRules("bfloat16"))
+
+
 # (id, call, exception type, text the message must contain)
 CASES = [
     # Policies and dtypes.
@@ -446,6 +473,37 @@ CASES = [
      "2 and 1 call sites"),
     ("nnx value_and_grad with two tracing wrappers", _two_traced_nnx_wrappers, ValueError,
      "2 tracing wrappers"),
+    # Adaptive precision (issue 25).
+    ("PrecisionController of a model that does not trace", lambda: _controller(
+        jaxmp.linen.mixed_precision(nn.Dense(2), "float16")), ValueError,
+     "PolicyRules(..., trace_nonfinite=True)"),
+    ("PrecisionController of a bare linen Module", lambda: _controller(nn.Dense(2)), TypeError,
+     "got Dense"),
+    ("PrecisionController monitor not a Monitor", lambda: jaxmp.tools.PrecisionController(
+        jaxmp.linen.mixed_precision(nn.Dense(2), TRACE_RULES), None), TypeError, "got None"),
+    ("PrecisionController window 0", lambda: _controller(window=0), ValueError,
+     "window must be an integer >= 1, got 0"),
+    ("PrecisionController culprit_steps above window", lambda: _controller(
+        window=4, culprit_steps=5), ValueError,
+     "culprit_steps must be an integer in [1, 4], got 5"),
+    ("PrecisionController max_changes float", lambda: _controller(max_changes=2.0), TypeError,
+     "got 2.0 of type float"),
+    ("PrecisionController auto_apply string", lambda: _controller(auto_apply="yes"), TypeError,
+     "got 'yes'"),
+    ("PrecisionController.update before Monitor.update", lambda: _controller_update(None),
+     ValueError, "call monitor.update(metrics, loss)"),
+    ("PrecisionController.update of metrics without a trace", lambda: _controller_update(
+        {"last_step_finite": False}), ValueError, "nonfinite_trace=grads.nonfinite"),
+    ("propose_change rule that would match no module", lambda: _propose("decoder/attention"),
+     ValueError, "'decoder/attention', which is not a module of the model"),
+    ("propose_change culprit_steps 0", lambda: _propose(culprit_steps=0), ValueError, "got 0"),
+    ("propose_change bfloat16 string", lambda: _propose(bfloat16="yes"), TypeError, "got 'yes'"),
+    ("linen with_rules of a policy string", lambda: jaxmp.linen.mixed_precision(
+        nn.Dense(2), "float32").with_rules("bfloat16"), TypeError, "got 'bfloat16'"),
+    ("TrainState.with_rules of a plain apply_fn", lambda: _sgd_state().with_rules(TRACE_RULES),
+     TypeError, "apply_fn must be the apply of a jaxmp.linen wrapper"),
+    ("nnx with_rules re-storing params", _nnx_with_rules_restoring_params, ValueError,
+     "stored in float32, but the new rules store it in bfloat16"),
 ]
 
 

@@ -95,6 +95,30 @@ def test_find_overflow_names_the_layer_and_direction_of_each_injected_fault(caps
   assert skipped == ["2", "5"], out  # the faults' steps only
 
 
+@pytest.mark.slow
+def test_adaptive_precision_moves_the_overflowing_attention_to_float32_and_trains(tmp_path,
+                                                                                   capsys):
+  import adaptive_precision  # pylint: disable=g-import-not-at-top
+  plot = tmp_path / "adaptive.png"
+  results = adaptive_precision.main(["--steps", "16", "--plot", str(plot)])
+  skips, heals = results["skips"], results["heals"]
+  # Without the controller every step is skipped and the scale collapses to its floor.
+  assert all(skips["skipped"]) and skips["scales"][-1] == 1.0, skips["scales"]
+  assert "scale_collapse" in skips["anomalies"] and not skips["changes"]
+  # With it: three skipped steps name the attention layer, which alone moves to float32.
+  layer = "/".join(adaptive_precision.LAYER)
+  (change,) = heals["changes"]
+  assert change.applied and change.step == 2 and change.module == layer
+  assert heals["rules"].rules == (jaxmp.Rule(layer, "params=float32,compute=float32"),)
+  assert heals["skipped"] == [True] * 3 + [False] * 13
+  assert heals["scales"][2:] == [4096.0] * 14  # the scale goes on, not reset
+  assert heals["losses"][-1] < heals["losses"][3] - 0.5, heals["losses"]
+  out = capsys.readouterr().out
+  assert f"[heals] step 2: applied {layer} in float32: forward output of {layer}" in out
+  assert "skips: 16 of 16 steps skipped" in out and "heals: 3 of 16 steps skipped" in out
+  assert plot.exists() and plot.stat().st_size > 10_000
+
+
 # The sharded example runs in a subprocess: JAX fixes its device count when it starts,
 # and JAX in this process has (or will have) one CPU device.
 

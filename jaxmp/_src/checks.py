@@ -115,6 +115,18 @@ def bool_scalar(value: Any, name: str, *, where: str) -> Any:
   return value
 
 
+def flag(value: Any, name: str, *, where: str) -> bool:
+  """``value`` as a bool, for a Python or NumPy bool.
+
+  Raises:
+    TypeError: for anything else (``1``, ``"yes"``): a flag is never guessed at.
+  """
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{where}: {name} must be True or False, got {value!r} of type "
+                    f"{type(value).__name__}.")
+  return bool(value)
+
+
 def positive_int(value: Any, name: str, *, where: str, minimum: int = 1,
                  maximum: int | None = None) -> int:
   """``value`` as an int in ``[minimum, maximum]``.
@@ -128,8 +140,8 @@ def positive_int(value: Any, name: str, *, where: str, minimum: int = 1,
                     f"{type(value).__name__}.")
   value = int(value)
   if value < minimum or (maximum is not None and value > maximum):
-    bound = f"[{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
-    raise ValueError(f"{where}: {name} must be an integer in {bound}, got {value}.")
+    bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+    raise ValueError(f"{where}: {name} must be an integer {bound}, got {value}.")
   return value
 
 
@@ -157,6 +169,7 @@ def gradient_transformation(inner: Any, name: str, *,
 
 __all__ = (
     "bool_scalar",
+    "flag",
     "gradient_transformation",
     "is_real_dtype",
     "is_traced",

@@ -301,6 +301,19 @@ class PolicyRules:
 PolicyOrRules = Union[PolicyRules, policy_lib.PolicyLike]
 
 
+def check_rules(rules: Any, where: str) -> PolicyRules:
+  """``rules`` if it is :class:`PolicyRules`.
+
+  Raises:
+    TypeError: for anything else (a policy string too: where rules replace rules,
+      nothing is guessed).
+  """
+  if not isinstance(rules, PolicyRules):
+    raise TypeError(f"{where}: rules must be jaxmp.PolicyRules, got {rules!r} of type "
+                    f"{type(rules).__name__}.")
+  return rules
+
+
 def as_rules(policy_or_rules: PolicyOrRules) -> PolicyRules:
   """Turns a policy (any form :func:`jaxmp.get_policy` takes) or rules into PolicyRules.
 
@@ -324,6 +337,7 @@ __all__ = (
     "PolicyRules",
     "Rule",
     "as_rules",
+    "check_rules",
     "is_normalization",
     "normalization_classes",
 )

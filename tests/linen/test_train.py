@@ -275,3 +275,25 @@ def test_value_and_grad_passes_keyword_arguments_on():
   loss, _ = jaxmp.linen.value_and_grad(loss_fn)(state.variables, x, y=y,
                                                 loss_scale=jaxmp.StaticLossScale(4.0))
   assert float(loss) == float(reference) / 2
+
+
+def test_with_rules_keeps_every_leaf_and_swaps_the_apply_function():
+  rules = jaxmp.PolicyRules("params=float32,compute=float16,output=float32",
+                            [jaxmp.Rule(nn.Dense, fp8=jaxmp.fp8.DelayedScaling(4))],
+                            trace_nonfinite=True)
+  model = jaxmp.linen.mixed_precision(nn.Dense(2), rules)
+  x = jnp.ones((4, 3))
+  state = jaxmp.linen.TrainState.create(apply_fn=model.apply,
+                                        variables=model.init(jax.random.key(0), x),
+                                        tx=jaxmp.loss_scaling(optax.adam(1e-3)))
+  new_rules = jaxmp.PolicyRules("float32", trace_nonfinite=True)
+  new = state.with_rules(new_rules)
+  assert new.apply_fn.__self__.rules == new_rules
+  assert new.apply_fn.__self__.model is model.model
+  # Params, fp8 state, the probe, the optimizer and its loss scale: the same arrays.
+  old_leaves, new_leaves = jax.tree.leaves(state), jax.tree.leaves(new)
+  assert len(old_leaves) == len(new_leaves) and all(
+      a is b for a, b in zip(old_leaves, new_leaves))
+  assert new.tx is state.tx
+  with pytest.raises(TypeError, match="apply_fn must be the apply of a jaxmp.linen wrapper"):
+    state.replace(apply_fn=model.model.apply).with_rules(new_rules)

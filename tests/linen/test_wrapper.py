@@ -477,3 +477,31 @@ def test_shadowed_rule_warns():
   model = jaxmp.linen.mixed_precision(MLP(), rules)
   with pytest.warns(UserWarning, match=r"rule 1 \('Dense_0'\) is shadowed"):
     model.init(jax.random.key(0), jnp.ones((1, 5)))
+
+
+# ---- new rules for a wrapped model (jaxmp.tools.PrecisionController's mechanism) --------------
+
+
+def test_with_rules_rewraps_the_same_model_and_knows_its_modules():
+  fp16 = "params=float32,compute=float16,output=float32"
+  model = jaxmp.linen.mixed_precision(nn.Sequential([nn.Dense(4), nn.Dense(2)]), fp16)
+  assert model.module_types() == {}  # nothing has run yet
+  x = jnp.ones((1, 3))
+  variables = model.init(jax.random.key(0), x)
+  assert model.module_types() == {"": nn.Sequential, "layers_0": nn.Dense,
+                                  "layers_1": nn.Dense}
+  rules = jaxmp.PolicyRules(fp16, [jaxmp.Rule("layers_1", "float32")])
+  wider = model.with_rules(rules)
+  assert wider.model is model.model and wider.rules == rules
+  assert model.rules == jaxmp.PolicyRules(fp16)  # the old wrapper is unchanged
+  assert wider.module_types() == model.module_types()  # known before it runs
+  # The same variables, the new rules: layers_1 now runs its matmul in float32.
+  ran = lambda m: {r.path: r.ran for r in jaxmp.tools.summary(m, None, x,
+                                                              variables=variables).rows}
+  assert ran(model) == {"<root>": "-", "layers_0": "float16", "layers_1": "float16"}
+  assert ran(wider) == {"<root>": "-", "layers_0": "float16", "layers_1": "float32"}
+  np.testing.assert_array_equal(
+      wider.apply(variables, x),
+      jaxmp.linen.mixed_precision(model.model, rules).apply(variables, x))
+  with pytest.raises(TypeError, match=r"got Rule\(match='layers_1'"):
+    model.with_rules(jaxmp.Rule("layers_1", "float32"))

@@ -680,3 +680,57 @@ def test_training_helpers_bad_input():
     jaxmp.nnx.apply_gradients(optimizer, wrapped, nnx.state(wrapped, nnx.Param))
   with pytest.raises(TypeError, match="nnx.Optimizer"):
     jaxmp.nnx.apply_gradients(optax.sgd(0.1), wrapped, None)
+
+
+# ---- new rules for a wrapped model (jaxmp.tools.PrecisionController's mechanism) --------------
+
+
+class _Net(nnx.Module):
+
+  def __init__(self, rngs):
+    self.body = nnx.Linear(3, 8, rngs=rngs)
+    self.blocks = nnx.List([nnx.Linear(8, 8, rngs=rngs)])
+    self.head = nnx.Linear(8, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.blocks[0](nnx.relu(self.body(x))))
+
+
+def test_with_rules_shares_every_variable_and_drops_only_the_fp8_state_it_removes():
+  fp16 = "params=float32,compute=float16,output=float32"
+  recipe = jaxmp.fp8.DelayedScaling(amax_history_length=4)
+  model = jaxmp.nnx.mixed_precision(_Net(nnx.Rngs(0)), jaxmp.PolicyRules(
+      fp16, [jaxmp.Rule(nnx.Linear, fp8=recipe)], trace_nonfinite=True))
+  # The modules are known without a call; containers (nnx.List) are not modules.
+  assert model.module_types() == {"": _Net, "body": nnx.Linear, "blocks/0": nnx.Linear,
+                                  "head": nnx.Linear}
+  x = jnp.ones((4, 3))
+  _, grads = jaxmp.nnx.value_and_grad(lambda m: jnp.sum(m(x)))(model)  # some fp8 history
+  optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.sgd(0.1)), wrt=nnx.Param)
+  jaxmp.nnx.apply_gradients(optimizer, model, grads)
+  before = {path: v for path, v in nnx.to_flat_state(nnx.state(model))}
+  rules = jaxmp.PolicyRules(fp16, [jaxmp.Rule("head", "float32"),
+                                   jaxmp.Rule(nnx.Linear, fp8=recipe)], trace_nonfinite=True)
+  wider = model.with_rules(rules)
+  assert wider.rules == rules and wider.model is model.model
+  assert wider.nonfinite is model.nonfinite
+  assert sorted(wider.fp8) == ["blocks/0", "body"]  # head's recipe is gone, and its state
+  assert all(wider.fp8[p] is model.fp8[p] for p in wider.fp8)
+  after = {path: v for path, v in nnx.to_flat_state(nnx.state(wider))}
+  assert set(after) == {p for p in before if p[:2] != ("fp8", "head")}
+  assert all(after[p] is before[p] for p in after)  # the same variables, not copies
+  assert model.rules != rules and sorted(model.fp8) == ["blocks/0", "body", "head"]
+  # It runs the new rules: head in float32, without fp8; the optimizer still fits.
+  ran = {r.path: r.ran for r in jaxmp.tools.summary(wider, None, x).rows}
+  assert ran["head"] == "float32" and ran["body"] == "float8_e4m3fn", ran
+  _, grads = jaxmp.nnx.value_and_grad(lambda m: jnp.sum(m(x)))(wider)
+  jaxmp.nnx.apply_gradients(optimizer, wider, grads)
+
+
+def test_with_rules_refuses_to_change_how_params_are_stored():
+  model = jaxmp.nnx.mixed_precision(_Net(nnx.Rngs(0)), "params=float32,compute=float16")
+  with pytest.raises(ValueError, match=r"'head/(bias|kernel)' is stored in float32.*bfloat16"):
+    model.with_rules(jaxmp.PolicyRules("params=float32,compute=float16",
+                                       [jaxmp.Rule("head", "bfloat16")]))
+  with pytest.raises(TypeError, match="got 'float32'"):
+    model.with_rules("float32")

@@ -313,3 +313,27 @@ def test_with_no_overflow_the_nonfinite_report_is_of_the_latest_step():
   assert report.step == 2 and report.origin is None
   assert str(report).splitlines()[0] == "Non-finite trace of step 2: every recorded value was finite"
   assert jaxmp.tools.nonfinite_report(_trace_metrics(_CLEAN, True)["nonfinite_trace"]).step is None
+
+
+def test_latest_is_what_the_last_update_recorded():
+  # What jaxmp.tools.PrecisionController reads: one record per step, the origin computed
+  # once, and the anomaly kinds whose condition still holds (not only those that start).
+  monitor = jaxmp.tools.Monitor(min_scale=1.0, collapse_factor=8.0)
+  assert monitor.latest is None
+  monitor.update({**_trace_metrics(_OVERFLOW, False), "loss_scale": 16.0}, loss=2.5)
+  first = monitor.latest
+  assert isinstance(first, jaxmp.tools.StepRecord)
+  assert (first.step, first.loss, first.skipped, first.loss_scale, first.traced) == (
+      0, 2.5, True, 16.0, True)
+  assert str(first.origin) == "forward output of dense" and first.origin.path == "dense"
+  assert first.active == frozenset({"nonfinite_origin"})
+  for step, scale in ((5, 8.0), (6, 4.0)):  # collapsed: flagged once, active at both steps
+    monitor.update({**_trace_metrics(_OVERFLOW, False), "loss_scale": scale}, step=step)
+    assert monitor.latest.active == frozenset({"nonfinite_origin", "scale_collapse"})
+  monitor.update({"last_step_finite": True})
+  last = monitor.latest
+  assert (last.step, last.loss, last.skipped, last.loss_scale, last.origin, last.traced) == (
+      7, None, False, None, None, False)
+  assert last.active == frozenset()
+  monitor.update({})
+  assert monitor.latest.skipped is None

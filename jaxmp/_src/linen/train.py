@@ -52,6 +52,21 @@ def _short_repr(x: Any, limit: int = 80) -> str:
   return text if len(text) <= limit else text[:limit] + "..."
 
 
+def wrapper_of(apply_fn: Any, where: str) -> wrapper_lib.MixedPrecision:
+  """The :class:`jaxmp.linen.MixedPrecision` whose ``apply`` ``apply_fn`` is.
+
+  Raises:
+    TypeError: for any other function.
+  """
+  wrapper = getattr(apply_fn, "__self__", None)
+  if not isinstance(wrapper, wrapper_lib.MixedPrecision) or (
+      getattr(apply_fn, "__func__", None) is not wrapper_lib.MixedPrecision.apply):
+    raise TypeError(f"{where}: apply_fn must be the apply of a jaxmp.linen wrapper "
+                    f"(model.apply of model = jaxmp.linen.mixed_precision(...)), got "
+                    f"{_short_repr(apply_fn)}.")
+  return wrapper
+
+
 def split_variables(variables: Any) -> tuple[Any, Any, dict]:
   """Splits a linen variables dict into (params, fp8 state, other collections).
 
@@ -301,6 +316,26 @@ class TrainState(flax.struct.PyTreeNode):
     (Optax's transforms are closures and do not): checkpoint the pytree instead.
     """
     return jax.tree_util.tree_map(lambda leaf: copy.deepcopy(leaf, memo), self)
+
+  def with_rules(self, rules: Any) -> "TrainState":
+    """This state with ``apply_fn`` under other precision rules, every array kept.
+
+    ``apply_fn`` must be the ``apply`` of a :func:`jaxmp.linen.mixed_precision`
+    wrapper; it becomes the ``apply`` of ``wrapper.with_rules(rules)``
+    (:meth:`jaxmp.linen.MixedPrecision.with_rules`). Params, fp8 state, collections,
+    the optimizer state and its loss scale are the same arrays: nothing is
+    re-initialised. ``apply_fn`` is a static field, so a jitted step traces once more
+    for the new rules.
+
+    Args:
+      rules: the new :class:`jaxmp.PolicyRules`.
+
+    Raises:
+      TypeError: if ``apply_fn`` is not a jaxmp wrapper's ``apply``, or ``rules`` not
+        :class:`jaxmp.PolicyRules`.
+    """
+    return self.replace(apply_fn=wrapper_of(self.apply_fn, "TrainState.with_rules")
+                        .with_rules(rules).apply)
 
   @property
   def variables(self) -> dict:

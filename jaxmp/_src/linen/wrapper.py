@@ -238,6 +238,10 @@ class MixedPrecision:
   model: nn.Module
   rules: rules_lib.PolicyRules
   _warned: set = dataclasses.field(default_factory=set, repr=False)
+  # The class of every module a trace of this wrapper ran, by path: a host-side memo of
+  # facts about the model (like _warned), filled by trace(), which init, apply and
+  # summary go through, so that with_rules and module_types need no example inputs.
+  _module_types: dict = dataclasses.field(default_factory=dict, repr=False)
 
   def trace(self, fun: Callable[[], Any], *, annotate: bool = False, nonfinite: Any = None
             ) -> tuple[Any, list[CallRecord]]:
@@ -251,7 +255,48 @@ class MixedPrecision:
     with nn.intercept_methods(interceptor), interceptor.call:
       out = fun()
     self._warn_unused(interceptor.records)
+    self._module_types.update((r.path, r.module_type) for r in interceptor.records)
     return out, interceptor.records
+
+  def module_types(self) -> dict[str, type]:
+    """The class of every module this wrapper has run, by '/'-joined path.
+
+    Linen builds submodules only while the model runs, so this is what ``init``,
+    ``apply`` (traced once under ``jit``) or :func:`jaxmp.tools.summary` saw; empty
+    before the first of them. A wrapper made by :meth:`with_rules` starts with its
+    parent's.
+    """
+    return dict(self._module_types)
+
+  def with_rules(self, rules: rules_lib.PolicyRules) -> "MixedPrecision":
+    """The same model under other rules; the variables it takes are the same.
+
+    Nothing is re-initialised: ``apply`` of the new wrapper takes the variables this
+    one's ``init`` returned (params in the dtypes they are stored in, which a rule
+    with another param dtype does not change; the fp8 state of a layer the new rules
+    leave without a recipe stays in the variables, unused). A jitted step that closes
+    over or is given ``apply`` traces again once, because the wrapper is a new static
+    value. :class:`jaxmp.tools.PrecisionController` changes precision this way.
+
+    Args:
+      rules: the new :class:`jaxmp.PolicyRules`.
+
+    Returns:
+      A new :class:`MixedPrecision`; this one is unchanged.
+
+    Raises:
+      TypeError: if ``rules`` is not a :class:`jaxmp.PolicyRules`.
+
+    Example:
+      >>> import flax.linen as nn
+      >>> model = jaxmp.linen.mixed_precision(nn.Dense(2), "p=f32,c=bf16,o=f32")
+      >>> variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
+      >>> wider = model.with_rules(jaxmp.PolicyRules("float32"))
+      >>> wider.model is model.model, wider.apply(variables, jnp.ones((1, 3))).dtype
+      (True, dtype('float32'))
+    """
+    rules = rules_lib.check_rules(rules, "with_rules")
+    return MixedPrecision(self.model, rules, _module_types=dict(self._module_types))
 
   def init_with_output(self, rngs, *args, **kwargs) -> tuple[Any, Any]:
     """Like ``Module.init_with_output``; params are stored in their param dtypes.

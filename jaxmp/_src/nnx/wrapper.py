@@ -278,6 +278,65 @@ class MixedPrecision(nnx.Module):
         f"{type(self).__name__} has no attribute {name!r}; the model's methods are "
         f"forwarded, its other attributes are at .model.{name}.")
 
+  def module_types(self) -> dict[str, type]:
+    """The class of every module of the model, by '/'-joined path (containers left out).
+
+    Example:
+      >>> from flax import nnx
+      >>> wrapped = jaxmp.nnx.mixed_precision(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), "float32")
+      >>> wrapped.module_types()
+      {'': <class 'flax.nnx.nn.linear.Linear'>}
+    """
+    return {r.path: _ORIGINAL.get(type(r.module), type(r.module))
+            for r in _resolve(self.model, self.rules).values()}
+
+  def with_rules(self, rules: rules_lib.PolicyRules) -> "MixedPrecision":
+    """A wrapper of the same model under other rules, sharing every variable.
+
+    Nothing is re-initialised or copied: the new wrapper holds this one's model (its
+    params, batch statistics, RNG state), the fp8 modules (and state) of the layers
+    that keep the same recipe, and the non-finite probe. A layer the new rules give
+    no fp8 recipe loses its fp8 state; a layer given a new recipe gets fresh state. An
+    ``nnx.Optimizer(..., wrt=nnx.Param)`` built for this wrapper updates the new one,
+    and ``nnx.jit`` traces once more for it (the rules are static).
+    :class:`jaxmp.tools.PrecisionController` changes precision this way.
+
+    Args:
+      rules: the new :class:`jaxmp.PolicyRules`.
+
+    Returns:
+      A new :class:`MixedPrecision`; this one keeps its rules.
+
+    Raises:
+      TypeError: if ``rules`` is not a :class:`jaxmp.PolicyRules`.
+      ValueError: if the new rules store a param in another dtype than it is stored
+        in (the storage is the variables'; wrap the model again to recast), or for an
+        fp8 rule on a layer that cannot take it.
+
+    Example:
+      >>> from flax import nnx
+      >>> wrapped = jaxmp.nnx.mixed_precision(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), "p=f32,c=bf16")
+      >>> wider = wrapped.with_rules(jaxmp.PolicyRules("float32"))
+      >>> wider.model is wrapped.model, wider(jnp.ones((1, 3))).dtype
+      (True, dtype('float32'))
+    """
+    rules = rules_lib.check_rules(rules, "with_rules")
+    modules = _resolve(self.model, rules)
+    for path, variable in _variables(self.model):
+      value = variable.get_raw_value()
+      dtype = _policy(path, modules, rules).param_dtype
+      if tree_lib.cast_tree(value, dtype) is not value:
+        raise ValueError(
+            f"with_rules: the param {_path_str(path)!r} is stored in {value.dtype.name}, but "
+            f"the new rules store it in {dtype.name}; with_rules keeps every variable as "
+            f"it is: wrap the model again with jaxmp.nnx.mixed_precision to recast params.")
+    _warn_unused(self.model, rules, modules)
+    probe = vars(self).get("nonfinite")
+    if probe is None and rules.trace_nonfinite:
+      probe = _new_probe(modules)
+    return MixedPrecision(self.model, rules, _fp8_modules(modules, dict(self.fp8.items())),
+                          probe if rules.trace_nonfinite else None)
+
   def _call_method(self, name: str, *args, **kwargs) -> Any:
     return self._trace(name, args, kwargs)[0]
 
@@ -450,24 +509,41 @@ def mixed_precision(model: nnx.Module,
     if cast is not value:
       variable.set_raw_value(cast)
 
+  fp8_modules = _fp8_modules(modules, {})
+  _warn_unused(model, rules, modules)
+  return MixedPrecision(model, rules, fp8_modules,
+                        _new_probe(modules) if rules.trace_nonfinite else None)
+
+
+def _fp8_modules(modules: dict[tuple, _Resolved],
+                 existing: dict[str, nnx.Module]) -> dict[str, nnx.Module]:
+  """The fp8 module of every layer an fp8 rule reaches; ``existing`` ones kept by recipe."""
   fp8_modules: dict[str, nnx.Module] = {}
   for r in modules.values():  # parents first: an attention rule decides its projections
     if r.precision.fp8 is None:
       continue
     for layer_path, layer in fp8_nnx.fp8_layers(r.path, r.module):
-      if layer_path not in fp8_modules:
-        fp8_modules[layer_path] = fp8_nnx.new_fp8_module(layer, r.precision.fp8)
+      if layer_path in fp8_modules:
+        continue
+      kept = existing.get(layer_path)
+      fp8_modules[layer_path] = (kept if kept is not None and kept.recipe == r.precision.fp8
+                                 else fp8_nnx.new_fp8_module(layer, r.precision.fp8))
+  return fp8_modules
 
+
+def _new_probe(modules: dict[tuple, _Resolved]) -> nonfinite_nnx.NonfiniteProbe:
+  """A zero probe with a row per method the wrapper intercepts."""
+  return nonfinite_nnx.new_probe(tuple(
+      (r.path, name) for r in modules.values()
+      for name in _public_methods(_ORIGINAL.get(type(r.module), type(r.module)))))
+
+
+def _warn_unused(model: nnx.Module, rules: rules_lib.PolicyRules,
+                 modules: dict[tuple, _Resolved]) -> None:
   records = [CallRecord(r.path, type(r.module), "__call__", r.precision,
                         r.precision.output_dtype or rules.default.output_dtype)
              for r in modules.values()]
   engine.warn_unused_rules(type(model).__name__, rules, records, _fp8_layer_names())
-  probe = None
-  if rules.trace_nonfinite:  # a row per method the wrapper intercepts
-    probe = nonfinite_nnx.new_probe(tuple(
-        (r.path, name) for r in modules.values()
-        for name in _public_methods(_ORIGINAL.get(type(r.module), type(r.module)))))
-  return MixedPrecision(model, rules, fp8_modules, probe)
 
 
 def trace_abstract(model_or_wrapper: nnx.Module, rules: Optional[rules_lib.PolicyOrRules],

@@ -169,6 +169,36 @@ class Anomaly(NamedTuple):
     return f"step {self.step}: {self.kind}: {self.message}"
 
 
+class StepRecord(NamedTuple):
+  """What :meth:`Monitor.update` recorded for one step: :attr:`Monitor.latest`.
+
+  Host values only, so a record can be logged and compared; what
+  :class:`jaxmp.tools.PrecisionController` decides from.
+
+  Attributes:
+    step: the step number.
+    loss: the loss given, or ``None``.
+    skipped: whether the optimizer skipped the step (``last_step_finite`` false);
+      ``None`` when the metrics did not say.
+    loss_scale: the loss scale after the step, or ``None``.
+    origin: the first non-finite value of the step's non-finite trace
+      (:func:`jaxmp.tools.nonfinite_report`'s ``origin``); ``None`` without a trace or
+      when every traced value was finite.
+    traced: whether the metrics carried a non-finite trace.
+    active: the anomaly kinds whose condition holds at this step, whether they started
+      here or earlier (a collapsed loss scale stays ``"scale_collapse"`` while it is
+      collapsed).
+  """
+
+  step: int
+  loss: Optional[float]
+  skipped: Optional[bool]
+  loss_scale: Optional[float]
+  origin: Optional[report_lib.Origin]
+  traced: bool
+  active: frozenset
+
+
 KINDS = ("scale_collapse", "skip_rate", "loss_spike", "nonfinite_loss", "skip_streak",
          "nonfinite_origin")
 
@@ -285,6 +315,7 @@ class Monitor:
     # trace recorded a non-finite value or that was skipped.
     self._latest_trace: Optional[tuple[int, nonfinite_lib.NonfiniteTrace]] = None
     self._overflow_trace: Optional[tuple[int, nonfinite_lib.NonfiniteTrace]] = None
+    self._latest: Optional[StepRecord] = None
 
   # -- history ---------------------------------------------------------------------------
 
@@ -297,6 +328,11 @@ class Monitor:
   def anomalies(self) -> tuple[Anomaly, ...]:
     """Every anomaly flagged so far, in order."""
     return tuple(self._anomalies)
+
+  @property
+  def latest(self) -> Optional[StepRecord]:
+    """The :class:`StepRecord` of the latest update, or ``None`` before the first."""
+    return self._latest
 
   def history(self) -> dict[str, Any]:
     """The history as arrays, one entry per update (NaN / -1 where a value was missing).
@@ -386,6 +422,8 @@ class Monitor:
         self._active.add(kind)
         new.append(Anomaly(step, kind, message))
     self._anomalies.extend(new)
+    self._latest = StepRecord(step, loss, None if finite is None else not finite, scale, origin,
+                              trace is not None, frozenset(self._active))
     return tuple(new)
 
   def _loss(self, loss: Any) -> Optional[float]:
@@ -534,4 +572,4 @@ class Monitor:
     return "\n".join(lines)
 
 
-__all__ = ("METRICS", "Anomaly", "Monitor", "training_metrics")
+__all__ = ("METRICS", "Anomaly", "Monitor", "StepRecord", "training_metrics")
