@@ -244,6 +244,20 @@ _H100_CHECK = textwrap.dedent("""\
     kahan = jaxmp.tools.audit(jaxmp.optim.kahan_add, v(jnp.bfloat16), v(jnp.float32),
                               v(jnp.bfloat16), target="h100")
     assert "reduce-precision(" in kahan.hlo, kahan.hlo
+    # fp8 GEMMs that XLA cannot run as fp8 (block and MX recipes on an H100, a short
+    # contraction widened to bfloat16) still quantize both operands: without a barrier
+    # XLA deleted the float32 -> fp8 -> wider round trip (no fp8 type was left).
+    import re
+    for recipe, shapes in [(fp8.BlockScaling(), ((256, 512), (512, 384))),
+                           (fp8.MXScaling(), ((256, 512), (512, 384))),
+                           (fp8.CurrentScaling(), ((64, 8), (8, 32)))]:
+      fwd = lambda x, w, recipe=recipe: fp8.fp8_dot_general(x, w, dims, recipe=recipe)
+      r = jaxmp.tools.audit(fwd, *(S(s, jnp.bfloat16) for s in shapes), target="h100")
+      quantized = set(re.findall(r"f8e4m3fn\[([0-9,]+)\]", r.hlo))
+      if isinstance(recipe, fp8.CurrentScaling):
+        assert {"64,8", "8,32"} <= quantized, (recipe, quantized)
+      else:  # both canonical operands, (batch, rows, contracted)
+        assert {"1,256,512", "1,384,512"} <= quantized, (recipe, quantized)
     print("ok")
     """)
 

@@ -148,6 +148,21 @@ def dequantize(x: Quantized, grouping: Grouping, dtype: Any = F32) -> jax.Array:
   return jnp.reshape(out, x.data.shape)
 
 
+def held(*operands: Any) -> tuple[Any, ...]:
+  """``operands`` (fp8 data, or :class:`Quantized`) behind an optimization barrier.
+
+  Their fp8 rounding then stays in the program.
+
+  XLA's GPU compiler may delete a round trip through a narrower float inside one
+  program ("excess precision", on by default): a GEMM that dequantizes operands it
+  quantized in the same program would then multiply the unquantized values (compiled
+  for an H100, a ``BlockScaling`` or ``MXScaling`` forward kept no fp8 type at all).
+  The barrier hides the fp8 data's origin from that rewrite. In training the fp8 data
+  reach memory anyway, as the backward pass's residuals.
+  """
+  return jax.lax.optimization_barrier(operands)
+
+
 __all__ = (
     "ROW",
     "TENSOR",
@@ -155,6 +170,7 @@ __all__ = (
     "Quantized",
     "amax",
     "dequantize",
+    "held",
     "pad",
     "quantize",
     "scales",

@@ -132,6 +132,7 @@ def dequantize(x: grouped.Quantized, dtype: Any = F32) -> jax.Array:
 
 
 def _dequantized_gemm(a: grouped.Quantized, b: grouped.Quantized, out_dtype: Any) -> jax.Array:
+  a, b = grouped.held(a, b)  # so that XLA does not skip the quantization on GPUs
   dims = (((2,), (2,)), ((0,), (0,)))
   preferred = out_dtype if np.dtype(out_dtype) == BF16 else F32
   out = jax.lax.dot_general(dequantize(a, BF16), dequantize(b, BF16), dims,

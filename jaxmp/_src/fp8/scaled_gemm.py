@@ -108,7 +108,12 @@ def _wide_output_dot(a, b, scale, *, dimension_numbers, out_dtype, out_sharding,
 
 def _on_bfloat16_operands(product):
   """``product`` of the fp8 operands widened to bfloat16 (exactly)."""
-  return lambda a, b, scale: product(a.astype(BF16), b.astype(BF16), scale)
+
+  def widened(a, b, scale):
+    a, b = grouped.held(a, b)  # the widening must not let XLA skip the quantization
+    return product(a.astype(BF16), b.astype(BF16), scale)
+
+  return widened
 
 
 def rescaled_dot(a: jax.Array, b: jax.Array, dimension_numbers: Any, scale: jax.Array,
@@ -176,6 +181,7 @@ def _outer(scale_a: jax.Array, scale_b: jax.Array) -> jax.Array:
 
 def _dequantized_dot(a: grouped.Quantized, b: grouped.Quantized, grouping_a: grouped.Grouping,
                      grouping_b: grouped.Grouping, out_dtype: Any, exact: bool) -> jax.Array:
+  a, b = grouped.held(a, b)  # so that XLA does not skip the quantization on GPUs
   dtype = BF16 if exact else F32
   preferred = out_dtype if fuses_output(out_dtype, exact) else F32
   precision = None if exact else jax.lax.Precision.HIGHEST
