@@ -90,7 +90,7 @@ def quality(steps: int | None, seed: int, preset_name: str, recipes: dict) -> No
 
 
 def support(recipes: dict) -> None:
-  from jaxmp._src.fp8 import support as support_lib  # pylint: disable=g-import-not-at-top
+  from jaxmp._src.tools import audit  # pylint: disable=g-import-not-at-top
   from jaxmp._src.tools import targets  # pylint: disable=g-import-not-at-top
   chips = ["h100", "b200"] + (["v7"] if targets.installed("libtpu") else [])
   print(f"\nWhat the GEMMs of a 512^3 fp8 Dense forward + backward compile to (deviceless, "
@@ -100,7 +100,7 @@ def support(recipes: dict) -> None:
   for name, recipe in recipes.items():
     cells = []
     for chip in chips:
-      kinds, warned = support_lib.compiled_gemms(recipe, chip)
+      kinds, warned = audit.compiled_gemms(recipe, chip)
       cells.append(", ".join(kinds) + (" (warns)" if warned else ""))
     print(f"| {name} | " + " | ".join(cells) + " |")
 

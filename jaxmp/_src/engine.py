@@ -64,20 +64,14 @@ import numpy as np
 from jaxmp._src import attention as attention_lib
 from jaxmp._src import dtypes as dtypes_lib
 from jaxmp._src import float32_ops as float32_ops_lib
+from jaxmp._src import nonfinite as nonfinite_lib
+from jaxmp._src import paths as paths_lib
 from jaxmp._src import rules as rules_lib
 from jaxmp._src import tree as tree_lib
 
 T = TypeVar("T")
 
-ROOT = "<root>"
-"""How messages and tables name the root module, whose path is ``""``."""
-
 _MAX_PATHS_IN_WARNING = 60
-
-
-def describe_path(path: str) -> str:
-  """``path`` as messages show it: the root module is :data:`ROOT`."""
-  return path or ROOT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +104,18 @@ def resolve(rules: rules_lib.PolicyRules, path: str, module_type: type,
   if precision.fp8 is not None and not supports_fp8(module_type):
     precision = dataclasses.replace(precision, fp8=None)
   return precision
+
+
+class Wrapper:
+  """The base of the adapters' wrappers: a model wrapped by jaxmp, by either adapter.
+
+  ``jaxmp.linen.MixedPrecision`` and ``jaxmp.nnx.MixedPrecision`` derive from it. It
+  holds nothing: it lets code recognise a wrapped model without importing the adapter
+  that made it (the NNX adapter pointing a linen wrapper to ``jaxmp.linen``), so
+  neither adapter imports the other.
+  """
+
+  __slots__ = ()
 
 
 NOT_A_DTYPE_FIELD = object()
@@ -157,9 +163,6 @@ class Call:
       if not rules.trace_nonfinite:
         raise ValueError("jaxmp: a non-finite probe was given to a model whose rules do not "
                          "trace (PolicyRules(..., trace_nonfinite=True) turns tracing on).")
-      # Imported only when tracing: without it the engine builds exactly what it did
-      # before tracing existed.
-      from jaxmp._src import nonfinite as nonfinite_lib  # pylint: disable=g-import-not-at-top
       self._nonfinite = nonfinite_lib.Tracer(nonfinite)
     self._is_node = is_node
     self._callers: list[np.dtype] = []
@@ -304,7 +307,6 @@ class Call:
     """
     if self._nonfinite is None:
       return self._run(path, module_type, method, precision, fn, args, kwargs)
-    from jaxmp._src import nonfinite as nonfinite_lib  # pylint: disable=g-import-not-at-top
     tracer = self._nonfinite
     slot = tracer.slot(path, method)
     start = len(self.records) + 1
@@ -422,20 +424,6 @@ def written(value: T, stored: Any) -> T:
       for x, y in zip(leaves, stored_leaves)])
 
 
-def owner(path: tuple, by_path: Mapping[tuple, T]) -> Optional[T]:
-  """The entry of the nearest module strictly enclosing ``path`` (a variable's path).
-
-  Example:
-    >>> from jaxmp._src import engine
-    >>> engine.owner(("block", "dense", "kernel"), {(): "root", ("block",): "block"})
-    'block'
-  """
-  for end in range(len(path) - 1, -1, -1):
-    if path[:end] in by_path:
-      return by_path[path[:end]]
-  return None
-
-
 def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
                  fp8_layer_names: str) -> list[str]:
   """Describes each rule that decided no module's precision in ``records``.
@@ -484,7 +472,7 @@ def _uninterceptable_ops(who: str, ops: Optional[frozenset],
   uninterceptable = sorted(set(ops or ()) & set(float32_ops_lib.UNINTERCEPTABLE))
   if not (records and uninterceptable):
     return []
-  paths = ", ".join(dict.fromkeys(describe_path(r.path) for r in records))
+  paths = ", ".join(dict.fromkeys(paths_lib.describe_path(r.path) for r in records))
   return [f"{who} asks for {', '.join(uninterceptable)} in float32, which jaxmp cannot "
           f"intercept (it intercepts {', '.join(float32_ops_lib.INTERCEPTABLE)}): they run in "
           f"the compute dtype in {paths}"]
@@ -492,7 +480,8 @@ def _uninterceptable_ops(who: str, ops: Optional[frozenset],
 
 def describe_paths(records: Sequence[CallRecord]) -> str:
   """The model's module paths and classes, one per line, for warnings."""
-  seen = list(dict.fromkeys((describe_path(r.path), r.module_type.__name__) for r in records))
+  seen = list(dict.fromkeys((paths_lib.describe_path(r.path), r.module_type.__name__)
+                            for r in records))
   lines = [f"  {path} ({cls})" for path, cls in seen[:_MAX_PATHS_IN_WARNING]]
   if len(seen) > _MAX_PATHS_IN_WARNING:
     lines.append(f"  ... and {len(seen) - _MAX_PATHS_IN_WARNING} more")
@@ -527,12 +516,10 @@ __all__ = (
     "ANNOTATION",
     "NOT_A_DTYPE_FIELD",
     "PARAM_ANNOTATION",
-    "ROOT",
     "Call",
     "CallRecord",
-    "describe_path",
+    "Wrapper",
     "describe_paths",
-    "owner",
     "resolve",
     "unused_rules",
     "warn_unused_rules",

@@ -63,7 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp._src import engine
+from jaxmp._src import paths as paths_lib
 from jaxmp._src import pytree as pytree_lib
 from jaxmp._src.fp8 import maxgrad
 
@@ -83,7 +83,7 @@ Call = tuple[str, str]
 
 def describe_call(path: str, method: str) -> str:
   """``block_1/mlp/down``, ``embed.attend``: a call site as messages show it."""
-  where = engine.describe_path(path)
+  where = paths_lib.describe_path(path)
   return where if method == "__call__" else f"{where}.{method}"
 
 
@@ -187,8 +187,13 @@ def probe(calls: Sequence[Call]) -> NonfiniteTrace:
   return NonfiniteTrace(calls, jnp.zeros((len(calls), len(COLUMNS)), jnp.float32))
 
 
-def calls_of(records: Iterable[engine.CallRecord]) -> tuple[Call, ...]:
-  """The distinct call sites of ``records``, in the order they were first called."""
+def calls_of(records: Iterable[Any]) -> tuple[Call, ...]:
+  """The distinct call sites of ``records``, in the order they were first called.
+
+  Args:
+    records: the engine's :class:`~jaxmp._src.engine.CallRecord` list (anything with
+      ``path`` and ``method``; the engine imports this module, not the other way).
+  """
   return tuple(dict.fromkeys((r.path, r.method) for r in records))
 
 
@@ -404,7 +409,7 @@ def with_param_grads(trace: NonfiniteTrace,
     rows_of.setdefault(tuple(path.split("/")) if path else (), []).append(i)
   owned: dict[tuple[str, ...], list[jax.Array]] = {}
   for path, leaf in grads:
-    owner = engine.owner(tuple(path), {p: p for p in rows_of})
+    owner = paths_lib.owner(tuple(path), {p: p for p in rows_of})
     if owner is not None and jnp.size(leaf):
       owned.setdefault(owner, []).append(leaf)
   column = [np.float32(-np.inf)] * len(trace.calls)

@@ -119,7 +119,7 @@ def test_devices_are_read_as_targets(device, name, fp8_gemm, mx_gemm):
 # need libtpu): every GEMM of a forward + backward, read back from the optimized HLO.
 _TABLE_CHECK = textwrap.dedent("""\
     from jaxmp import fp8
-    from jaxmp._src.fp8 import support
+    from jaxmp._src.tools import audit
     from jaxmp._src.tools import targets
     recipes = {"tensor": fp8.DelayedScaling(4), "row": fp8.RowwiseScaling(),
                "block": fp8.BlockScaling(), "block2": fp8.BlockScaling(power_of_two=True),
@@ -128,7 +128,7 @@ _TABLE_CHECK = textwrap.dedent("""\
       if target == "v7" and not targets.installed("libtpu"):
         continue
       for name, recipe in recipes.items():
-        kinds, warned = support.compiled_gemms(recipe, target)
+        kinds, warned = audit.compiled_gemms(recipe, target)
         print(target, name, len(kinds), ",".join(sorted(set(kinds))), warned)
     """)
 

@@ -1,4 +1,4 @@
-"""jaxmp.fp8.nnx: NNX fp8 layers, fp8 by rule, and sound training of their state."""
+"""jaxmp.nnx fp8: NNX fp8 layers, fp8 by rule, and sound training of their state."""
 
 import flax.linen as nn
 import jax

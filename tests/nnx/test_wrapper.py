@@ -634,9 +634,13 @@ def test_wrapping_a_non_module(bad):
     jaxmp.nnx.mixed_precision(bad, BF16)
 
 
-def test_wrapping_a_linen_module_points_to_linen():
-  with pytest.raises(TypeError, match=re.escape("jaxmp.linen.mixed_precision")):
-    jaxmp.nnx.mixed_precision(nn.Dense(2), BF16)
+@pytest.mark.parametrize("linen_model", [
+    lambda: nn.Dense(2), lambda: jaxmp.linen.mixed_precision(nn.Dense(2), BF16)],
+    ids=["module", "wrapper"])
+def test_wrapping_a_linen_module_points_to_linen(linen_model):
+  with pytest.raises(TypeError, match=re.escape("For flax.linen models use "
+                                                "jaxmp.linen.mixed_precision.")):
+    jaxmp.nnx.mixed_precision(linen_model(), BF16)
 
 
 def test_wrapping_twice():

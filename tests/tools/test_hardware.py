@@ -1,4 +1,4 @@
-"""jaxmp.hardware: device capabilities and the recommended set-up per device."""
+"""jaxmp.tools hardware: device capabilities and the recommended set-up per device."""
 
 import re
 import types

@@ -1,4 +1,4 @@
-"""jaxmp.monitor: in-jit training metrics and the host-side anomaly monitor."""
+"""jaxmp.tools.Monitor: in-jit training metrics and the host-side anomaly monitor."""
 
 import re
 

@@ -1,4 +1,4 @@
-"""jaxmp.summary: the per-module precision table for a real call."""
+"""jaxmp.tools.summary: the per-module precision table for a real call."""
 
 import flax.linen as nn
 import jax

@@ -20,7 +20,7 @@ use E4M3 everywhere by default, as their authors do. All scale arithmetic is flo
 whatever the compute dtype, and accumulation is float32. Which recipe each of a
 layer's three GEMMs (forward, input gradient, weight gradient) uses, or whether it
 stays in the compute dtype, is :class:`~jaxmp.fp8.GemmRecipes`' business
-(:mod:`jaxmp._src.fp8.gemm_recipes`).
+(:mod:`jaxmp._src.fp8.per_gemm`).
 
 Recipes are frozen, hashable dataclasses: they can be static arguments of ``jit`` and
 fields of Flax modules.

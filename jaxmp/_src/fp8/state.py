@@ -21,7 +21,7 @@ the sound replacements:
    ``lax.scan``/``nn.scan`` over shared weights) gets the *sum* of the per-read
    cotangents from JAX's reverse mode. Call :func:`for_grad` on the state inside the
    differentiated function: it converts the state to
-   :data:`~jaxmp._src.maxgrad.max_float32`, whose autodiff accumulation is ``max``,
+   :data:`~jaxmp._src.fp8.maxgrad.max_float32`, whose autodiff accumulation is ``max``,
    and the cotangent comes back as float32.
 3. **Gradient accumulation.** Micro-batches of one step all start from the same
    state; combine their state cotangents with :func:`accumulate` (element-wise max),
@@ -169,7 +169,7 @@ def for_grad(state: T) -> T:
       model's ``_overwrite_with_gradient`` collection). Not the parameters.
 
   Returns:
-    The same tree with :data:`~jaxmp._src.maxgrad.max_float32` leaves.
+    The same tree with :data:`~jaxmp._src.fp8.maxgrad.max_float32` leaves.
 
   Raises:
     TypeError: if a leaf is not float32.
@@ -190,7 +190,7 @@ def for_grad(state: T) -> T:
 
 
 def from_grad(tree: T) -> T:
-  """Converts :data:`~jaxmp._src.maxgrad.max_float32` leaves back to float32.
+  """Converts :data:`~jaxmp._src.fp8.maxgrad.max_float32` leaves back to float32.
 
   Not needed after the pattern :func:`for_grad` documents (the cotangent already
   comes back as float32); useful when ``max_float32`` values were differentiated

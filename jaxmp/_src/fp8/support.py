@@ -1,8 +1,9 @@
 """What runs where: whether a recipe's GEMMs become fp8 or MX GEMMs, and a warning when not.
 
 A recipe asks for fp8; the compiler decides what runs. Compiled deviceless with
-``jaxmp.tools.audit`` (jax 0.10.2, cuBLAS mode) the GEMMs lower as follows (the README's
-support table):
+``jaxmp.tools.audit`` (jax 0.10.2, cuBLAS mode; the tool
+:func:`jaxmp._src.tools.audit.compiled_gemms` compiles one cell) the GEMMs lower as
+follows (the README's support table):
 
 ==================  ========================  ========================  =================
 recipe              H100 (sm_90)              B200 (sm_100)             TPU v7
@@ -227,53 +228,12 @@ def warn_on_fallback(recipe: Any, target: Optional[Target] = None) -> None:
         Fp8FallbackWarning, stacklevel=4)
 
 
-def compiled_gemms(recipe: Any, target: str, size: int = 512) -> tuple[tuple[str, ...], bool]:
-  """What the three GEMMs of an fp8 Dense forward + backward under ``recipe`` compile to.
-
-  Compiles ``size``-cubed ``fp8_dot_general`` forward + backward deviceless for
-  ``target`` (``jaxmp.tools.audit``; GPU targets in cuBLAS mode) and reads each GEMM
-  back from the optimized HLO: ``"mx"`` (an MX block-scaled GEMM), ``"fp8"``, or the
-  dtype it runs in instead. The evidence behind :func:`lowering`'s table.
-
-  Args:
-    recipe: any fp8 recipe.
-    target: a ``jaxmp.tools.audit`` target (``"h100"``, ``"b200"``, ``"v7"``, ...).
-    size: the GEMMs' edge.
-
-  Returns:
-    ``(kinds, warned)``: one kind per GEMM in program order, and whether using the
-    recipe warned :class:`Fp8FallbackWarning`.
-  """
-  from jaxmp._src.fp8 import dot_general  # pylint: disable=g-import-not-at-top
-  from jaxmp._src.fp8 import state as state_lib  # pylint: disable=g-import-not-at-top
-  from jaxmp._src.tools import audit  # pylint: disable=g-import-not-at-top
-  from jaxmp._src.tools import targets  # pylint: disable=g-import-not-at-top
-  dims = (((1,), (0,)), ((), ()))
-  operand = jax.ShapeDtypeStruct((size, size), jax.numpy.bfloat16)
-  state = jax.eval_shape(lambda: state_lib.init_state(recipe))
-
-  def forward_backward(x, w, s, g):
-    f = lambda x, w, s: dot_general.fp8_dot_general(x, w, dims, state=s, recipe=recipe)
-    y, vjp = jax.vjp(f, x, w, s)
-    return y, vjp(g)
-
-  options = None if targets.is_tpu(target) else {"xla_gpu_enable_triton_gemm": False}
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    report = audit.audit(forward_backward, operand, operand, state, operand, target=target,
-                         compiler_options=options)
-  kinds = tuple(("mx" if "MX" in g.backend else "fp8") if g.fp8 else g.compute_dtypes[0]
-                for g in report.gemms)
-  return kinds, any(issubclass(w.category, Fp8FallbackWarning) for w in caught)
-
-
 __all__ = (
     "TARGETS",
     "Fp8FallbackWarning",
     "Lowering",
     "Target",
     "compile_target",
-    "compiled_gemms",
     "current_target",
     "gemm_recipes",
     "lowering",

@@ -51,6 +51,7 @@ import numpy as np
 
 from jaxmp._src import engine
 from jaxmp._src import nonfinite
+from jaxmp._src import paths as paths_lib
 from jaxmp._src import rules as rules_lib
 from jaxmp._src import tree as tree_lib
 from jaxmp._src.linen import injection
@@ -200,7 +201,7 @@ def _cast_params_to_storage(params: Any, dtypes: dict[tuple[str, ...], np.dtype]
   def visit(node, path):
     if isinstance(node, Mapping):
       return {k: visit(v, path + (k,)) for k, v in node.items()}
-    dtype = engine.owner(path, dtypes)
+    dtype = paths_lib.owner(path, dtypes)
     return tree_lib.cast_tree(node, default if dtype is None else dtype)
 
   return visit(params, ())
@@ -211,7 +212,7 @@ def _fp8_layer_names() -> str:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class MixedPrecision:
+class MixedPrecision(engine.Wrapper):
   """A linen model under per-module precision rules; built by :func:`mixed_precision`.
 
   ``init``, ``init_with_output`` and ``apply`` take exactly what the wrapped Module's

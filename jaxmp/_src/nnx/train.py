@@ -56,7 +56,7 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False,
   The NNX counterpart of :func:`jaxmp.linen.value_and_grad`. The returned function
   takes ``(model, *args, loss_scale=None, **kwargs)``: it calls ``fun`` inside
   ``nnx.grad`` with the model's fp8 state read through
-  :func:`jaxmp.fp8.nnx.for_grad` (a layer used several times, or inside ``nnx.scan``,
+  :func:`jaxmp.nnx.fp8_for_grad` (a layer used several times, or inside ``nnx.scan``,
   records the max of its uses), and differentiates ``loss * loss_scale``. State the
   model updates during the call (batch statistics, RNG counts) is kept, as with
   ``nnx.grad``; what the batch statistics were before is returned in

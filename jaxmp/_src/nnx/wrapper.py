@@ -86,10 +86,10 @@ from flax import nnx
 from flax.nnx import graphlib
 
 from jaxmp._src import engine
+from jaxmp._src import paths as paths_lib
 from jaxmp._src import policy as policy_lib
 from jaxmp._src import rules as rules_lib
 from jaxmp._src import tree as tree_lib
-from jaxmp._src.linen import wrapper as linen_wrapper
 from jaxmp._src.nnx import fp8 as fp8_nnx
 from jaxmp._src.nnx import nonfinite as nonfinite_nnx
 
@@ -215,7 +215,7 @@ def _variables(model: nnx.Module, kind: type = nnx.Param) -> list[tuple[tuple, n
 def _policy(path: tuple, modules: dict[tuple, _Resolved],
             rules: rules_lib.PolicyRules) -> policy_lib.Policy:
   """The policy of the module that owns the variable at ``path``."""
-  owner = engine.owner(path, modules)
+  owner = paths_lib.owner(path, modules)
   return owner.precision.policy if owner else rules.default
 
 
@@ -226,7 +226,7 @@ def _fp8_layer_names() -> str:
 # ---- the wrapper -----------------------------------------------------------------------------
 
 
-class MixedPrecision(nnx.Module):
+class MixedPrecision(nnx.Module, engine.Wrapper):
   """An NNX model under per-module precision rules; built by :func:`mixed_precision`.
 
   Call it like the model (``wrapped(x)``, ``wrapped.encode(x)`` for another public
@@ -491,7 +491,8 @@ def mixed_precision(model: nnx.Module,
                     "original NNX Module once, with all its rules.")
   if not isinstance(model, nnx.Module):
     hint = ""
-    if isinstance(model, (linen.Module, linen_wrapper.MixedPrecision)):
+    # Not an NNX module, so a jaxmp wrapper here is linen's.
+    if isinstance(model, (linen.Module, engine.Wrapper)):
       hint = " For flax.linen models use jaxmp.linen.mixed_precision."
     raise TypeError(f"jaxmp.nnx.mixed_precision expects a flax.nnx.Module, got {model!r} "
                     f"of type {type(model).__name__}.{hint}")

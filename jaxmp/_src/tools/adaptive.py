@@ -66,7 +66,7 @@ import jax
 import numpy as np
 
 from jaxmp._src import checks
-from jaxmp._src import engine
+from jaxmp._src import paths as paths_lib
 from jaxmp._src import policy as policy_lib
 from jaxmp._src import rules as rules_lib
 from jaxmp._src.tools import hardware
@@ -132,7 +132,7 @@ class PrecisionChange(NamedTuple):
   applied: bool = False
 
   def __str__(self) -> str:
-    what = {"module_float32": f"{engine.describe_path(self.module or '')} in float32",
+    what = {"module_float32": f"{paths_lib.describe_path(self.module or '')} in float32",
             "bfloat16": "the model in bfloat16", "float32": "the model in float32"}[self.kind]
     return f"step {self.step}: {'applied' if self.applied else 'proposed'} {what}: {self.reason}"
 
@@ -330,14 +330,14 @@ def _module_to_widen(rules: rules_lib.PolicyRules, path: str, modules: Mapping[s
         f"evidence of another model?")
   precision = rules.resolve(path, modules[path])
   if not _is_wide(precision):
-    return path, precision, f"{why}: {engine.describe_path(path)} {_what_changes(precision)}"
+    return path, precision, f"{why}: {paths_lib.describe_path(path)} {_what_changes(precision)}"
   for caller in _callers(path, modules):
     outer = rules.resolve(caller, modules[caller])
     if not _is_wide(outer):
-      return caller, outer, (f"{why}, and {engine.describe_path(path)} computes in float32: "
-                             f"its caller {engine.describe_path(caller)} {_what_changes(outer)}")
+      return caller, outer, (f"{why}, and {paths_lib.describe_path(path)} computes in float32: "
+                             f"its caller {paths_lib.describe_path(caller)} {_what_changes(outer)}")
   raise DivergenceError(
-      f"{why}, with {engine.describe_path(path)} and every module around it computing in "
+      f"{why}, with {paths_lib.describe_path(path)} and every module around it computing in "
       f"float32: a bug in the model or the data, not precision.", evidence)
 
 

@@ -26,6 +26,8 @@ optimized HLO text:
   cost model's ``estimated_cycles``. On a CPU there is no estimate.
 
 Everything is an estimate from the compiler's output, never a measurement.
+:func:`compiled_gemms` audits the three GEMMs of one fp8 recipe on one chip: the
+evidence behind the fp8 support table that :mod:`jaxmp._src.fp8.support` states.
 
 Example:
   >>> x = jnp.ones((64, 128), jnp.bfloat16)
@@ -40,11 +42,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from typing import Any, Mapping, Optional
 
 import jax
 import numpy as np
 
+from jaxmp._src.fp8 import dot_general as fp8_dot_general
+from jaxmp._src.fp8 import state as fp8_state
 from jaxmp._src.fp8 import support as fp8_support
 from jaxmp._src.tools import hlo as hlo_lib
 from jaxmp._src.tools import table
@@ -575,4 +580,42 @@ def audit(fn: Any, *args: Any, target: Optional[str] = None,
                  tpu_seconds)
 
 
-__all__ = ("AuditReport", "Gemm", "Kernel", "analyze", "audit")
+def compiled_gemms(recipe: Any, target: str, size: int = 512) -> tuple[tuple[str, ...], bool]:
+  """What the three GEMMs of an fp8 Dense forward + backward under ``recipe`` compile to.
+
+  Compiles ``size``-cubed ``fp8_dot_general`` forward + backward deviceless for
+  ``target`` (:func:`audit`; GPU targets in cuBLAS mode) and reads each GEMM back
+  from the optimized HLO: ``"mx"`` (an MX block-scaled GEMM), ``"fp8"``, or the dtype
+  it runs in instead. The evidence behind
+  :func:`jaxmp._src.fp8.support.lowering`'s table (a tool: the fp8 core states the
+  table, this compiles it).
+
+  Args:
+    recipe: any fp8 recipe.
+    target: an :func:`audit` target (``"h100"``, ``"b200"``, ``"v7"``, ...).
+    size: the GEMMs' edge.
+
+  Returns:
+    ``(kinds, warned)``: one kind per GEMM in program order, and whether using the
+    recipe warned :class:`~jaxmp.fp8.Fp8FallbackWarning`.
+  """
+  dims = (((1,), (0,)), ((), ()))
+  operand = jax.ShapeDtypeStruct((size, size), jax.numpy.bfloat16)
+  state = jax.eval_shape(lambda: fp8_state.init_state(recipe))
+
+  def forward_backward(x, w, s, g):
+    f = lambda x, w, s: fp8_dot_general.fp8_dot_general(x, w, dims, state=s, recipe=recipe)
+    y, vjp = jax.vjp(f, x, w, s)
+    return y, vjp(g)
+
+  options = None if targets_lib.is_tpu(target) else {"xla_gpu_enable_triton_gemm": False}
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    report = audit(forward_backward, operand, operand, state, operand, target=target,
+                   compiler_options=options)
+  kinds = tuple(("mx" if "MX" in g.backend else "fp8") if g.fp8 else g.compute_dtypes[0]
+                for g in report.gemms)
+  return kinds, any(issubclass(w.category, fp8_support.Fp8FallbackWarning) for w in caught)
+
+
+__all__ = ("AuditReport", "Gemm", "Kernel", "analyze", "audit", "compiled_gemms")

@@ -59,6 +59,7 @@ from jaxmp._src import dtypes as dtypes_lib
 from jaxmp._src import dynamic_loss_scale
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import policy as policy_lib
+from jaxmp._src.fp8 import recipes as recipes_lib
 
 BF16_MIN_COMPUTE_CAPABILITY = dtypes_lib.BF16_MIN_COMPUTE_CAPABILITY  # Ampere
 FP16_MIN_COMPUTE_CAPABILITY = (7, 0)   # Volta: float16 tensor cores
@@ -252,8 +253,7 @@ def recommended_policy(device: Any = None) -> RecommendedPolicy:
     reason = (f"{caps.device_kind} computes bfloat16 natively; bfloat16 has float32's "
               f"exponent range, so no loss scale is needed.")
     if caps.supports_fp8:
-      from jaxmp import fp8 as fp8_lib  # pylint: disable=g-import-not-at-top
-      fp8 = fp8_lib.DelayedScaling()
+      fp8 = recipes_lib.DelayedScaling()
       units = "matrix units" if caps.platform == "tpu" else "tensor cores"
       reason += (f" It also has fp8 {units} (about twice the bfloat16 rate): try fp8 "
                  "matmuls by rule where GEMMs are large, e.g. PolicyRules(policy, "

@@ -13,10 +13,10 @@ from typing import Any
 
 import jax
 
-from jaxmp._src import engine
+from jaxmp._src import paths as paths_lib
 from jaxmp._src import tree as tree_lib
 
-ROOT = engine.ROOT
+ROOT = paths_lib.ROOT
 
 
 def _key_name(key: Any) -> str:

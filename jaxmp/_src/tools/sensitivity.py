@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxmp._src import dtypes as dtypes_lib
+from jaxmp._src import engine
 from jaxmp._src import policy as policy_lib
 from jaxmp._src import rules as rules_lib
 from jaxmp._src import tree as tree_lib
@@ -72,7 +73,7 @@ class _Runner:
   def __init__(self, model_or_wrapper: Any, variables: Any, args: tuple, kwargs: dict,
                metric: Metric, where: str):
     self.where = where
-    if isinstance(model_or_wrapper, (_nnx_adapter().MixedPrecision, linen_lib.MixedPrecision)):
+    if isinstance(model_or_wrapper, engine.Wrapper):  # either adapter's
       model_or_wrapper = model_or_wrapper.model
     self.is_nnx = isinstance(model_or_wrapper, nnx.Module)
     if not self.is_nnx and not isinstance(model_or_wrapper, nn.Module):

@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from jaxmp._src import engine
+from jaxmp._src import paths as paths_lib
 from jaxmp._src import rules as rules_lib
 from jaxmp._src.linen import wrapper as linen_lib
 from jaxmp._src.tools import table
@@ -207,7 +208,7 @@ def rows_from_records(rules: rules_lib.PolicyRules, records: list[engine.CallRec
       continue
     policy = r.precision.policy
     rows[key] = SummaryRow(
-        path=engine.describe_path(r.path), module=r.module_type.__name__, method=r.method,
+        path=paths_lib.describe_path(r.path), module=r.module_type.__name__, method=r.method,
         param_dtype=policy.param_dtype.name, compute_dtype=policy.compute_dtype.name,
         output_dtype=r.output_dtype.name, fp8=_recipe_label(r.precision.fp8),
         rule=_rule_label(rules, r.precision, r.module_type))

@@ -138,7 +138,7 @@ def underflow_stats(tree: Any, dtype: dtypes_lib.DTypeLike,
     tree: any pytree; its floating-point array leaves (fp8 included; ``nnx.Variable``
       values too) are counted, every other leaf is skipped.
     dtype: the dtype to measure against, any name or dtype
-      :func:`jaxmp.parse_dtype` accepts with fp8 allowed (``"float16"``, ``"bf16"``,
+      :func:`jaxmp.tools.parse_dtype` accepts with fp8 allowed (``"float16"``, ``"bf16"``,
       ``"e4m3"``, ``"e5m2"``, ...). Static under jit.
     loss_scale: the factor values are multiplied by first: a number, a scalar array
       (may be traced) or a :class:`jaxmp.LossScale`.
@@ -391,7 +391,7 @@ def underflow_report(grads_or_tree: Any, dtype: dtypes_lib.DTypeLike,
     grads_or_tree: a pytree of arrays, e.g. gradients (pass them unscaled and say the
       scale in ``loss_scale``) or intermediate activations.
     dtype: ``"float16"``, ``"bfloat16"``, ``"e4m3"``/``"float8_e4m3fn"``,
-      ``"e5m2"``/``"float8_e5m2"`` or any dtype :func:`jaxmp.parse_dtype` accepts.
+      ``"e5m2"``/``"float8_e5m2"`` or any dtype :func:`jaxmp.tools.parse_dtype` accepts.
     loss_scale: the factor the values are multiplied by: a positive finite number,
       a concrete scalar array, or a :class:`jaxmp.LossScale` (its current scale).
 
