@@ -403,6 +403,23 @@ def test_flatten_unflatten_round_trip(make):
   hash(treedef)  # static hyperparameters are hashable aux data
 
 
+@pytest.mark.parametrize("make", ALL_SCALES[1:])
+def test_unflatten_keeps_leaves_the_constructor_would_refuse(make):
+  # JAX and Orbax unflatten a state with placeholders (None), abstract values (eval_shape,
+  # restore targets) and shardings in place of arrays: unflatten must not run the
+  # constructor's checks (a positive float32 scale), which is why the loss scales are not
+  # register_dataclass classes (its unflatten calls the constructor).
+  ls = make()
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  for leaf in (None, jax.ShapeDtypeStruct((), jnp.float32), sharding):
+    out = jax.tree.map(lambda _, leaf=leaf: leaf, ls)
+    assert type(out) is type(ls) and out.loss_scale is leaf
+    if isinstance(ls, jaxmp.DynamicLossScale):
+      assert out.counter is leaf and out.growth_interval == ls.growth_interval
+  abstract = jax.eval_shape(lambda ls: ls, ls)
+  assert abstract.loss_scale == jax.ShapeDtypeStruct((), jnp.float32)
+
+
 def test_leaves_and_key_paths():
   paths = [jax.tree_util.keystr(p) for p, _ in
            jax.tree_util.tree_flatten_with_path(_custom_dynamic())[0]]
