@@ -47,6 +47,7 @@ import jaxmp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from tests import eight_devices  # pylint: disable=g-import-not-at-top
+from tests import tree_asserts  # pylint: disable=g-import-not-at-top
 
 AXIS = "data"
 DEVICES = eight_devices.DEVICES
@@ -131,17 +132,6 @@ def max_rel_diff(a, b) -> float:
   return max((float(np.max(np.abs(np.asarray(u, np.float64) - np.asarray(v, np.float64)))
                     / max(float(np.max(np.abs(np.asarray(v, np.float64)))), 1e-30))
               for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b))), default=0.0)
-
-
-def assert_bitwise_equal(a, b, what: str) -> None:
-  paths_a, def_a = jax.tree_util.tree_flatten_with_path(a)
-  leaves_b, def_b = jax.tree_util.tree_flatten(b)
-  assert def_a == def_b, f"{what}: tree structures differ"
-  for (path, u), v in zip(paths_a, leaves_b):
-    u, v = np.asarray(u), np.asarray(v)
-    assert u.dtype == v.dtype and np.array_equal(u, v, equal_nan=True), (
-        f"{what}{jax.tree_util.keystr(path)} changed (max abs diff "
-        f"{np.max(np.abs(u.astype(np.float64) - v.astype(np.float64)))})")
 
 
 def per_device(a: jax.Array) -> list[np.ndarray]:
@@ -248,9 +238,10 @@ def check_data_parallel_overflow_and_amax() -> str:
   assert [int(s) for s in per_device(after.opt_state.skipped_steps)] == [1] * DEVICES
   scales = [float(s) for s in per_device(after.opt_state.loss_scale.loss_scale)]
   assert scales == [2.0**11] * DEVICES, f"loss scale per device {scales}, expected 2048 on all"
-  assert_bitwise_equal(after.params, before.params, "params")
-  assert_bitwise_equal(after.opt_state.inner_state, before.opt_state.inner_state, "inner opt state")
-  assert_bitwise_equal(after.fp8, before.fp8, "fp8 state")
+  tree_asserts.assert_trees_equal(after.params, before.params, what="params")
+  tree_asserts.assert_trees_equal(after.opt_state.inner_state, before.opt_state.inner_state,
+                                  what="inner opt state")
+  tree_asserts.assert_trees_equal(after.fp8, before.fp8, what="fp8 state")
 
   # One shard's large value is the amax every device records, as on one device.
   big = x.copy()
@@ -322,10 +313,10 @@ def check_fsdp_jit() -> str:
     after, _ = step(state, jax.device_put(poisoned, batch), ys)
     finite = [bool(b) for b in per_device(after.opt_state.last_step_finite)]
     assert finite == [False] * DEVICES, f"{name}: last_step_finite per device {finite}"
-    assert_bitwise_equal(after.params, state.params, f"{name} params")
-    assert_bitwise_equal(after.opt_state.inner_state, state.opt_state.inner_state,
-                         f"{name} opt state")
-    assert_bitwise_equal(after.fp8, state.fp8, f"{name} fp8 state")
+    tree_asserts.assert_trees_equal(after.params, state.params, what=f"{name} params")
+    tree_asserts.assert_trees_equal(after.opt_state.inner_state, state.opt_state.inner_state,
+                                    what=f"{name} opt state")
+    tree_asserts.assert_trees_equal(after.fp8, state.fp8, what=f"{name} fp8 state")
   return "; ".join(report) + (f"; kernels {FEATURES}x{HIDDEN // DEVICES} per device; "
                               "one NaN shard: all skip")
 
@@ -356,8 +347,8 @@ def check_checkpoint_sharded() -> str:
       single = mngr.restore(3, args=ocp.args.StandardRestore(jax.tree.map(
           lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one),
           jax.eval_shape(lambda: make_state(F32, True)))))
-  assert_bitwise_equal(restored, saved, "restored")
-  assert_bitwise_equal(single, saved, "restored on one device")
+  tree_asserts.assert_trees_equal(restored, saved, what="restored")
+  tree_asserts.assert_trees_equal(single, saved, what="restored on one device")
   kernel = restored.params["hidden"]["kernel"]
   assert kernel.sharding.spec == P(None, AXIS), f"restored kernel sharding {kernel.sharding}"
   assert int(restored.opt_state.skipped_steps) == 1
@@ -370,7 +361,7 @@ def check_checkpoint_sharded() -> str:
     resumed, _, _ = run(step, restored, xs, ys, steps=3)
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
-  assert_bitwise_equal(resumed, reference, "resumed run")
+  tree_asserts.assert_trees_equal(resumed, reference, what="resumed run")
   assert not compilations, "the restored state made the step compile again"
   return ("FSDP state saved mid-run (1 step skipped), restored sharded and on one device "
           "bit for bit; 3 more steps identical to the uninterrupted run, no new compilation")
@@ -439,10 +430,10 @@ def _shard_map_run(step_fn, name):
   scale = [float(s) for s in per_device(skipped.opt_state.loss_scale.loss_scale)]
   assert len(set(scale)) == 1 and scale[0] == float(state.loss_scale.loss_scale) / 2, (
       f"{name}: loss scale per device after the overflow {scale}")
-  assert_bitwise_equal(skipped.params, state.params, f"{name} params")
-  assert_bitwise_equal(skipped.fp8, state.fp8, f"{name} fp8 state")
-  assert_bitwise_equal(skipped.opt_state.inner_state, state.opt_state.inner_state,
-                       f"{name} opt state")
+  tree_asserts.assert_trees_equal(skipped.params, state.params, what=f"{name} params")
+  tree_asserts.assert_trees_equal(skipped.fp8, state.fp8, what=f"{name} fp8 state")
+  tree_asserts.assert_trees_equal(skipped.opt_state.inner_state, state.opt_state.inner_state,
+                                  what=f"{name} opt state")
   return report + "; global amax 40.0 on every device; one device's inf: all skip"
 
 

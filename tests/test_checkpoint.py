@@ -27,6 +27,7 @@ from flax import nnx
 import jaxmp
 from jaxmp import fp8
 from tests import nnx_checkpoint_run as nnx_run
+from tests import tree_asserts
 
 LOSS_SCALE = dict(scale=2.0**10, growth_interval=3, growth_factor=2.0, backoff_factor=0.5,
                   min_scale=0.5, max_scale=2.0**14)
@@ -92,16 +93,6 @@ def count_compilations():
     jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def assert_identical(a, b, what="state"):
-  paths, treedef_a = jax.tree_util.tree_flatten_with_path(a)
-  leaves_b, treedef_b = jax.tree_util.tree_flatten(b)
-  assert treedef_a == treedef_b, f"{what}: structures differ"
-  for (path, u), v in zip(paths, leaves_b):
-    name = what + jax.tree_util.keystr(path)
-    assert u.dtype == v.dtype and u.shape == v.shape, (name, u.dtype, v.dtype, u.shape, v.shape)
-    np.testing.assert_array_equal(np.asarray(u), np.asarray(v), err_msg=name)
-
-
 def abstract_target(tx, placed_like):
   """The restore target: shapes and dtypes from the model's own init (nothing is
   computed), each leaf placed where the leaf of ``placed_like`` is."""
@@ -156,7 +147,7 @@ def test_the_saved_state_is_mid_run_and_non_trivial(run):
 def test_restore_gives_back_every_leaf_bit_for_bit_and_the_hyperparameters(run):
   restored = restore(run["directory"], run["saved"])
   assert isinstance(restored, jaxmp.linen.TrainState)
-  assert_identical(restored, run["saved"])
+  tree_asserts.assert_trees_equal(restored, run["saved"])
   ls = restored.opt_state.loss_scale
   assert isinstance(restored.opt_state, jaxmp.LossScalingState)
   assert isinstance(ls, jaxmp.DynamicLossScale)
@@ -176,7 +167,7 @@ def test_resuming_reproduces_the_uninterrupted_run_without_recompiling(run):
   with count_compilations() as compilations:
     for ref_state, ref_loss in run["reference"]:
       state, loss = step(state, x, y, clean)
-      assert_identical(state, ref_state)
+      tree_asserts.assert_trees_equal(state, ref_state)
       assert np.asarray(loss).tobytes() == np.asarray(ref_loss).tobytes()
   assert compilations == [], "the restored state made the step compile again"
   assert len(traces) == trace_count == 1, "the step was traced again"
@@ -193,8 +184,8 @@ def test_a_restored_overflow_then_backs_off_from_the_restored_scale(run):
     state, _ = step(state, x, y, jax.device_put(jnp.float32(jnp.nan), jax.devices()[0]))
     scales.append(float(state.loss_scale.loss_scale))
   assert scales == [512.0, 256.0, 128.0, 64.0, 32.0, 16.0, 8.0, 4.0, 2.0, 1.0, 0.5, 0.5]
-  assert_identical(state.params, run["saved"].params, "params")
-  assert_identical(state.fp8, run["saved"].fp8, "fp8")
+  tree_asserts.assert_trees_equal(state.params, run["saved"].params, what="params")
+  tree_asserts.assert_trees_equal(state.fp8, run["saved"].fp8, what="fp8")
   assert int(jaxmp.loss_scaling_metrics(state.opt_state)["skipped_steps"]) == 13
 
 
@@ -211,7 +202,7 @@ def test_a_new_program_with_an_equal_optimizer_resumes_identically(run):
   state = restored
   for ref_state, ref_loss in run["reference"]:
     state, loss = step(state, x, y, clean)
-    assert_identical(jax.tree.leaves(state), jax.tree.leaves(ref_state))
+    tree_asserts.assert_trees_equal(jax.tree.leaves(state), jax.tree.leaves(ref_state))
     assert np.asarray(loss).tobytes() == np.asarray(ref_loss).tobytes()
   assert len(traces) == 1
 
@@ -230,7 +221,7 @@ def test_the_readme_recipe_on_one_device_restores_without_compiling_again(run, t
   with ocp.CheckpointManager(tmp_path) as mngr:
     restored = mngr.restore(mngr.latest_step(),
                             args=ocp.args.StandardRestore(jax.eval_shape(create_state)))
-  assert_identical(restored, state)
+  tree_asserts.assert_trees_equal(restored, state)
   with count_compilations() as compilations:
     step(restored, x, y, clean)
   assert compilations == [] and len(traces) == 1
@@ -264,7 +255,7 @@ def nnx_checkpointed(tmp_path_factory):
 
 def test_nnx_restore_gives_back_the_mid_run_state_bit_for_bit(nnx_checkpointed):
   model, optimizer = nnx_run.recipe()["restore"](nnx_checkpointed["directory"])
-  assert_identical(_nnx_snapshot(model, optimizer), nnx_checkpointed["saved"])
+  tree_asserts.assert_trees_equal(_nnx_snapshot(model, optimizer), nnx_checkpointed["saved"])
   # What was saved is mid-run and non-trivial in every part.
   metrics = jaxmp.loss_scaling_metrics(optimizer.opt_state)
   assert int(metrics["skipped_steps"]) == 1 and int(optimizer.step[...]) == SAVED_AT
@@ -292,7 +283,7 @@ def test_nnx_resuming_in_fresh_objects_reproduces_the_run_without_recompiling(nn
     losses = nnx_run.train(model, optimizer, RESUMED)
   for loss, reference in zip(losses, nnx_checkpointed["losses"], strict=True):
     assert np.asarray(loss).tobytes() == reference.tobytes()
-  assert_identical(_nnx_snapshot(model, optimizer), nnx_checkpointed["final"])
+  tree_asserts.assert_trees_equal(_nnx_snapshot(model, optimizer), nnx_checkpointed["final"])
   assert compilations == [], "the restored state made the step compile again"
   assert len(nnx_run.TRACES) == traces == 1, "the step was traced again"
 
@@ -310,4 +301,4 @@ def test_nnx_resuming_in_a_fresh_process_reproduces_the_run(nnx_checkpointed, tm
   assert losses == [float(loss) for loss in nnx_checkpointed["losses"]]
   model, optimizer = nnx_run.recipe()["restore"](tmp_path)
   assert int(optimizer.step[...]) == SAVED_AT + RESUMED
-  assert_identical(_nnx_snapshot(model, optimizer), nnx_checkpointed["final"])
+  tree_asserts.assert_trees_equal(_nnx_snapshot(model, optimizer), nnx_checkpointed["final"])

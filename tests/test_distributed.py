@@ -8,6 +8,7 @@ assertion. The one-device-mesh tests run in this process.
 
 import pathlib
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -107,5 +108,4 @@ def test_shard_map_train_step_with_per_device_gradients_matches_plain_jit():
     ours, loss = step(ours, xs, ys)
     ref, ref_loss = jax.jit(plain)(ref, x, y)
   assert float(loss) == pytest.approx(float(ref_loss), rel=1e-6)
-  for a, b in zip(jax.tree.leaves((ours.params, ours.fp8)), jax.tree.leaves((ref.params, ref.fp8))):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  chex.assert_trees_all_close((ours.params, ours.fp8), (ref.params, ref.fp8), rtol=1e-6, atol=1e-7)

@@ -376,6 +376,8 @@ def _custom_dynamic():
                                 backoff_factor=0.25, min_scale=0.5, max_scale=1e6, counter=4)
 
 
+# Field by field, not chex: checks the fields and their fixed dtypes without the class's own
+# pytree registration, which is what the round trips below test.
 def _assert_same_fields(a, b):
   assert type(a) is type(b)
   if isinstance(a, jaxmp.NoOpLossScale):
@@ -399,6 +401,23 @@ def test_flatten_unflatten_round_trip(make):
   _assert_same_fields(ls, jax.tree_util.tree_unflatten(treedef, leaves))
   _assert_same_fields(ls, jax.tree_util.tree_map(lambda x: x, ls))
   hash(treedef)  # static hyperparameters are hashable aux data
+
+
+@pytest.mark.parametrize("make", ALL_SCALES[1:])
+def test_unflatten_keeps_leaves_the_constructor_would_refuse(make):
+  # JAX and Orbax unflatten a state with placeholders (None), abstract values (eval_shape,
+  # restore targets) and shardings in place of arrays: unflatten must not run the
+  # constructor's checks (a positive float32 scale), which is why the loss scales are not
+  # register_dataclass classes (its unflatten calls the constructor).
+  ls = make()
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  for leaf in (None, jax.ShapeDtypeStruct((), jnp.float32), sharding):
+    out = jax.tree.map(lambda _, leaf=leaf: leaf, ls)
+    assert type(out) is type(ls) and out.loss_scale is leaf
+    if isinstance(ls, jaxmp.DynamicLossScale):
+      assert out.counter is leaf and out.growth_interval == ls.growth_interval
+  abstract = jax.eval_shape(lambda ls: ls, ls)
+  assert abstract.loss_scale == jax.ShapeDtypeStruct((), jnp.float32)
 
 
 def test_leaves_and_key_paths():

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -17,9 +18,15 @@ import pytest
 from flax import nnx
 
 import jaxmp
+from tests import tree_asserts
 from tests.test_loss_scale import torch_grad_scaler
 
 SCALE = 2.0**10  # a power of two: scaling and unscaling are exact
+# Comparisons with a reference optimizer compiled on its own: XLA may fuse (and contract
+# into FMAs) the same arithmetic differently inside the wrapper's cond, so results can
+# differ in the last bit. What the wrapper promises exactly (a skipped step leaves the
+# state untouched, zero updates) is checked with tree_asserts.assert_trees_equal.
+REFERENCE_RTOL = 1e-6
 
 
 def _params():
@@ -37,34 +44,6 @@ def _poison(grads):
 
 def _scaled(grads, scale=SCALE):
   return jax.tree_util.tree_map(lambda g: g * scale, grads)
-
-
-def _assert_trees_equal(a, b):
-  """Bit-for-bit: same structure, dtypes and values."""
-  leaves_a, def_a = jax.tree_util.tree_flatten(a)
-  leaves_b, def_b = jax.tree_util.tree_flatten(b)
-  assert def_a == def_b
-  for x, y in zip(leaves_a, leaves_b):
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.dtype == y.dtype
-    np.testing.assert_array_equal(x, y)
-
-
-def _assert_trees_close(a, b):
-  """Same structure and dtypes, values within a few float32 ulps.
-
-  For comparisons with a reference optimizer compiled on its own: XLA may fuse (and
-  contract into FMAs) the same arithmetic differently inside the wrapper's cond, so
-  results can differ in the last bit. What the wrapper promises bit for bit (a skipped
-  step leaves the state untouched, zero updates) is checked with _assert_trees_equal.
-  """
-  leaves_a, def_a = jax.tree_util.tree_flatten(a)
-  leaves_b, def_b = jax.tree_util.tree_flatten(b)
-  assert def_a == def_b
-  for x, y in zip(leaves_a, leaves_b):
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.dtype == y.dtype
-    np.testing.assert_allclose(x, y, rtol=1e-6, atol=0)
 
 
 def _run(tx, grads_seq, params=None, *, poison_at=(), scale_with_state=False):
@@ -98,8 +77,8 @@ def test_finite_steps_match_the_inner_optimizer_on_unscaled_grads(inner):
   ours, _, params = _run(jaxmp.loss_scaling(inner, jaxmp.DynamicLossScale(SCALE)),
                          [_scaled(g) for g in grads])
   ref, _, ref_params = _run(inner, grads)
-  _assert_trees_close(ours, ref)
-  _assert_trees_close(params, ref_params)
+  tree_asserts.assert_trees_close(ours, ref, rtol=REFERENCE_RTOL)
+  tree_asserts.assert_trees_close(params, ref_params, rtol=REFERENCE_RTOL)
 
 
 def test_a_non_finite_step_is_skipped_bit_for_bit():
@@ -113,8 +92,8 @@ def test_a_non_finite_step_is_skipped_bit_for_bit():
   for bad in (_poison(_scaled(_grads(1))), jax.tree_util.tree_map(lambda g: g * jnp.inf,
                                                                   _grads(2))):
     updates, state = update(bad, state, params)
-    _assert_trees_equal(updates, jax.tree_util.tree_map(jnp.zeros_like, params))
-    _assert_trees_equal(state.inner_state, before.inner_state)
+    tree_asserts.assert_trees_equal(updates, jax.tree_util.tree_map(jnp.zeros_like, params))
+    tree_asserts.assert_trees_equal(state.inner_state, before.inner_state)
     assert int(state.inner_state[0].count) == 1  # Adam's step count did not advance
     assert not bool(state.last_step_finite)
   assert int(state.skipped_steps) == 2
@@ -126,8 +105,8 @@ def test_a_non_finite_step_is_skipped_bit_for_bit():
   ref_state = inner.init(params)
   _, ref_state = jax.jit(inner.update)(_grads(0), ref_state, params)
   ref_updates, ref_state = jax.jit(inner.update)(_grads(3), ref_state, params)
-  _assert_trees_close(updates, ref_updates)
-  _assert_trees_close(state.inner_state, ref_state)
+  tree_asserts.assert_trees_close(updates, ref_updates, rtol=REFERENCE_RTOL)
+  tree_asserts.assert_trees_close(state.inner_state, ref_state, rtol=REFERENCE_RTOL)
   assert bool(state.last_step_finite) and int(state.skipped_steps) == 2
 
 
@@ -198,7 +177,7 @@ def test_no_op_loss_scale_only_skips():
   tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.NoOpLossScale())
   ours, state, _ = _run(tx, [_grads(0), _poison(_grads(1)), _grads(2)])
   ref, _, _ = _run(optax.sgd(0.1), [_grads(0), _grads(2)])
-  _assert_trees_close([ours[0], ours[2]], ref)
+  tree_asserts.assert_trees_close([ours[0], ours[2]], ref, rtol=REFERENCE_RTOL)
   assert int(state.skipped_steps) == 1 and isinstance(state.loss_scale, jaxmp.NoOpLossScale)
 
 
@@ -238,9 +217,9 @@ def test_state_survives_a_checkpoint_round_trip_and_training_continues_identical
   leaves, treedef = jax.tree_util.tree_flatten(state)
   restored = jax.tree_util.tree_unflatten(treedef, [np.array(np.asarray(x)) for x in leaves])
   assert restored.loss_scale.min_scale == 0.5 and restored.loss_scale.growth_interval == 3
-  _assert_trees_equal(restored, state)
+  tree_asserts.assert_trees_equal(restored, state)
   grads = _scaled(_grads(9), SCALE / 2)
-  _assert_trees_equal(update(grads, restored, params), update(grads, state, params))
+  tree_asserts.assert_trees_equal(update(grads, restored, params), update(grads, state, params))
 
 
 # --------------------------------------------------------------------------------------
@@ -253,7 +232,7 @@ def test_gradient_clipping_inside_sees_unscaled_gradients():
   ours, _, _ = _run(jaxmp.loss_scaling(inner, jaxmp.StaticLossScale(SCALE)),
                     [_scaled(g) for g in grads])
   ref, _, _ = _run(inner, grads)
-  _assert_trees_close(ours, ref)
+  tree_asserts.assert_trees_close(ours, ref, rtol=REFERENCE_RTOL)
   # Clipping the scaled gradients (the classic mistake) gives something else.
   wrong, _, _ = _run(optax.chain(optax.clip_by_global_norm(0.5),
                                  jaxmp.loss_scaling(optax.sgd(1.0), jaxmp.StaticLossScale(SCALE))),
@@ -274,18 +253,19 @@ def test_multi_steps_inside_drops_a_non_finite_micro_batch_without_breaking_the_
   # The window (g0, g1, g2) closes one call later; then (g3, g4, g5) as usual.
   zeros = jax.tree_util.tree_map(jnp.zeros_like, _params())
   for u in ours[:3]:
-    _assert_trees_equal(u, zeros)
-  _assert_trees_equal(ours[3], ref[2])
-  _assert_trees_equal(ours[6], ref[5])
-  _assert_trees_equal(params, ref_params)
-  _assert_trees_equal(state.inner_state.acc_grads, ref_state.inner_state.acc_grads)
-  _assert_trees_equal(state.inner_state.inner_opt_state, ref_state.inner_state.inner_opt_state)
+    tree_asserts.assert_trees_equal(u, zeros)
+  tree_asserts.assert_trees_equal(ours[3], ref[2])
+  tree_asserts.assert_trees_equal(ours[6], ref[5])
+  tree_asserts.assert_trees_equal(params, ref_params)
+  tree_asserts.assert_trees_equal(state.inner_state.acc_grads, ref_state.inner_state.acc_grads)
+  tree_asserts.assert_trees_equal(state.inner_state.inner_opt_state,
+                                  ref_state.inner_state.inner_opt_state)
   assert int(state.inner_state.gradient_step) == 2
   assert int(state.skipped_steps) == 1
   assert float(state.loss_scale.loss_scale) == SCALE / 2
   # The accumulated gradients are the unscaled ones.
   plain, _, _ = _run(optax.MultiSteps(optax.adam(1e-2), every_k_schedule=3), g)
-  _assert_trees_close(ref, plain)
+  tree_asserts.assert_trees_close(ref, plain, rtol=REFERENCE_RTOL)
 
 
 def test_inject_hyperparams_inside_schedule_does_not_advance_on_skipped_steps():
@@ -295,8 +275,8 @@ def test_inject_hyperparams_inside_schedule_does_not_advance_on_skipped_steps():
   g = [_grads(i) for i in range(3)]
   ours, state, _ = _run(tx, [_scaled(g[0]), _poison(_scaled(g[1])), _scaled(g[2])])
   ref, ref_state, _ = _run(inner, [g[0], g[2]])
-  _assert_trees_close([ours[0], ours[2]], ref)
-  _assert_trees_close(state.inner_state, ref_state)
+  tree_asserts.assert_trees_close([ours[0], ours[2]], ref, rtol=REFERENCE_RTOL)
+  tree_asserts.assert_trees_close(state.inner_state, ref_state, rtol=REFERENCE_RTOL)
   assert int(state.inner_state.count) == 2
   np.testing.assert_allclose(state.inner_state.hyperparams["learning_rate"], 0.2)
 
@@ -308,7 +288,7 @@ def test_chain_inside_with_weight_decay_and_adam():
   ours, _, _ = _run(jaxmp.loss_scaling(inner, jaxmp.DynamicLossScale(SCALE)),
                     [_scaled(x) for x in grads])
   ref, _, _ = _run(inner, grads)
-  _assert_trees_close(ours, ref)
+  tree_asserts.assert_trees_close(ours, ref, rtol=REFERENCE_RTOL)
 
 
 def test_wrapper_inside_an_optax_chain():
@@ -318,8 +298,8 @@ def test_wrapper_inside_an_optax_chain():
   g = [_grads(i) for i in range(3)]
   ours, state, _ = _run(tx, [_scaled(g[0]), _poison(_scaled(g[1])), _scaled(g[2], SCALE / 2)])
   ref, _, _ = _run(ref_tx, [g[0], g[2]])
-  _assert_trees_close([ours[0], ours[2]], ref)
-  _assert_trees_equal(ours[1], jax.tree_util.tree_map(jnp.zeros_like, _params()))
+  tree_asserts.assert_trees_close([ours[0], ours[2]], ref, rtol=REFERENCE_RTOL)
+  tree_asserts.assert_trees_equal(ours[1], jax.tree_util.tree_map(jnp.zeros_like, _params()))
   assert float(jaxmp.get_loss_scale(state).loss_scale) == SCALE / 2
   assert int(jaxmp.loss_scaling_metrics(state)["skipped_steps"]) == 1
 
@@ -680,8 +660,7 @@ def test_a_non_finite_micro_batch_backs_off_at_once_and_is_dropped():
   for grads in (g[0], g[2], g[3], g[4]):
     updates, ref_state = ref_tx.update(grads, ref_state, ref_params)
     ref_params = optax.apply_updates(ref_params, updates)
-  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-6)
+  chex.assert_trees_all_close(params, ref_params, rtol=1e-6)
 
 
 # --------------------------------------------------------------------------------------

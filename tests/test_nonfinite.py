@@ -4,6 +4,7 @@ Locating overflows end to end (linen, NNX, published models, sharded) is in
 ``test_nonfinite_locate.py``.
 """
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -155,7 +156,7 @@ def test_tracing_changes_no_value_and_no_cast():
 
   (out_off, grads_off), (out_on, grads_on) = run(False), run(True)
   np.testing.assert_array_equal(out_on, out_off)
-  jax.tree.map(np.testing.assert_array_equal, grads_on, grads_off)
+  chex.assert_trees_all_equal(grads_on, grads_off)
 
 
 def test_plain_jax_grad_of_the_probe_is_the_trace():

@@ -31,6 +31,7 @@ def _overflowing(x):
   return x.at[0, 0].set(1e6)  # inf once cast to float16
 
 
+# Bytes, not chex.assert_trees_all_equal: chex's values equate -0.0 with 0.0 and any NaNs.
 def _assert_bit_equal(a, b):
   leaves_a, def_a = jax.tree.flatten(a)
   leaves_b, def_b = jax.tree.flatten(b)

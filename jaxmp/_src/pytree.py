@@ -15,6 +15,16 @@ class the rest of what a value needs:
 * ``hash`` is of the class and the aux data alone, so it never reads a device value
   and equal objects always hash equally.
 
+Only for pytrees whose public constructor checks and converts its arguments (the loss
+scales, ``NonfiniteTrace``); any other immutable pytree is a NamedTuple or a frozen
+dataclass registered with ``jax.tree_util.register_dataclass`` (CONTRIBUTING.md).
+``register_dataclass`` and ``flax.struct`` unflatten by calling the class with its
+fields as keywords, and JAX and Orbax unflatten with tracers, abstract values,
+``None`` and shardings as leaves: a constructor that checks them would refuse them, and
+one that takes them unchecked would change the public constructor (``scale=``, checked,
+becomes ``loss_scale=``, unchecked; the field keeps its name, the key path Orbax
+stores it under).
+
 Example:
   >>> import copy, pickle
   >>> ls = jaxmp.DynamicLossScale(1024.0, growth_interval=4)

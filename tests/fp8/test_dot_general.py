@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -204,7 +205,7 @@ class TestSoundness:
     raws, merged = raw_and_merged(state)
     for raw, new in zip(raws, merged):
       assert float(raw.input_scale[0]) == 0.0  # what Flax's trainer would write
-      jax.tree_util.tree_map(np.testing.assert_array_equal, new, state)
+      chex.assert_trees_all_equal(new, state)
 
   def test_a_zeroed_state_recovers_instead_of_poisoning_the_layer(self):
     """What Flax's TrainState writes after a zero cotangent: the op reads it as fresh."""
@@ -226,10 +227,10 @@ class TestSoundness:
         x, jnp.ones((2, 2)), DENSE, state=s, recipe=recipe) * jnp.array([np.nan, 1.0])))(state)
     np.testing.assert_array_equal(ct.input_amax_history, [0.0, 3.0])
     np.testing.assert_array_equal(ct.output_grad_amax_history, [0.0, 5.0])
-    assert all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in ct)
+    chex.assert_tree_all_finite(ct)
     # And a loss-scaling trainer that sees the non-finite gradients keeps the old state.
     kept = fp8.state.merge(state, ct, grads_finite=jnp.array(False))
-    jax.tree_util.tree_map(np.testing.assert_array_equal, kept, state)
+    chex.assert_trees_all_equal(kept, state)
 
 
 class TestVmap:

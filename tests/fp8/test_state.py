@@ -1,5 +1,6 @@
 """State primitives: init, for_grad, merge, accumulate, empty_like."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,11 +12,6 @@ from jaxmp import fp8
 
 DENSE = (((1,), (0,)), ((), ()))
 RECIPE = fp8.DelayedScaling(amax_history_length=3)
-
-
-def _assert_tree_equal(a, b):
-  jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
-  assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
 
 
 def _used_state():
@@ -47,20 +43,20 @@ class TestMerge:
   def test_uninformative_cotangents_keep_the_old_state(self, fill):
     old = _used_state()
     ct = jax.tree_util.tree_map(lambda x: jnp.full_like(x, fill), old)
-    _assert_tree_equal(fp8.state.merge(old, ct, jnp.array(True)), old)
+    chex.assert_trees_all_equal(fp8.state.merge(old, ct, jnp.array(True)), old)
 
   def test_informative_cotangents_replace_it_leaf_by_leaf(self):
     old = _used_state()
     ct = jax.tree_util.tree_map(jnp.zeros_like, old)._replace(
         input_scale=jnp.array([0.125]), input_amax_history=jnp.array([5.0, 1.0, 2.0]))
     new = fp8.state.merge(old, ct, True)
-    _assert_tree_equal(new, old._replace(input_scale=ct.input_scale,
+    chex.assert_trees_all_equal(new, old._replace(input_scale=ct.input_scale,
                                          input_amax_history=ct.input_amax_history))
 
   def test_a_skipped_step_keeps_everything(self):
     old, ct = _used_state(), fp8.init_state(RECIPE)._replace(input_scale=jnp.array([3.0]))
-    _assert_tree_equal(fp8.state.merge(old, ct, jnp.array(False)), old)
-    _assert_tree_equal(jax.jit(fp8.state.merge)(old, ct, jnp.array(False)), old)
+    chex.assert_trees_all_equal(fp8.state.merge(old, ct, jnp.array(False)), old)
+    chex.assert_trees_all_equal(jax.jit(fp8.state.merge)(old, ct, jnp.array(False)), old)
     np.testing.assert_array_equal(
         jax.jit(fp8.state.merge)(old, ct, jnp.array(True)).input_scale, [3.0])
 
@@ -71,7 +67,7 @@ class TestMerge:
     ct["b"]["Fp8DotGeneral_0"]["kernel_scale"] = jnp.array([7.0])
     new = fp8.state.merge(old, ct, jnp.array(True))
     assert float(new["b"]["Fp8DotGeneral_0"]["kernel_scale"][0]) == 7.0
-    _assert_tree_equal(new["a"], old["a"])
+    chex.assert_trees_all_equal(new["a"], old["a"])
     bf16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), old)
     assert fp8.state.merge(bf16, ct)["a"]["Fp8DotGeneral_0"]["input_scale"].dtype == jnp.bfloat16
 
@@ -106,22 +102,22 @@ def test_accumulating_micro_batches_equals_one_step_over_the_whole_batch():
   a = _state_cotangent(state, x[:3], g[:3], kernel)
   b = _state_cotangent(state, x[3:], g[3:], kernel)
   acc = fp8.state.accumulate(fp8.state.accumulate(fp8.state.empty_like(state), a), b)
-  _assert_tree_equal(acc, whole)
+  chex.assert_trees_all_equal(acc, whole)
   # The per-micro-batch amaxes differ (x peaks in b, g in a), and their sum would not do.
   assert float(a.input_amax_history[0]) < float(b.input_amax_history[0])
   assert float(a.output_grad_amax_history[0]) > float(b.output_grad_amax_history[0])
   summed = jax.tree_util.tree_map(jnp.add, a, b)
   assert float(summed.input_scale[0]) != float(whole.input_scale[0])
-  _assert_tree_equal(fp8.state.merge(state, acc, jnp.array(True)), whole)
+  chex.assert_trees_all_equal(fp8.state.merge(state, acc, jnp.array(True)), whole)
 
 
 def test_accumulate_ignores_empty_and_nan_micro_batches():
   a = _used_state()
-  _assert_tree_equal(fp8.state.accumulate(fp8.state.empty_like(a), a), a)
-  _assert_tree_equal(fp8.state.accumulate(a, jax.tree_util.tree_map(jnp.zeros_like, a)), a)
+  chex.assert_trees_all_equal(fp8.state.accumulate(fp8.state.empty_like(a), a), a)
+  chex.assert_trees_all_equal(fp8.state.accumulate(a, jax.tree_util.tree_map(jnp.zeros_like, a)), a)
   nan = jax.tree_util.tree_map(lambda x: jnp.full_like(x, np.nan), a)
-  _assert_tree_equal(fp8.state.accumulate(nan, a), a)
-  _assert_tree_equal(fp8.state.merge(a, fp8.state.empty_like(a)), a)
+  chex.assert_trees_all_equal(fp8.state.accumulate(nan, a), a)
+  chex.assert_trees_all_equal(fp8.state.merge(a, fp8.state.empty_like(a)), a)
 
 
 def test_a_step_with_non_finite_gradients_leaves_the_state_untouched():
@@ -139,7 +135,7 @@ def test_a_step_with_non_finite_gradients_leaves_the_state_untouched():
   kernel_grad, state_ct = jax.jit(jax.grad(loss, argnums=(0, 1)))(kernel, state)
   finite = jaxmp.all_finite(kernel_grad)
   assert not bool(finite)
-  _assert_tree_equal(fp8.state.merge(state, state_ct, finite), state)
+  chex.assert_trees_all_equal(fp8.state.merge(state, state_ct, finite), state)
   assert bool(jaxmp.all_finite(state_ct))  # and even raw, no inf/NaN was recorded
 
 
@@ -147,8 +143,8 @@ def test_for_grad_and_from_grad():
   s = _used_state()
   m = fp8.state.for_grad(s)
   assert all(maxgrad.is_max_float32(x) for x in m)
-  _assert_tree_equal(fp8.state.from_grad(m), s)
-  _assert_tree_equal(fp8.state.from_grad(s), s)
+  chex.assert_trees_all_equal(fp8.state.from_grad(m), s)
+  chex.assert_trees_all_equal(fp8.state.from_grad(s), s)
   with pytest.raises(TypeError, match="must be float32 to accumulate by max, got .* float16"):
     fp8.state.for_grad(s._replace(input_scale=jnp.ones(1, jnp.float16)))
 
@@ -159,4 +155,4 @@ def test_all_reduce_takes_the_max_over_replicas():
   out = jax.vmap(lambda c: fp8.state.all_reduce(c, "r"), axis_name="r")(stacked)
   expected = fp8.state.accumulate(a, b)
   for i in range(2):
-    _assert_tree_equal(jax.tree_util.tree_map(lambda x: x[i], out), expected)
+    chex.assert_trees_all_equal(jax.tree_util.tree_map(lambda x: x[i], out), expected)

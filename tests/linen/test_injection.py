@@ -2,6 +2,7 @@
 
 import functools
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -231,4 +232,4 @@ def test_nn_rnn_cell_shares_one_fp8_state_across_time_steps():
     np.testing.assert_array_equal(state[name]["kernel_amax_history"], [1, 0, 0, 0])  # not 3
   # A scan that already lists the collection is left as it is: the same state.
   listed = _rnn_fp8_state({"variable_broadcast": ["params", OWG]})
-  jax.tree_util.tree_map(np.testing.assert_array_equal, listed, state)
+  chex.assert_trees_all_equal(listed, state)

@@ -1,5 +1,6 @@
 """jaxmp.linen: params, loss scaling and fp8 state updated together, soundly."""
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -40,11 +41,6 @@ def _step(state, x, y):
   return state.apply_gradients(grads), loss
 
 
-def _assert_trees_equal(a, b):
-  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    np.testing.assert_array_equal(u, v)
-
-
 def test_trains_fp8_model_and_updates_its_state():
   x, y = _data()
   model = _fp8_model(default="params=float32,compute=bfloat16,output=float32")
@@ -73,9 +69,9 @@ def test_skipped_step_leaves_params_fp8_and_optimizer_untouched():
                                         variables=model.init(jax.random.key(0), x), tx=tx)
   state, _ = _step(state, x, y)
   poisoned, _ = _step(state, x.at[0, 0].set(jnp.inf), y)
-  _assert_trees_equal(poisoned.params, state.params)
-  _assert_trees_equal(poisoned.fp8, state.fp8)
-  _assert_trees_equal(poisoned.opt_state.inner_state, state.opt_state.inner_state)
+  chex.assert_trees_all_equal(poisoned.params, state.params)
+  chex.assert_trees_all_equal(poisoned.fp8, state.fp8)
+  chex.assert_trees_all_equal(poisoned.opt_state.inner_state, state.opt_state.inner_state)
   metrics = jaxmp.loss_scaling_metrics(poisoned.opt_state)
   assert int(metrics["skipped_steps"]) == 1
   assert float(metrics["loss_scale"]) == 2.0**9
@@ -104,7 +100,7 @@ def test_unused_output_does_not_zero_the_layer():
     state, _ = _step(state, x, y)
   after = state.fp8["side"]["Fp8DotGeneral_0"]
   # The stop_gradient-ed layer got no cotangent: its state is kept, not zeroed.
-  _assert_trees_equal(after, before)
+  chex.assert_trees_all_equal(after, before)
   assert np.all(np.isfinite(model.apply(state.variables, x)))
   assert float(state.fp8["main"]["Fp8DotGeneral_0"]["kernel_scale"][0]) != 1.0
 
@@ -140,9 +136,8 @@ def test_accumulated_micro_batches_take_the_max():
   history = lambda g: g.fp8["hidden"]["Fp8DotGeneral_0"]["input_amax_history"][0]
   assert float(history(total)) == max(float(history(small)), float(history(large)))
   assert float(history(total)) == pytest.approx(float(jnp.max(jnp.abs(4.0 * x[8:]))))
-  for t, a, b in zip(jax.tree.leaves(total.params), jax.tree.leaves(small.params),
-                     jax.tree.leaves(large.params)):
-    np.testing.assert_allclose(t, a + b, rtol=1e-6)
+  chex.assert_trees_all_close(total.params, jax.tree.map(jnp.add, small.params, large.params),
+                              rtol=1e-6)
 
 
 def test_accumulating_gradients_of_different_models_is_refused():
@@ -176,8 +171,7 @@ def test_loss_scale_multiplies_params_gradients_only():
   loss1, g1 = grad_fn(variables)
   loss8, g8 = grad_fn(variables, loss_scale=jaxmp.StaticLossScale(8.0))
   assert float(loss1) == float(loss8)
-  for a, b in zip(jax.tree.leaves(g1.params), jax.tree.leaves(g8.params)):
-    np.testing.assert_allclose(8 * a, b, rtol=1e-6)
+  chex.assert_trees_all_close(jax.tree.map(lambda g: 8 * g, g1.params), g8.params, rtol=1e-6)
   np.testing.assert_array_equal(g1.fp8["hidden"]["Fp8DotGeneral_0"]["input_scale"],
                                 g8.fp8["hidden"]["Fp8DotGeneral_0"]["input_scale"])
 
@@ -190,7 +184,7 @@ def test_non_finite_step_without_loss_scaling_keeps_fp8_state():
                                         tx=optax.sgd(1e-2))
   state, _ = _step(state, x, y)
   poisoned, _ = _step(state, x.at[0, 0].set(jnp.nan), y)
-  _assert_trees_equal(poisoned.fp8, state.fp8)
+  chex.assert_trees_all_equal(poisoned.fp8, state.fp8)
 
 
 def test_batch_stats_collections():
@@ -271,7 +265,7 @@ def test_value_and_grad_passes_keyword_arguments_on():
   loss, grads = state.value_and_grad(loss_fn)(x, y=y, weight=2.0)
   reference, ref_grads = state.value_and_grad(lambda v: loss_fn(v, x, y=y, weight=2.0))()
   assert float(loss) == float(reference)
-  _assert_trees_equal(grads, ref_grads)
+  chex.assert_trees_all_equal(grads, ref_grads)
   loss, _ = jaxmp.linen.value_and_grad(loss_fn)(state.variables, x, y=y,
                                                 loss_scale=jaxmp.StaticLossScale(4.0))
   assert float(loss) == float(reference) / 2

@@ -3,6 +3,7 @@
 import re
 import warnings
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -211,8 +212,7 @@ def test_gradients_are_float32_and_match_float32_model(compute, rtol, atol):
   g_mixed = jax.grad(lambda p: loss(wrapped.apply, p))(variables["params"])
   g_full = jax.grad(lambda p: loss(MLP().apply, p))(variables["params"])
   assert set(jax.tree.leaves(_dtypes(g_mixed))) == {"float32"}
-  for a, b in zip(jax.tree.leaves(g_mixed), jax.tree.leaves(g_full), strict=True):
-    np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+  chex.assert_trees_all_close(g_mixed, g_full, rtol=rtol, atol=atol)
   # It did compute in the half type: the gradients are close, not equal.
   assert not all(np.array_equal(a, b)
                  for a, b in zip(jax.tree.leaves(g_mixed), jax.tree.leaves(g_full)))
@@ -236,8 +236,7 @@ def test_batch_stats_stay_float32_and_update_like_float32_model():
   _, mixed = wrapped.apply(variables, x, train=True, mutable=["batch_stats"])
   _, full = Net().apply(variables, x, train=True, mutable=["batch_stats"])
   assert _dtypes(mixed) == _dtypes(full)
-  for a, b in zip(jax.tree.leaves(mixed), jax.tree.leaves(full)):
-    np.testing.assert_allclose(a, b, rtol=0.02, atol=0.02)
+  chex.assert_trees_all_close(mixed, full, rtol=0.02, atol=0.02)
   assert not np.allclose(mixed["batch_stats"]["BatchNorm_0"]["mean"],
                          variables["batch_stats"]["BatchNorm_0"]["mean"])
 

@@ -1,5 +1,6 @@
 """jaxmp.nnx fp8: NNX fp8 layers, fp8 by rule, and sound training of their state."""
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -50,11 +51,6 @@ def _mse(model, x, y):
 
 def _state(wrapped, path):
   return {k: v[...] for k, v in nnx.state(wrapped.fp8[path], jaxmp.nnx.Fp8State).items()}
-
-
-def _assert_trees_equal(a, b):
-  for u, v in zip(jax.tree.leaves(nnx.as_pure(a)), jax.tree.leaves(nnx.as_pure(b)), strict=True):
-    np.testing.assert_array_equal(u, v)
 
 
 def _step(wrapped, optimizer, x, y):
@@ -200,7 +196,8 @@ def test_zero_cotangent_keeps_the_state():
   before = _state(wrapped, "side")
   for _ in range(2):
     _step(wrapped, optimizer, x, y)
-  _assert_trees_equal(_state(wrapped, "side"), before)  # kept, not zeroed
+  # Kept, not zeroed.
+  chex.assert_trees_all_equal(nnx.as_pure(_state(wrapped, "side")), nnx.as_pure(before))
   assert np.all(np.isfinite(wrapped(x)))
   assert float(_state(wrapped, "main")["kernel_scale"][0]) != 1.0
 
@@ -231,9 +228,8 @@ def test_accumulated_micro_batches_take_the_max():
   history = lambda g: float(g.fp8["fp8"]["hidden"]["input_amax_history"][...][0])
   assert history(total) == max(history(small), history(large))
   assert history(total) == pytest.approx(float(jnp.max(jnp.abs(4.0 * x[8:]))))
-  for t, a, b in zip(jax.tree.leaves(total.params), jax.tree.leaves(small.params),
-                     jax.tree.leaves(large.params), strict=True):
-    np.testing.assert_allclose(t, a + b, rtol=1e-6)
+  chex.assert_trees_all_close(total.params, jax.tree.map(jnp.add, small.params, large.params),
+                              rtol=1e-6)
 
 
 def test_skipped_step_leaves_params_fp8_and_optimizer_untouched():
@@ -245,8 +241,8 @@ def test_skipped_step_leaves_params_fp8_and_optimizer_untouched():
   state = nnx.clone(nnx.state(wrapped))
   inner = nnx.clone(optimizer.opt_state).inner_state
   _step(wrapped, optimizer, x.at[0, 0].set(jnp.inf), y)
-  _assert_trees_equal(nnx.state(wrapped), state)
-  _assert_trees_equal(optimizer.opt_state.inner_state, inner)
+  chex.assert_trees_all_equal(nnx.as_pure(nnx.state(wrapped)), nnx.as_pure(state))
+  chex.assert_trees_all_equal(nnx.as_pure(optimizer.opt_state.inner_state), nnx.as_pure(inner))
   metrics = jaxmp.loss_scaling_metrics(optimizer.opt_state)
   assert int(metrics["skipped_steps"]) == 1 and float(metrics["loss_scale"]) == 2.0**9
   _step(wrapped, optimizer, x, y)  # the next clean step trains from the kept state
@@ -261,7 +257,8 @@ def test_non_finite_step_without_loss_scaling_never_enters_the_history():
   _step(wrapped, optimizer, x, y)
   before = nnx.clone(nnx.state(wrapped, jaxmp.nnx.Fp8State))
   _step(wrapped, optimizer, x.at[0, 0].set(jnp.nan), y)
-  _assert_trees_equal(nnx.state(wrapped, jaxmp.nnx.Fp8State), before)
+  chex.assert_trees_all_equal(nnx.as_pure(nnx.state(wrapped, jaxmp.nnx.Fp8State)),
+                              nnx.as_pure(before))
   for leaf in jax.tree.leaves(nnx.state(wrapped, jaxmp.nnx.Fp8State)):
     assert np.all(np.isfinite(leaf))
 
@@ -273,8 +270,7 @@ def test_loss_scale_multiplies_params_gradients_only():
   loss1, g1 = grad_fn(wrapped, x, y)
   loss8, g8 = grad_fn(wrapped, x, y, loss_scale=jaxmp.StaticLossScale(8.0))
   assert float(loss1) == float(loss8)
-  for a, b in zip(jax.tree.leaves(g1.params), jax.tree.leaves(g8.params), strict=True):
-    np.testing.assert_allclose(8 * a, b, rtol=1e-6)
+  chex.assert_trees_all_close(jax.tree.map(lambda g: 8 * g, g1.params), g8.params, rtol=1e-6)
   np.testing.assert_array_equal(g1.fp8["fp8"]["hidden"]["input_scale"][...],
                                 g8.fp8["fp8"]["hidden"]["input_scale"][...])
 
@@ -286,7 +282,8 @@ def test_for_grad_puts_the_float32_values_back():
     with jaxmp.nnx.fp8_for_grad(wrapped):
       assert wrapped.fp8["hidden"].input_scale.get_raw_value().dtype == maxgrad.max_float32
       raise RuntimeError("inside")
-  _assert_trees_equal(nnx.state(wrapped, jaxmp.nnx.Fp8State), before)
+  chex.assert_trees_all_equal(nnx.as_pure(nnx.state(wrapped, jaxmp.nnx.Fp8State)),
+                              nnx.as_pure(before))
   assert wrapped.fp8["hidden"].input_scale[...].dtype == jnp.float32
 
 

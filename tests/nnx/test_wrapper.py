@@ -4,6 +4,7 @@ import functools
 import re
 import warnings
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -447,12 +448,8 @@ def test_optimizer_with_fp16_loss_scaling_trains_and_skips_a_poisoned_step():
   params = nnx.clone(nnx.state(wrapped, nnx.Param))
   inner = nnx.clone(optimizer.opt_state).inner_state
   step(wrapped, optimizer, x.at[0, 0].set(jnp.inf), y)
-  for a, b in zip(jax.tree.leaves(nnx.state(wrapped, nnx.Param)), jax.tree.leaves(params),
-                  strict=True):
-    np.testing.assert_array_equal(a, b)
-  for a, b in zip(jax.tree.leaves(optimizer.opt_state.inner_state), jax.tree.leaves(inner),
-                  strict=True):
-    np.testing.assert_array_equal(a, b)
+  chex.assert_trees_all_equal(nnx.state(wrapped, nnx.Param), params)
+  chex.assert_trees_all_equal(optimizer.opt_state.inner_state, inner)
   metrics = jaxmp.loss_scaling_metrics(optimizer.opt_state)
   assert int(metrics["skipped_steps"]) == 1
   assert float(metrics["loss_scale"]) == 2.0**9

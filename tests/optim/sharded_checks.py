@@ -43,6 +43,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # pylint: 
 import jaxmp  # pylint: disable=g-import-not-at-top
 from tests import distributed_checks as dc  # pylint: disable=g-import-not-at-top
 from tests import eight_devices  # pylint: disable=g-import-not-at-top
+from tests import tree_asserts  # pylint: disable=g-import-not-at-top
 
 DEVICES, AXIS = dc.DEVICES, dc.AXIS
 STEPS = 5
@@ -111,7 +112,7 @@ def check_optimizer_parity() -> str:
     tx = make()
     single = _optimizer_run(tx, params)
     sharded = _optimizer_run(tx, params, mesh)
-    dc.assert_bitwise_equal(jax.device_get(sharded), jax.device_get(single), name)
+    tree_asserts.assert_trees_equal(jax.device_get(sharded), jax.device_get(single), what=name)
     n_sharded = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(sharded[1])[0]:
       if leaf.shape in ((16, 64), (64,)):
@@ -151,9 +152,10 @@ def check_clipped_parity() -> str:
       tx = jaxmp.optim.master_weights(_clipped_adamw(), remainders=remainders)
       new_params, state = jax.device_get(_optimizer_run(tx, params, on))
       masters = jaxmp.optim.master_params(state, new_params)
-      dc.assert_bitwise_equal(masters, reference[0], f"{name}: masters vs float32 optax")
-      dc.assert_bitwise_equal(state.inner_state, reference[1],
-                              f"{name}: AdamW state vs float32 optax")
+      tree_asserts.assert_trees_equal(masters, reference[0],
+                                      what=f"{name}: masters vs float32 optax")
+      tree_asserts.assert_trees_equal(state.inner_state, reference[1],
+                                      what=f"{name}: AdamW state vs float32 optax")
   differ = sum(int(np.sum(np.asarray(a) != np.asarray(b))) for a, b in zip(
       jax.tree.leaves(runs["1 device"]), jax.tree.leaves(runs["8 devices"])))
   return (f"masters and AdamW state equal float32 optax bit for bit on 1 and on 8 devices; "
@@ -203,9 +205,9 @@ def check_fsdp_train_step() -> str:
   after, _ = step(sharded, jax.device_put(poisoned, batch), jax.device_put(y, batch))
   finite = [bool(b) for b in dc.per_device(after.opt_state.last_step_finite)]
   assert finite == [False] * DEVICES, f"last_step_finite per device {finite}"
-  dc.assert_bitwise_equal(after.params, sharded.params, "params")
-  dc.assert_bitwise_equal(after.opt_state.inner_state, sharded.opt_state.inner_state,
-                          "masters and Adam")
+  tree_asserts.assert_trees_equal(after.params, sharded.params, what="params")
+  tree_asserts.assert_trees_equal(after.opt_state.inner_state, sharded.opt_state.inner_state,
+                                  what="masters and Adam")
   return (f"masters within {d:.2g} of one device; remainders sharded like the kernel; "
           "one NaN shard: every device skipped, state bit for bit")
 

@@ -49,6 +49,7 @@ def _run(step, params, opt_state, steps):
   return params, opt_state
 
 
+# Bytes, not chex.assert_trees_all_equal: chex's values equate -0.0 with 0.0 and any NaNs.
 def _assert_identical(a, b):
   leaves_a, def_a = jax.tree.flatten(a)
   leaves_b, def_b = jax.tree.flatten(b)

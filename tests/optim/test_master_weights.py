@@ -36,6 +36,7 @@ def _bits(tree):
   return [np.asarray(base.bits(x)) for x in jax.tree.leaves(tree)]
 
 
+# Bit patterns, not chex.assert_trees_all_equal: chex's values equate -0.0 with 0.0 and any NaNs.
 def _assert_bitwise(a, b, what):
   for x, y in zip(_bits(a), _bits(b), strict=True):
     np.testing.assert_array_equal(x, y, err_msg=what)

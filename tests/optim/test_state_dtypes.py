@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import jaxmp
+from tests import tree_asserts
 
 PARAMS = {"kernel": jax.random.normal(jax.random.key(0), (32, 17)),
           "bias": jnp.zeros(17), "scalar": jnp.ones(())}
@@ -18,12 +19,6 @@ def _grads(step):
   key = jax.random.fold_in(jax.random.key(1), step)
   return jax.tree.map(lambda p: jax.random.normal(jax.random.fold_in(key, p.size), p.shape),
                       PARAMS)
-
-
-def _leaves_equal(a, b):
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    assert x.dtype == y.dtype
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_adam_moments_are_stored_in_bfloat16_counts_and_scalars_keep_their_dtype():
@@ -52,8 +47,8 @@ def test_each_step_computes_in_float32_from_the_stored_state_and_rounds_only_the
     expected_updates, new = ref_step(_grads(i), widened, PARAMS)
     expected_state = jax.tree.map(lambda n, s: n.astype(s.dtype), new, state)
     updates, state = step(_grads(i), state, PARAMS)
-    _leaves_equal(updates, expected_updates)
-    _leaves_equal(state, expected_state)
+    tree_asserts.assert_trees_equal(updates, expected_updates)
+    tree_asserts.assert_trees_equal(state, expected_state)
   assert state[0].mu["kernel"].dtype == jnp.bfloat16
 
 
@@ -89,7 +84,7 @@ def test_bfloat16_gradients_and_params_are_widened_before_the_inner_update():
   expected, _ = optax.adamw(1e-2, weight_decay=0.1).update(
       jax.tree.map(lambda g: g.astype(jnp.float32), grads),
       optax.adamw(1e-2).init(PARAMS), jax.tree.map(lambda p: p.astype(jnp.float32), params))
-  _leaves_equal(updates, expected)
+  tree_asserts.assert_trees_equal(updates, expected)
 
 
 def test_a_skipped_step_leaves_the_stored_state_bit_for_bit():
@@ -100,7 +95,7 @@ def test_a_skipped_step_leaves_the_stored_state_bit_for_bit():
   bad = _grads(1)
   bad["bias"] = bad["bias"].at[3].set(jnp.nan)
   _, after = tx.update(bad, state, PARAMS)
-  _leaves_equal(after.inner_state, state.inner_state)
+  tree_asserts.assert_trees_equal(after.inner_state, state.inner_state)
 
 
 @pytest.mark.parametrize("dtype", ["float16", jnp.float32])
@@ -148,5 +143,5 @@ def test_float16_first_moments_with_bfloat16_second_moments_compute_as_by_hand()
     expected_updates, new = jax.jit(inner.update)(_grads(i), widened, PARAMS)
     expected_state = jax.tree.map(lambda n, s: n.astype(s.dtype), new, state)
     updates, state = jax.jit(tx.update)(_grads(i), state, PARAMS)
-    _leaves_equal(updates, expected_updates)
-    _leaves_equal(state, expected_state)
+    tree_asserts.assert_trees_equal(updates, expected_updates)
+    tree_asserts.assert_trees_equal(state, expected_state)

@@ -1,5 +1,6 @@
 """Stochastic rounding float32 -> bfloat16: the formula, unbiasedness, determinism, the transform."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,8 +106,7 @@ def test_a_restored_state_continues_with_the_same_bits():
   half, state = _train(tx, params, 3)
   restored = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), state)  # through the host
   resumed, _ = _train(tx, half, 3, state=restored, start=3)
-  for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  chex.assert_trees_all_equal(resumed, straight)
   assert int(state.count) == 3 and state.key.dtype == jnp.uint32
   assert int(state.inner_state[0].count) == 3  # Adam's
 
