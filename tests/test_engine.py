@@ -313,6 +313,31 @@ def test_the_model_wide_list_naming_an_op_jaxmp_cannot_intercept_warns_like_a_ru
     jaxmp.linen.mixed_precision(model, rules).init(jax.random.key(0), jnp.ones((1, 4)))
 
 
+def test_a_softmax_bound_before_the_call_is_not_seen():
+  # float32_ops swaps the public functions for the call (its module docstring says why
+  # nothing narrower finds the op); a name bound before the call keeps the original.
+  # If the mechanism changes, this test and that paragraph change together.
+  from jax.nn import softmax as bound_softmax  # pylint: disable=import-outside-toplevel
+
+  class Both(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return jax.nn.softmax(x), bound_softmax(x)
+
+  model = jaxmp.linen.mixed_precision(Both(), "params=float32,compute=float16,output=float16")
+  jaxpr = jax.make_jaxpr(lambda x: model.apply({}, x))(jnp.ones(3))
+
+  def exp_dtypes(jaxpr):  # in program order, inside custom_jvp/custom_vjp calls too
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "exp":
+        yield str(eqn.invars[0].aval.dtype)
+      for inner in jax_core.jaxprs_in_params(eqn.params):
+        yield from exp_dtypes(inner)
+
+  # The first softmax (found by name) runs in float32; the bound one in float16.
+  assert list(exp_dtypes(jaxpr.jaxpr)) == ["float32", "float16"]
+
+
 def test_other_threads_see_jax_unchanged_during_a_wrapped_call():
   seen = {}
   started, release = threading.Event(), threading.Event()

@@ -39,6 +39,31 @@ attention matrix. The originals are put back when
 the outermost call returns, even when it raises; outside a wrapped model JAX and Flax
 are untouched, and in another thread the wrappers call straight through.
 
+Why the functions are swapped for the call, not something narrower. The op must be
+found wherever a model calls it, in code jaxmp did not write, and each candidate that
+is not process-wide finds less:
+
+* Flax's ``force_fp32_for_softmax`` exists only on linen's ``dot_product_attention`` and
+  ``MultiHeadDotProductAttention`` (not NNX's), is a field the model's author sets, and
+  covers none of the softmaxes a model computes itself (every published LM's own
+  attention, a classifier's ``log_softmax``).
+* An interceptor on the module's attention function (linen's ``attention_fn``, NNX's
+  ``MultiHeadAttention.attention_fn``) is a constructor argument of Flax's two attention
+  modules only; and ``nn.intercept_methods``, which jaxmp's linen adapter already uses,
+  sees module methods, not the free functions they call.
+* Rewriting the traced call (trace the wrapped model to a jaxpr, compute the equations
+  of ``jax.nn.softmax`` in float32, evaluate the rest as traced) was built and dropped:
+  finding softmax in a jaxpr means matching JAX's private implementation of it (its
+  ``custom_jvp`` name and body change between JAX versions), the model is traced twice,
+  and an NNX model writes its state (batch statistics, caches, RNG counts) during the
+  trace, so those writes would hold tracers of the discarded trace.
+* Replacing JAX's private ``jax._src.nn.functions._softmax`` would also see names bound
+  at import time, but patches JAX's internals instead of its public functions.
+
+So the public functions are swapped, only while a wrapped model runs and only for the
+thread running it; a test (``tests/test_engine.py``) checks that a name bound before
+the call is indeed not seen, so this paragraph stays true.
+
 Example:
   >>> import re
   >>> import flax.linen as nn
