@@ -1,7 +1,7 @@
 # The two commands a newcomer needs: `make test` and `make demo`.
 # Both create the virtual environment from pyproject.toml when it is missing or stale.
 # `make gpu-report` estimates H100 (and TPU) performance without the hardware: it builds
-# .venv-cuda beside .venv (jax[cuda12,tpu] at .venv's jax version, a few GB) on first use.
+# .venv-cuda beside .venv (jax[cuda12,tpu] at .venv's jax version, 6.5 GB) on first use.
 
 PYTHON ?= python3
 VENV   ?= .venv

@@ -47,6 +47,7 @@ import functools
 import os
 import pathlib
 import sys
+import time
 from typing import Any, Callable
 
 if not (os.path.exists("/dev/nvidiactl") or os.environ.get("JAX_PLATFORMS")):
@@ -292,9 +293,17 @@ def dense_step_cases(size: int, power_of_two: bool = False, loss_scaling: bool =
 # ---------------------------------------------------------------------------- report
 
 
-def audit(case: Case, mode: str) -> jaxmp.tools.AuditReport:
-  return jaxmp.tools.audit(case.fn, *jax.eval_shape(case.make), target="h100",
-                           compiler_options=MODES[mode])
+def progress(message: str) -> None:
+  """One line on stderr while compiling (stdout stays the Markdown report)."""
+  print(f"[gpu-report {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def audit(case: Case, mode: str, name: str = "") -> jaxmp.tools.AuditReport:
+  start = time.perf_counter()
+  report = jaxmp.tools.audit(case.fn, *jax.eval_shape(case.make), target="h100",
+                             compiler_options=MODES[mode])
+  progress(f"compiled {name or 'a case'} ({mode}) in {time.perf_counter() - start:.0f} s")
+  return report
 
 
 def measure(cases: dict[str, Case]) -> dict[str, timing.Timing]:
@@ -308,7 +317,8 @@ def measure(cases: dict[str, Case]) -> dict[str, timing.Timing]:
 
 
 def precision_table(title: str, cases: dict[str, Case], on_gpu: bool) -> None:
-  reports = {name: {mode: audit(case, mode) for mode in MODES} for name, case in cases.items()}
+  reports = {name: {mode: audit(case, mode, f"{title}: {name}") for mode in MODES}
+             for name, case in cases.items()}
   measured = measure(cases) if on_gpu else {}
   est = lambda name, mode: reports[name][mode].estimated_seconds * 1e3
   header = ["variant", "est. ms (cuBLAS)", "vs float32", "vs bf16", "est. ms (Triton)",
@@ -340,7 +350,7 @@ def traffic_table(power_of_two: bool = False, preset_name: str = "gpu") -> None:
         "|---|---|---:|---:|---|---|")
   for case, pair in traffic_cases(power_of_two, preset_name).items():
     for mode in MODES:
-      r = {who: audit(c, mode) for who, c in pair.items()}
+      r = {who: audit(c, mode, f"traffic {case}: {who}") for who, c in pair.items()}
       count = lambda rep: f"{sum(g.fp8 for g in rep.gemms)}/{len(rep.gemms)}"
       print(f"| {case} | {mode} | {r['jaxmp'].non_gemm_bytes / 2**20:.0f} | "
             f"{r['Flax'].non_gemm_bytes / 2**20:.0f} | {count(r['jaxmp'])} | {count(r['Flax'])} |")
@@ -375,6 +385,7 @@ def tpu_table(generations=("v5e", "v5p", "v6e", "v7"), size: int = 4096) -> None
     base = None
     for name, (fn, args) in cases.items():
       r = jaxmp.tools.audit(fn, *args, target=gen)
+      progress(f"compiled TPU {gen}: {name}")
       cycles = [g.cycles for g in r.gemms]
       base = base or cycles[0]
       operands = "; ".join(" x ".join(d.replace("float8_", "") for d in g.compute_dtypes)
@@ -384,9 +395,29 @@ def tpu_table(generations=("v5e", "v5p", "v6e", "v7"), size: int = 4096) -> None
             f"{', '.join(f'{c / base:.2f}' for c in cycles)} |")
 
 
+WORKLOADS = ("traffic", "dense", "block", "demo", "tpu")
+"""What ``--workloads`` accepts, in the default order (the module docstring says what each is)."""
+
+
+def parse_workloads(text: str) -> list[str]:
+  """``--workloads``' comma-separated list, checked before anything compiles."""
+  chosen = [w.strip() for w in text.split(",") if w.strip()]
+  unknown = [w for w in chosen if w not in WORKLOADS]
+  if unknown or not chosen:
+    raise argparse.ArgumentTypeError(
+        f"unknown workload(s) {unknown or text!r}; accepted: {', '.join(WORKLOADS)}")
+  return chosen
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--workloads", default="traffic,dense,block,demo,tpu")
+  parser.add_argument(
+      "--workloads", type=parse_workloads, default=list(WORKLOADS),
+      help=f"comma-separated, from: {', '.join(WORKLOADS)} (default: all). demo: the "
+           "demo's train step in five precisions; dense: one 8192^3 Dense fwd+bwd; block: a "
+           "transformer block; traffic: jaxmp's fp8 against Flax's, non-GEMM bytes; tpu: "
+           "matmuls compiled for TPU v5e-v7. All of them compile for about half an hour on "
+           "2 cores; progress goes to stderr.")
   parser.add_argument("--power-of-two", action="store_true",
                       help="jaxmp's delayed scaling with power_of_two=True (traffic table)")
   parser.add_argument("--preset", choices=sorted(MATMUL_SIZE), default="gpu",
@@ -395,7 +426,8 @@ def main(argv=None) -> None:
   on_gpu = jax.devices()[0].platform == "gpu"
   print(f"jax {jax.__version__}; estimates from compiled H100 HLO (deviceless)"
         + (f"; measured on {jax.devices()[0].device_kind}" if on_gpu else ""))
-  for workload in args.workloads.split(","):
+  for number, workload in enumerate(args.workloads, 1):
+    progress(f"workload {number}/{len(args.workloads)}: {workload}")
     if workload == "traffic":
       traffic_table(args.power_of_two, args.preset)
     elif workload == "tpu":
@@ -403,14 +435,12 @@ def main(argv=None) -> None:
     elif workload == "demo":
       precision_table(f"demo train step, examples/train_lm.py --preset {args.preset} (AdamW)",
                       demo_cases(args.preset), on_gpu)
-    elif workload in ("dense", "block"):
+    else:  # dense, block
       preset = bench_fp8.PRESETS[args.preset]
       size = ("x".join(map(str, preset["dense"])) if workload == "dense" else
               ", ".join(f"{k} {v}" for k, v in preset["block"].items()))
       precision_table(f"{workload} forward + backward ({size})",
                       layer_cases(workload, preset_name=args.preset), on_gpu)
-    else:
-      parser.error(f"unknown workload {workload!r}; accepted: traffic, dense, block, demo, tpu")
 
 
 if __name__ == "__main__":

@@ -151,6 +151,20 @@ def test_bench_precisions_times_every_configuration_of_the_demo():
   assert timings["float32"].ratio == 1.0
 
 
+def test_gpu_report_lists_its_workloads_and_refuses_an_unknown_one_before_compiling():
+  # No CUDA plugin needed: the arguments are checked before anything compiles.
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  run = lambda *args: subprocess.run([sys.executable, str(BENCHMARKS / "gpu_report.py"), *args],
+                                     env=env, capture_output=True, text=True, timeout=300,
+                                     cwd=ROOT)
+  help_text = " ".join(run("--help").stdout.split())
+  assert "from: traffic, dense, block, demo, tpu (default: all)" in help_text, help_text
+  bad = run("--workloads", "dense,llama")
+  assert bad.returncode == 2 and bad.stdout == "", (bad.stdout, bad.stderr)
+  assert ("unknown workload(s) ['llama']; accepted: traffic, dense, block, demo, tpu"
+          in bad.stderr), bad.stderr
+
+
 @pytest.mark.slow
 @NEEDS_CUDA_PLUGIN
 def test_gpu_report_compiles_every_workload_for_an_h100():
