@@ -4,8 +4,10 @@ Each workload is compiled deviceless for an H100 SXM (``jaxmp.tools.audit(...,
 target="h100")``) and read back from the optimized HLO: which GEMMs run in which
 dtype on which backend, the HBM bytes of every other kernel, and a roofline estimate
 (each kernel ``max(FLOPs / peak for its dtype, bytes / 3.35 TB/s)``, summed). These
-are **estimates from compiled H100 HLO (deviceless)**, not measurements: no launch
-overheads, no overlap, no autotuning. Two compile modes, because without a GPU XLA
+are **estimates from compiled H100 HLO (deviceless)**, not measurements: no overlap,
+no autotuning, and launch overheads only where stated: the precision tables count the
+kernels each step launches and give the speed against bf16 again with 0, 1, 2 and 3 us
+added per kernel launch (cuBLAS mode). Two compile modes, because without a GPU XLA
 cannot autotune GEMMs: ``cuBLAS`` (``xla_gpu_enable_triton_gemm=False``: every dot a
 cuBLAS/cuBLASLt call, what a tuned H100 mostly runs) and ``Triton`` (XLA's default,
 GEMM fusions with an untuned default tile).
@@ -316,13 +318,24 @@ def measure(cases: dict[str, Case]) -> dict[str, timing.Timing]:
   return timing.interleaved(runs, baseline=next(iter(runs)), rounds=5, calls=5)
 
 
+LAUNCH_US = (0, 1, 2, 3)
+"""Per-kernel launch overheads (microseconds) the launch-aware ratios are shown at."""
+
+
+def vs_bf16_with_launches(reports: dict, name: str) -> str:
+  """bf16's estimated cuBLAS-mode time over ``name``'s, at each of :data:`LAUNCH_US`."""
+  at = lambda who, us: reports[who]["cuBLAS"].estimated_seconds_with_launches(us * 1e-6)
+  return "/".join(f"{at('bf16', us) / at(name, us):.2f}" for us in LAUNCH_US)
+
+
 def precision_table(title: str, cases: dict[str, Case], on_gpu: bool) -> None:
   reports = {name: {mode: audit(case, mode, f"{title}: {name}") for mode in MODES}
              for name, case in cases.items()}
   measured = measure(cases) if on_gpu else {}
   est = lambda name, mode: reports[name][mode].estimated_seconds * 1e3
   header = ["variant", "est. ms (cuBLAS)", "vs float32", "vs bf16", "est. ms (Triton)",
-            "non-GEMM MiB", "GEMMs fp8/all", "GEMM ms", "other ms"]
+            "non-GEMM MiB", "GEMMs fp8/all", "GEMM ms", "other ms", "kernels",
+            "vs bf16 at " + "/".join(f"{us:g}" for us in LAUNCH_US) + " us/kernel"]
   if on_gpu:
     header += ["measured ms", "measured TFLOP/s"]
   print(f"\n### {title}\n")
@@ -334,7 +347,8 @@ def precision_table(title: str, cases: dict[str, Case], on_gpu: bool) -> None:
            f"{est('bf16', 'cuBLAS') / est(name, 'cuBLAS'):.2f}x" if "bf16" in cases else "-",
            f"{est(name, 'Triton'):.3f}", f"{r.non_gemm_bytes / 2**20:.0f}",
            f"{sum(g.fp8 * g.count for g in r.gemms)}/{sum(g.count for g in r.gemms)}",
-           f"{r.gemm_seconds * 1e3:.3f}", f"{r.non_gemm_seconds * 1e3:.3f}"]
+           f"{r.gemm_seconds * 1e3:.3f}", f"{r.non_gemm_seconds * 1e3:.3f}", str(r.launches),
+           vs_bf16_with_launches(reports, name) if "bf16" in cases else "-"]
     if on_gpu:
       ms = measured[name].ms
       row += [f"{ms:.3f}", f"{r.gemm_flops / (ms * 1e-3) / 1e12:.0f}"]

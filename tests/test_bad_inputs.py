@@ -256,6 +256,12 @@ CASES = [
     ("mixed_precision bad policy", lambda: jaxmp.linen.mixed_precision(nn.Dense(3), "c=f7"),
      ValueError, "'f7'"),
     ("summary of a string", lambda: jaxmp.tools.summary("model"), TypeError, "got 'model'"),
+    ("audit launch overhead a string",
+     lambda: jaxmp.tools.audit(lambda x: x @ x, X @ W).estimated_seconds_with_launches("2us"),
+     TypeError, "'2us'"),
+    ("audit launch overhead negative",
+     lambda: jaxmp.tools.audit(lambda x: x @ x, X @ W).estimated_seconds_with_launches(-1.0),
+     ValueError, "-1.0"),
     ("summary without rules", lambda: jaxmp.tools.summary(nn.Dense(2), None, jnp.ones((1, 2))),
      ValueError, "Dense"),
     # fp8.

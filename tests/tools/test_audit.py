@@ -130,6 +130,19 @@ def test_gpu_module_roofline_and_loop_count():
   assert report.non_gemm_bytes == 3 * narrow.bytes
   assert report.estimated_seconds == pytest.approx(3 * (gemm.seconds + narrow.bytes / 3.35232e12))
   assert "roofline estimate" in str(report)
+  # Launches: the GEMM and the convert, each 3 times (the loop's trip count).
+  assert report.launches == 6
+  assert report.estimated_seconds_with_launches(0) == report.estimated_seconds
+  assert report.estimated_seconds_with_launches(2e-6) == report.estimated_seconds + 6 * 2e-6
+
+
+def test_launch_overhead_bad_input():
+  spec = targets.GPU_TARGETS["h100"]
+  report = audit_lib.analyze(GPU_HLO, "gpu", spec, "h100", spec.device_kind)
+  with pytest.raises(TypeError, match=r"per_launch must be a number of seconds.*got '2us'"):
+    report.estimated_seconds_with_launches("2us")
+  with pytest.raises(ValueError, match=r"finite and 0 or more seconds, got -1e-06"):
+    report.estimated_seconds_with_launches(-1e-6)
 
 
 # cuDNN's MXFP8 block-scaled GEMM, as XLA lowers jax.nn.scaled_matmul for a Blackwell

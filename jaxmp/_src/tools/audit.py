@@ -19,7 +19,9 @@ optimized HLO text:
 * the converts and transposes left as kernels of their own;
 * a roofline estimate of the step on GPUs: each kernel takes
   ``max(FLOPs / peak for its arithmetic, bytes / bandwidth)``, summed (no launch
-  overheads, no overlap); the peaks are in :mod:`~jaxmp._src.tools.targets`. float32
+  overheads, no overlap; :meth:`AuditReport.estimated_seconds_with_launches` adds a
+  stated overhead per kernel launch); the peaks are in
+  :mod:`~jaxmp._src.tools.targets`. float32
   GEMMs at XLA's default precision are counted at the TF32 rate (cuBLAS runs them as
   TF32), at ``HIGHEST`` at the float32 rate. On TPUs the estimate is the TPU
   compiler's own (``cost_analysis()["optimal_seconds"]``) and each kernel carries the
@@ -193,6 +195,36 @@ class AuditReport:
   @property
   def non_gemm_seconds(self) -> Optional[float]:
     return _total(k.seconds for k in self.kernels for _ in range(k.count))
+
+  @property
+  def launches(self) -> int:
+    """Kernels launched per call: every GEMM and every other kernel, a loop's per trip."""
+    return sum(g.count for g in self.gemms) + sum(k.count for k in self.kernels)
+
+  def estimated_seconds_with_launches(self, per_launch: float) -> Optional[float]:
+    """The roofline estimate plus a fixed overhead for each of the :attr:`launches`.
+
+    The roofline ignores launch overheads, which dominate a step of many small
+    kernels (a few microseconds each on a GPU; CUDA graphs hide part of it).
+
+    Args:
+      per_launch: seconds added per kernel launch, e.g. ``2e-6``; 0 or more.
+
+    Returns:
+      ``estimated_seconds + launches * per_launch``, or None where there is no estimate.
+
+    Raises:
+      TypeError: if ``per_launch`` is not a real number.
+      ValueError: if it is negative or not finite.
+    """
+    if isinstance(per_launch, bool) or not isinstance(per_launch, (int, float, np.floating)):
+      raise TypeError(f"per_launch must be a number of seconds (e.g. 2e-6), got "
+                      f"{per_launch!r} of type {type(per_launch).__name__}.")
+    if not (math.isfinite(per_launch) and per_launch >= 0):
+      raise ValueError(f"per_launch must be finite and 0 or more seconds, got {per_launch!r}.")
+    if self.estimated_seconds is None:
+      return None
+    return self.estimated_seconds + self.launches * float(per_launch)
 
   def __str__(self) -> str:
     header = (f"audit: {self.target} ({self.device_kind})"
