@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import flax.linen as nn
 import jax
@@ -64,14 +65,31 @@ def test_dropout_and_sown_weights_run_the_layers_own_attention():
   plain, variables = _linen(BF16, False, dropout_rate=0.5, deterministic=False)
   fused, _ = _linen(BF16, True, dropout_rate=0.5, deterministic=False)
   rngs = {"dropout": jax.random.key(3)}
-  np.testing.assert_array_equal(fused.apply(variables, X, mask=MASK, rngs=rngs),
-                                plain.apply(variables, X, mask=MASK, rngs=rngs))
+  # Never silently: the fallback warns with its reason.
+  with pytest.warns(UserWarning, match=r"fused_attention=True\): dropout on the attention "
+                                       r"weights \(dropout_rate=0.5\): the layer's own"):
+    out = fused.apply(variables, X, mask=MASK, rngs=rngs)
+  np.testing.assert_array_equal(out, plain.apply(variables, X, mask=MASK, rngs=rngs))
   assert _same_computation(lambda v: plain.apply(v, X, mask=MASK, rngs=rngs),
                            lambda v: fused.apply(v, X, mask=MASK, rngs=rngs), variables)
-  sown = lambda model: model.apply(variables, X, mask=MASK, sow_weights=True, rngs=rngs,
+  sown = lambda model: model.apply(variables, X, mask=MASK, sow_weights=True,
                                    mutable=["intermediates"])
-  np.testing.assert_array_equal(sown(fused)[0], sown(plain)[0])
-  assert "attention_weights" in sown(fused)[1]["intermediates"]
+  deterministic, _ = _linen(BF16, True)
+  plain_deterministic, _ = _linen(BF16, False)
+  with pytest.warns(UserWarning, match=r"the attention weights are sown"):
+    fused_sown = sown(deterministic)
+  np.testing.assert_array_equal(fused_sown[0], sown(plain_deterministic)[0])
+  assert "attention_weights" in fused_sown[1]["intermediates"]
+
+
+def test_no_fused_kernel_no_warning_without_cudnn():
+  # Without JAX's CUDA plugin nothing could fuse: XLA's implementation runs, quietly.
+  if targets.cuda_plugin_installed():
+    pytest.skip("this machine has the CUDA plugin (the H100 check below covers it)")
+  fused, variables = _linen(F32, True)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    fused.apply(variables, X, mask=MASK)
 
 
 def test_bad_fused_attention_value():
@@ -94,6 +112,33 @@ _H100_CHECK = textwrap.dedent("""\
     assert len(fused) == 2, str(report)  # forward and backward: no score matrix in memory
     print("ok")
     """)
+
+
+_FLOAT32_CHECK = textwrap.dedent("""\
+    import warnings
+    import flax.linen as nn, jax, jax.numpy as jnp, jaxmp
+    rules = jaxmp.PolicyRules("float32", fused_attention=True)
+    model = jaxmp.linen.mixed_precision(nn.MultiHeadDotProductAttention(num_heads=4), rules)
+    x = jnp.ones((2, 16, 64))
+    variables = model.init(jax.random.key(0), x)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      model.apply(variables, x)
+    print([str(w.message) for w in caught])
+    """)
+
+
+def test_float32_fused_attention_warns_that_cudnn_refuses_it():
+  if not targets.cuda_plugin_installed():
+    pytest.skip("needs jax[cuda12] plugin (make gpu-report builds it)")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+  out = subprocess.run([sys.executable, "-c", _FLOAT32_CHECK], env=env, capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-4000:]
+  assert ("PolicyRules(fused_attention=True): cuDNN's fused attention does not take query "
+          "float32[2, 16, 4, 16] (Q must be fp16/bf16/fp8_e4m3fn/fp8_e5m2, got float32): "
+          "XLA's implementation of the same attention runs, unfused." in out.stdout), out.stdout
 
 
 def test_h100_deviceless_runs_cudnn_fused_attention():

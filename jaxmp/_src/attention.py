@@ -11,13 +11,17 @@ call, an ``attention_fn`` that computes the same attention with
   dtype is bfloat16 or float16, the head size and shapes are ones it supports), the
   GPU lowering runs it (``jax.lax.platform_dependent``: ``cuda`` gets cuDNN, every
   other platform XLA's implementation, so one traced step serves both);
-* otherwise XLA's implementation, the same maths in one jitted function.
+* otherwise XLA's implementation, the same maths in one jitted function; where cuDNN
+  is installed but refuses the call (float32, an unsupported head size), with a
+  warning that says why no fused kernel runs.
 
 Both accumulate the scores and compute the softmax in float32 whatever the compute
 dtype (as the float32 op list asks) and hand back the values' dtype. The layer's own
-attention function runs instead where the fused one cannot stand in for it: dropout
-on the attention weights, sown attention weights (``module=``), an explicit
-``precision``, custom einsums, or query/key/value with more than one batch dimension.
+attention function runs instead, with a warning that names the reason, where the
+fused one cannot stand in for it: dropout on the attention weights, sown attention
+weights (``module=``), an explicit ``precision``, custom einsums, or query/key/value
+with more than one batch dimension. Warnings come when the call is traced (once per
+jitted step), never silently.
 
 Example:
   >>> import flax.linen as nn
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from typing import Any, Callable, Optional
 
 import jax
@@ -42,15 +47,21 @@ import jax.numpy as jnp
 _NOT_GIVEN = object()
 
 
-def _cudnn_can_take(query, key, value, bias, mask, is_causal) -> bool:
-  """Whether JAX's cuDNN attention accepts these arguments (traced abstractly)."""
+def _cudnn_refusal(query, key, value, bias, mask, is_causal) -> Optional[str]:
+  """Why JAX's cuDNN attention refuses these arguments (traced abstractly), or None.
+
+  Returns ``""`` where there is no cuDNN to ask (a machine without JAX's CUDA plugin):
+  nothing could fuse there, so there is nothing to warn about.
+  """
   try:
     jax.eval_shape(functools.partial(jax.nn.dot_product_attention, implementation="cudnn",
                                      is_causal=is_causal),
                    query, key, value, bias, mask)
-  except (RuntimeError, ValueError, TypeError, NotImplementedError):
-    return False  # no cuDNN here, or a dtype/shape it does not support
-  return True
+  except (ValueError, TypeError, NotImplementedError) as refusal:
+    return str(refusal).strip() or type(refusal).__name__  # a dtype or shape it rejects
+  except RuntimeError:  # after NotImplementedError, which is one
+    return ""  # "cuDNN is not detected"
+  return None
 
 
 def attend(query: jax.Array, key: jax.Array, value: jax.Array,
@@ -71,17 +82,37 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array,
   """
   implementation = functools.partial(jax.nn.dot_product_attention, is_causal=is_causal)
   xla = functools.partial(implementation, implementation="xla")
-  if _cudnn_can_take(query, key, value, bias, mask, is_causal):
+  refusal = _cudnn_refusal(query, key, value, bias, mask, is_causal)
+  if refusal is None:
     return jax.lax.platform_dependent(
         query, key, value, bias, mask,
         cuda=functools.partial(implementation, implementation="cudnn"), default=xla)
+  if refusal:
+    _warn(f"cuDNN's fused attention does not take query {query.dtype}{list(query.shape)} "
+          f"({refusal}): XLA's implementation of the same attention runs, unfused")
   return xla(query, key, value, bias, mask)
 
 
-def _falls_back(query, dropout_rate, deterministic, module, precision, einsums) -> bool:
-  dropout = dropout_rate > 0.0 and not deterministic
-  return (dropout or module is not None or precision is not None
-          or any(e is not None for e in einsums) or query.ndim != 4)
+def _fallback_reason(query, dropout_rate, deterministic, module, precision,
+                     einsums) -> Optional[str]:
+  """Why the fused computation cannot stand in for the layer's own, or None."""
+  if dropout_rate > 0.0 and not deterministic:
+    return f"dropout on the attention weights (dropout_rate={dropout_rate})"
+  if module is not None:
+    return "the attention weights are sown (sow_weights=True)"
+  if precision is not None:
+    return f"an explicit precision ({precision!r})"
+  if any(e is not None for e in einsums):
+    return "custom einsums (qk_attn_weights_einsum / attn_weights_value_einsum)"
+  if query.ndim != 4:
+    return f"query with {query.ndim - 3} batch dimensions (the fused kernel takes one)"
+  return None
+
+
+def _warn(message: str) -> None:
+  # At trace time, once per distinct message (Python's default filter): a jitted step
+  # warns when it is traced, not on every step.
+  warnings.warn(f"PolicyRules(fused_attention=True): {message}.", UserWarning, stacklevel=4)
 
 
 def fused_attention_fn(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -110,7 +141,9 @@ def fused_attention_fn(original: Callable[..., Any]) -> Callable[..., Any]:
                  qk_attn_weights_einsum=qk_attn_weights_einsum,
                  attn_weights_value_einsum=attn_weights_value_einsum)
     einsums = (qk_attn_weights_einsum, attn_weights_value_einsum)
-    if _falls_back(query, dropout_rate, deterministic, module, precision, einsums):
+    reason = _fallback_reason(query, dropout_rate, deterministic, module, precision, einsums)
+    if reason is not None:
+      _warn(f"{reason}: the layer's own attention runs, unfused")
       kwargs = {k: v for k, v in given.items() if k in accepted and v is not _NOT_GIVEN}
       return original(query, key, value, **kwargs)
     dtype = jnp.result_type(query, key, value) if dtype is None else dtype
