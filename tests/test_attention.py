@@ -92,6 +92,76 @@ def test_no_fused_kernel_no_warning_without_cudnn():
     fused.apply(variables, X, mask=MASK)
 
 
+CAUSAL = jaxmp.Rule(nn.MultiHeadDotProductAttention, causal_attention=True)
+
+
+def test_causal_attention_attends_causally_and_reads_no_mask():
+  # Declared causal: whatever mask the layer is handed (here one that masks nothing),
+  # it computes Flax's own attention under the causal mask.
+  model = jaxmp.linen.mixed_precision(nn.MultiHeadDotProductAttention(num_heads=2),
+                                      jaxmp.PolicyRules(F32, [CAUSAL]))
+  plain = jaxmp.linen.mixed_precision(nn.MultiHeadDotProductAttention(num_heads=2),
+                                      jaxmp.PolicyRules(F32))
+  variables = plain.init(jax.random.key(0), X)
+  everything = jnp.ones_like(MASK)
+  np.testing.assert_allclose(model.apply(variables, X, mask=everything),
+                             plain.apply(variables, X, mask=MASK), atol=1e-6)
+  np.testing.assert_allclose(model.apply(variables, X), plain.apply(variables, X, mask=MASK),
+                             atol=1e-6)
+  loss = lambda m, mask: lambda v: jnp.sum(m.apply(v, X, mask=mask) ** 2)
+  for a, b in zip(jax.tree.leaves(jax.grad(loss(model, everything))(variables)),
+                  jax.tree.leaves(jax.grad(loss(plain, MASK))(variables))):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_causal_attention_on_nnx():
+  layer = lambda: nnx.MultiHeadAttention(2, 16, decode=False, rngs=nnx.Rngs(0))
+  rule = jaxmp.Rule(nnx.MultiHeadAttention, causal_attention=True)
+  causal = jaxmp.nnx.mixed_precision(layer(), jaxmp.PolicyRules(F32, [rule]))
+  plain = jaxmp.nnx.mixed_precision(layer(), jaxmp.PolicyRules(F32))
+  np.testing.assert_allclose(causal(X), plain(X, mask=MASK), atol=1e-6)
+
+
+def _published_lm1b(rules, mode="eval"):
+  from tests.published import models  # pylint: disable=import-outside-toplevel
+  return jaxmp.linen.mixed_precision(models._lm1b_module(mode), rules)  # pylint: disable=protected-access
+
+
+def test_causal_attention_on_published_lm1b_with_right_padding():
+  # Flax's lm1b masks padding and the future (combine_masks of both); declared causal,
+  # the padding mask is not read, and every real token's logits stay Flax's: a real
+  # token never attends to the padding after it.
+  causal, plain = _published_lm1b(jaxmp.PolicyRules(F32, [CAUSAL])), _published_lm1b(F32)
+  tokens = jax.random.randint(jax.random.key(2), (2, 8), 1, 64).at[0, 5:].set(0)
+  variables = plain.init(jax.random.key(0), tokens)
+  real = np.asarray(tokens > 0)
+  np.testing.assert_allclose(np.asarray(causal.apply(variables, tokens))[real],
+                             np.asarray(plain.apply(variables, tokens))[real], atol=2e-5)
+  # Left padding is what the declaration rules out: the first real token would attend
+  # to the padding before it.
+  left = jnp.roll(tokens, 3, axis=1)
+  real = np.asarray(left > 0)
+  assert not np.allclose(np.asarray(causal.apply(variables, left))[real],
+                         np.asarray(plain.apply(variables, left))[real], atol=1e-3)
+
+
+def test_causal_attention_decoding_with_a_cache_uses_the_mask():
+  # One query against the whole cache: not the square causal pattern, so the mask runs.
+  causal = _published_lm1b(jaxmp.PolicyRules(F32, [CAUSAL]), "decode")
+  plain = _published_lm1b(F32, "decode")
+  tokens = jax.random.randint(jax.random.key(2), (2, 8), 1, 64)
+  variables = _published_lm1b(F32).init(jax.random.key(0), tokens)
+  cache = plain.init(jax.random.key(0), tokens)["cache"]
+  step = lambda m: m.apply({"params": variables["params"], "cache": cache}, tokens[:, :1],
+                           mutable=["cache"])[0]
+  np.testing.assert_allclose(step(causal), step(plain), atol=1e-6)
+
+
+def test_bad_causal_attention_value():
+  with pytest.raises(TypeError, match=r"causal_attention must be True or False, got 'yes'"):
+    jaxmp.Rule(nn.MultiHeadDotProductAttention, causal_attention="yes")
+
+
 def test_bad_fused_attention_value():
   with pytest.raises(TypeError, match="fused_attention must be True or False, got 'cudnn'"):
     jaxmp.PolicyRules(BF16, fused_attention="cudnn")
@@ -112,6 +182,46 @@ _H100_CHECK = textwrap.dedent("""\
     assert len(fused) == 2, str(report)  # forward and backward: no score matrix in memory
     print("ok")
     """)
+
+
+_CAUSAL_CHECK = textwrap.dedent("""\
+    import re
+    import flax.linen as nn, jax, jax.numpy as jnp, jaxmp
+    S = jax.ShapeDtypeStruct
+    BF16 = "params=float32,compute=bfloat16,output=float32"
+    def attention(rules):
+      model = jaxmp.linen.mixed_precision(nn.MultiHeadDotProductAttention(num_heads=4), rules)
+      variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.ones((2, 128, 256))))
+      def step(v, x):
+        mask = nn.make_causal_mask(x[..., 0])
+        return jax.grad(lambda v: jnp.sum(model.apply(v, x, mask=mask).astype(jnp.float32)))(v)
+      report = jaxmp.tools.audit(step, variables, S((2, 128, 256), jnp.float32), target="h100")
+      return (re.findall(r'custom_call_target="(__cudnn[$]fmha\\w*)"', report.hlo),
+              re.findall(r'"mask_type":\\s*"(\\w+)"', report.hlo),
+              [g.shape for g in report.gemms if g.backend.startswith("cuDNN")])
+    print(attention(jaxmp.PolicyRules(BF16, fused_attention=True)))
+    print(attention(jaxmp.PolicyRules(
+        BF16, [jaxmp.Rule(nn.MultiHeadDotProductAttention, causal_attention=True)])))
+    """)
+
+
+def test_h100_deviceless_causal_attention_runs_cudnns_causal_mode_with_no_bias():
+  if not targets.cuda_plugin_installed():
+    pytest.skip("needs jax[cuda12] plugin (make gpu-report builds it)")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+  out = subprocess.run([sys.executable, "-c", _CAUSAL_CHECK], env=env, capture_output=True,
+                       text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-4000:]
+  with_mask, causal = out.stdout.strip().splitlines()
+  # The mask as a tensor: cuDNN reads it as a dense bias, every tile computed.
+  assert with_mask == str((["__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"],
+                           ["NO_MASK", "NO_MASK"],
+                           ["attention 2*4*128x128x64"] * 2)), with_mask
+  # Declared causal: no bias operand, cuDNN's CAUSAL mode.
+  assert causal == str((["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"],
+                        ["CAUSAL", "CAUSAL"],
+                        ["attention 2*4*128x128x64 causal"] * 2)), causal
 
 
 _FLOAT32_CHECK = textwrap.dedent("""\

@@ -23,6 +23,15 @@ weights (``module=``), an explicit ``precision``, custom einsums, or query/key/v
 with more than one batch dimension. Warnings come when the call is traced (once per
 jitted step), never silently.
 
+Causal attention. A mask tensor reaches cuDNN as a dense bias that every tile reads,
+and every tile is computed. ``Rule(match, causal_attention=True)`` declares the matched
+layers causal: they compute the fused attention with ``is_causal=True`` (cuDNN's
+CAUSAL mask mode, which skips the tiles above the diagonal, about half of them) and do
+not read the mask they are handed. That is exact for causal self-attention with right
+padding (a real token never attends to the padding after it); left padding and packed
+sequences need the mask. A call whose query and keys differ in length (one decoding
+step against a cache) keeps its mask.
+
 Example:
   >>> import flax.linen as nn
   >>> rules = jaxmp.PolicyRules("params=float32,compute=bfloat16,output=float32",
@@ -115,7 +124,8 @@ def _warn(message: str) -> None:
   warnings.warn(f"PolicyRules(fused_attention=True): {message}.", UserWarning, stacklevel=4)
 
 
-def fused_attention_fn(original: Callable[..., Any]) -> Callable[..., Any]:
+def fused_attention_fn(original: Callable[..., Any], causal: bool = False
+                       ) -> Callable[..., Any]:
   """A Flax-compatible ``attention_fn`` computing with :func:`attend`.
 
   Takes the keyword arguments Flax's linen and NNX attention layers pass their
@@ -124,6 +134,9 @@ def fused_attention_fn(original: Callable[..., Any]) -> Callable[..., Any]:
 
   Args:
     original: the layer's own attention function.
+    causal: the layer is declared causal (``Rule(causal_attention=True)``): where the
+      query and keys have the same length, attend with ``is_causal=True`` and leave the
+      mask the layer was handed unread, so no dense mask reaches the kernel.
 
   Returns:
     The function to set as the layer's ``attention_fn`` for the call.
@@ -148,6 +161,8 @@ def fused_attention_fn(original: Callable[..., Any]) -> Callable[..., Any]:
       return original(query, key, value, **kwargs)
     dtype = jnp.result_type(query, key, value) if dtype is None else dtype
     query, key, value = (x.astype(dtype) for x in (query, key, value))
+    if causal and query.shape[-3] == key.shape[-3]:
+      mask, is_causal = None, True  # the declared causal mask, as cuDNN's CAUSAL mode
     mask = None if mask is None else mask.astype(bool)
     return attend(query, key, value, bias, mask, is_causal)
 

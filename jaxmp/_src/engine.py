@@ -200,17 +200,19 @@ class Call:
       return NOT_A_DTYPE_FIELD
     return precision.policy.compute_dtype
 
-  def attention_field(self, value: Any) -> Any:
+  def attention_field(self, value: Any, precision: rules_lib.ModulePrecision) -> Any:
     """What a module's ``attention_fn`` field holds while it runs.
 
-    With ``PolicyRules(fused_attention=True)``, the fused attention of
-    :mod:`jaxmp._src.attention` standing in for ``value`` (which still runs where the
-    fused one cannot); otherwise, or for a field that is not a function,
-    :data:`NOT_A_DTYPE_FIELD` (leave it alone).
+    With ``PolicyRules(fused_attention=True)`` or a rule's ``causal_attention=True``
+    (then in causal mode), the fused attention of :mod:`jaxmp._src.attention` standing
+    in for ``value`` (which still runs where the fused one cannot); otherwise, or for a
+    field that is not a function, :data:`NOT_A_DTYPE_FIELD` (leave it alone).
     """
-    if not self.rules.fused_attention or not callable(value) or attention_lib.is_fused(value):
+    causal = precision.causal_attention
+    if (not (self.rules.fused_attention or causal) or not callable(value)
+        or attention_lib.is_fused(value)):
       return NOT_A_DTYPE_FIELD
-    return attention_lib.fused_attention_fn(value)
+    return attention_lib.fused_attention_fn(value, causal=causal)
 
   def _cast_leaf(self, x: Any, dtype: np.dtype) -> Any:
     if not tree_lib.is_float_array(x) or x.dtype == dtype:

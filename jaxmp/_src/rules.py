@@ -130,6 +130,15 @@ class Rule:
       dtype differs from its compute dtype, names the output dtype too.
     float32_ops: the ops that compute in float32 inside matched modules, replacing
       the rules' list (``()`` for none, ``("softmax",)``...); ``None`` keeps it.
+    causal_attention: declares that the matched attention layers (those with an
+      ``attention_fn``) attend causally, each query to itself and the keys before it:
+      they compute with the fused attention of ``PolicyRules(fused_attention=True)``
+      in its causal mode (cuDNN's CAUSAL mask on GPUs, which skips the blocks above
+      the diagonal), and the mask the layer is handed is not read. Right padding is
+      harmless (a real token never attends to the padding after it; the loss ignores
+      padded positions); left padding and packed sequences are not: keep the mask
+      for those. A call whose query and keys differ in length (decoding with a cache)
+      uses the mask it is given. Default ``False``.
 
   Raises:
     TypeError: for a match that is neither a class nor a string, a bad fp8 recipe, or
@@ -150,12 +159,16 @@ class Rule:
   fp8: Any = None
   output_dtype: Optional[np.dtype] = None
   float32_ops: Optional[frozenset] = None
+  causal_attention: bool = False
   _regex: Optional[re.Pattern] = dataclasses.field(
       default=None, init=False, repr=False, compare=False)
 
   def __post_init__(self):
     object.__setattr__(self, "_regex", _check_match(self.match))
     _check_fp8(self.fp8)
+    if not isinstance(self.causal_attention, bool):
+      raise TypeError(f"Rule({self.match!r}) causal_attention must be True or False, got "
+                      f"{self.causal_attention!r} of type {type(self.causal_attention).__name__}.")
     if self.float32_ops is not None:
       object.__setattr__(self, "float32_ops",
                          float32_ops_lib.check(self.float32_ops, f"Rule({self.match!r})"))
@@ -199,6 +212,8 @@ class ModulePrecision:
     fp8: the fp8 recipe of the module's matmuls, or ``None``.
     rule: the rule that matched, or ``None`` where the default applies.
     float32_ops: the ops that compute in float32 inside the module.
+    causal_attention: whether the module's attention is declared causal
+      (:class:`Rule`'s ``causal_attention``).
   """
 
   policy: policy_lib.Policy
@@ -206,6 +221,7 @@ class ModulePrecision:
   fp8: Any
   rule: Optional[Rule]
   float32_ops: frozenset = frozenset(float32_ops_lib.DEFAULT)
+  causal_attention: bool = False
 
 
 def _normalization_policy(default: policy_lib.Policy) -> policy_lib.Policy:
@@ -291,7 +307,8 @@ class PolicyRules:
       if rule.matches(path, module_type):
         policy = self.default if rule.policy is None else rule.policy
         ops = self.float32_ops if rule.float32_ops is None else rule.float32_ops
-        return ModulePrecision(policy, rule.output_dtype, rule.fp8, rule, ops)
+        return ModulePrecision(policy, rule.output_dtype, rule.fp8, rule, ops,
+                               rule.causal_attention)
     if self.float32_normalization and is_normalization(module_type):
       return ModulePrecision(_normalization_policy(self.default), None, None, None,
                              self.float32_ops)

@@ -145,6 +145,33 @@ def test_launch_overhead_bad_input():
     report.estimated_seconds_with_launches(-1e-6)
 
 
+# cuDNN's fused attention as XLA lowers jax.nn.dot_product_attention(..., is_causal=True,
+# implementation="cudnn") for an H100 (backend config cut to the fields audit reads).
+ATTENTION_HLO = textwrap.dedent("""\
+    HloModule m
+
+    ENTRY %main (q: bf16[2,128,4,64], k: bf16[2,128,4,64], v: bf16[2,128,4,64]) -> bf16[2,4,128,64] {
+      %q = bf16[2,128,4,64]{3,2,1,0} parameter(0)
+      %k = bf16[2,128,4,64]{3,2,1,0} parameter(1)
+      %v = bf16[2,128,4,64]{3,2,1,0} parameter(2)
+      %fa = (bf16[2,4,128,64]{3,1,2,0}, u8[0]{0}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config": {"fmha_scale": 0.125, "is_flash_attention": true, "mask_type": "MASK_TYPE"}}
+      ROOT %out = bf16[2,4,128,64]{3,1,2,0} get-tuple-element(%fa), index=0
+    }
+    """)
+
+
+@pytest.mark.parametrize("mask_type, pairs, label", [
+    ("NO_MASK", 128 * 128, "attention 2*4*128x128x64"),
+    ("CAUSAL", 128 * 129 // 2, "attention 2*4*128x128x64 causal"),
+])
+def test_cudnn_attention_counts_the_pairs_its_mask_mode_keeps(mask_type, pairs, label):
+  spec = targets.GPU_TARGETS["h100"]
+  hlo = ATTENTION_HLO.replace("MASK_TYPE", mask_type)
+  (gemm,) = audit_lib.analyze(hlo, "gpu", spec, "h100", spec.device_kind).gemms
+  assert gemm.backend == "cuDNN fused attention"
+  assert (gemm.shape, gemm.flops) == (label, 4 * 2 * 4 * pairs * 64)
+
+
 # cuDNN's MXFP8 block-scaled GEMM, as XLA lowers jax.nn.scaled_matmul for a Blackwell
 # GPU (cuDNN >= 9.10): fp8 operands and E8M0 scales, inside a called computation.
 MX_HLO = textwrap.dedent("""\

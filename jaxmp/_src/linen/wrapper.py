@@ -130,7 +130,7 @@ def _field_values(module: nn.Module, precision, call: engine.Call) -> dict[str, 
   if "dtype" in fields:
     chosen["dtype"] = call.dtype_field(module.dtype, precision)
   if "attention_fn" in fields:
-    chosen["attention_fn"] = call.attention_field(module.attention_fn)
+    chosen["attention_fn"] = call.attention_field(module.attention_fn, precision)
   return {k: v for k, v in chosen.items() if v is not engine.NOT_A_DTYPE_FIELD}
 
 

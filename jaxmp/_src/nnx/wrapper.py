@@ -409,7 +409,7 @@ def _set_fields(module: nnx.Module, precision: rules_lib.ModulePrecision,
   if "dtype" in attributes:
     chosen["dtype"] = call.dtype_field(attributes["dtype"], precision)
   if "attention_fn" in attributes:
-    chosen["attention_fn"] = call.attention_field(attributes["attention_fn"])
+    chosen["attention_fn"] = call.attention_field(attributes["attention_fn"], precision)
   for name, value in chosen.items():
     if value is not engine.NOT_A_DTYPE_FIELD:
       object.__setattr__(module, name, value)

@@ -350,19 +350,27 @@ def _fused_attention(module, ins) -> Gemm:
   """A cuDNN fused-attention call (``jax.nn.dot_product_attention(implementation="cudnn")``).
 
   Its two products (scores and weighted sum) never leave the kernel. FLOPs are
-  counted as FlashAttention counts them, mask or not: ``4 * B * N * Tq * Tk * H``
-  forward, 2.5 times that backward (five products, the scores recomputed).
+  counted as FlashAttention counts them: ``4 * B * N * Tq * Tk * H`` forward, 2.5
+  times that backward (five products, the scores recomputed); in cuDNN's CAUSAL mask
+  mode, which skips the blocks above the diagonal, only the query-key pairs it keeps
+  count (``Tq * (Tq + 1) / 2`` of them for a square score matrix, half otherwise). A
+  mask handed in as a tensor (a bias operand) counts every pair.
   """
   q, k = (module.instruction(o) for o in ins.operands[:2])
   (b, tq, n, h), tk = q.first_array[1], k.first_array[1][1]
-  forward = 4 * b * n * tq * tk * h
+  mask = ins.attribute(r'"mask_type":\s*"([A-Z_]+)"') or "NO_MASK"
+  pairs = tq * tk
+  if mask == "CAUSAL":
+    pairs = tq * (tq + 1) // 2 if tq == tk else pairs // 2
+  forward = 4 * b * n * pairs * h
   backward = "Backward" in ins.custom_call_target
   held = tuple(_dtype_name(_held_dtype(module, x, None)) for x in (q, k))
   nbytes = sum(hlo_lib.nbytes(module.instruction(o).type) for o in ins.operands) + \
       hlo_lib.nbytes(ins.type)
   compute = tuple(_dtype_name(x.first_array[0]) for x in (q, k))
   return Gemm(ins.name, "cuDNN fused attention" + (" (backward)" if backward else ""), held,
-              compute, _dtype_name(ins.first_array[0]), f"attention {b}*{n}*{tq}x{tk}x{h}",
+              compute, _dtype_name(ins.first_array[0]),
+              f"attention {b}*{n}*{tq}x{tk}x{h}" + (" causal" if mask == "CAUSAL" else ""),
               int(forward * (2.5 if backward else 1)), nbytes, _rate(compute, ""))
 
 
