@@ -29,6 +29,12 @@ Workloads (``--workloads``):
   either fp8 op, jaxmp's TrainState against it, and both skipping non-finite steps,
   jaxmp's through ``loss_scaling``, Flax's through ``optax.apply_if_finite``) and the
   block.
+* ``llama``: a Llama-3-8B-shaped decoder layer (``benchmarks/llama_layer.py``: d_model
+  4096, 32 query / 8 key-value heads, SwiGLU 14336, context 4096, batch 1), then a
+  stack of two, each train step (SGD) in float32, bf16, bf16 with fused attention
+  reading the mask tensor, bf16 with ``Rule(causal_attention=True)``, jaxmp fp8
+  per-tensor (delayed) with and without causal attention, fp8 rowwise with causal
+  attention, and Flax's own fp8.
 * ``tpu``: 4096^3 matmuls in bf16, fp8 and int8, and jaxmp's fp8 Dense, compiled for
   TPU v5e, v5p, v6e and v7 (libtpu, deviceless): the operand dtypes in the HLO and
   the TPU cost model's estimated cycles per matmul.
@@ -67,6 +73,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "examples")]
 
 import bench_fp8  # pylint: disable=g-import-not-at-top
 import jaxmp  # pylint: disable=g-import-not-at-top
+import llama_layer  # pylint: disable=g-import-not-at-top
 import timing  # pylint: disable=g-import-not-at-top
 import train_lm  # pylint: disable=g-import-not-at-top
 import transformer  # pylint: disable=g-import-not-at-top
@@ -174,6 +181,70 @@ def demo_cases(preset_name: str = "gpu") -> dict[str, Case]:
           "bf16, unfused attention": jaxmp_case(runs["bfloat16"], False),
           "bf16 + jaxmp fp8, unfused attention": jaxmp_case(runs["bfloat16 + fp8"], False),
           "bf16 + Flax fp8 (unfused attention)": Case(flax_step, flax_make)}
+
+
+# --preset: (batch, context) of the llama workload; its layer is Llama-3-8B's at "gpu".
+LLAMA_TOKENS = {"gpu": (1, 4096), "smoke": (1, 16)}
+LLAMA_STACK = 2  # layers in the stack variant
+
+
+def llama_cases(preset_name: str = "gpu", layers: int = 1) -> dict[str, Case]:
+  """A Llama-3-8B-shaped decoder layer (or stack), train step with SGD, eight ways.
+
+  Each jaxmp variant wraps the same unchanged model (:mod:`llama_layer`) in rules;
+  Flax's fp8 is the model written in bfloat16 with ``nn.Fp8DirectDotGeneralOp``.
+  """
+  config = llama_layer.LLAMA3_8B if preset_name == "gpu" else llama_layer.SMOKE
+  batch, context = LLAMA_TOKENS[preset_name]
+  make_x = lambda: jax.random.normal(jax.random.key(1), (batch, context, config.d_model))
+  causal = jaxmp.Rule(llama_layer.Attention, causal_attention=True)
+  fp8_rule = lambda recipe: jaxmp.Rule(nn.DenseGeneral, fp8=recipe)
+  delayed, rowwise = fp8.DelayedScaling(), fp8.RowwiseScaling()
+  bf16 = "params=float32,compute=bfloat16,output=float32"
+  model = (llama_layer.Stack(config, layers) if layers > 1
+           else llama_layer.DecoderLayer(config))
+  loss_of = lambda y: jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+  def jaxmp_case(rules):
+    wrapped = jaxmp.linen.mixed_precision(model, rules)
+
+    def make():
+      x = make_x()
+      return jaxmp.linen.TrainState.create(
+          apply_fn=wrapped.apply, variables=wrapped.init(jax.random.key(0), x),
+          tx=optax.sgd(1e-3)), x
+
+    def step(state, x):
+      loss, grads = state.value_and_grad(lambda v: loss_of(state.apply_fn(v, x)))()
+      return state.apply_gradients(grads), loss
+    return Case(step, make)
+
+  flax_model = (llama_layer.Stack(config, layers, jnp.bfloat16, nn.Fp8DirectDotGeneralOp)
+                if layers > 1 else
+                llama_layer.DecoderLayer(config, jnp.bfloat16, nn.Fp8DirectDotGeneralOp))
+
+  def flax_make():
+    x = make_x()
+    return flax_model.init(jax.random.key(0), x), x
+
+  def flax_step(variables, x):
+    loss = lambda p, owg: loss_of(flax_model.apply({"params": p, OWG: owg}, x))
+    value, (grads, new_owg) = jax.value_and_grad(loss, argnums=(0, 1))(
+        variables["params"], variables[OWG])
+    params = jax.tree_util.tree_map(lambda p, g: p - 1e-3 * g, variables["params"], grads)
+    return {"params": params, OWG: new_owg}, value
+
+  rules = lambda *r, **kw: jaxmp.PolicyRules(bf16, list(r), **kw)
+  return {
+      "float32": jaxmp_case(jaxmp.PolicyRules("float32")),
+      "bf16": jaxmp_case(rules()),
+      "bf16 + fused attention (mask tensor)": jaxmp_case(rules(fused_attention=True)),
+      "bf16 + causal attention": jaxmp_case(rules(causal)),
+      "fp8 per-tensor": jaxmp_case(rules(fp8_rule(delayed))),
+      "fp8 per-tensor + causal attention": jaxmp_case(rules(causal, fp8_rule(delayed))),
+      "fp8 rowwise + causal attention": jaxmp_case(rules(causal, fp8_rule(rowwise))),
+      "Flax fp8": Case(flax_step, flax_make),
+  }
 
 
 def traffic_cases(power_of_two: bool = False,
@@ -409,7 +480,7 @@ def tpu_table(generations=("v5e", "v5p", "v6e", "v7"), size: int = 4096) -> None
             f"{', '.join(f'{c / base:.2f}' for c in cycles)} |")
 
 
-WORKLOADS = ("traffic", "dense", "block", "demo", "tpu")
+WORKLOADS = ("traffic", "dense", "block", "demo", "llama", "tpu")
 """What ``--workloads`` accepts, in the default order (the module docstring says what each is)."""
 
 
@@ -429,7 +500,8 @@ def main(argv=None) -> None:
       "--workloads", type=parse_workloads, default=list(WORKLOADS),
       help=f"comma-separated, from: {', '.join(WORKLOADS)} (default: all). demo: the "
            "demo's train step in five precisions; dense: one 8192^3 Dense fwd+bwd; block: a "
-           "transformer block; traffic: jaxmp's fp8 against Flax's, non-GEMM bytes; tpu: "
+           "transformer block; llama: a Llama-3-8B-shaped decoder layer and a stack of "
+           "two at context 4096, eight ways; traffic: jaxmp's fp8 against Flax's, non-GEMM bytes; tpu: "
            "matmuls compiled for TPU v5e-v7. All of them compile for about half an hour on "
            "2 cores; progress goes to stderr.")
   parser.add_argument("--power-of-two", action="store_true",
@@ -449,6 +521,13 @@ def main(argv=None) -> None:
     elif workload == "demo":
       precision_table(f"demo train step, examples/train_lm.py --preset {args.preset} (AdamW)",
                       demo_cases(args.preset), on_gpu)
+    elif workload == "llama":
+      batch, context = LLAMA_TOKENS[args.preset]
+      shape = "Llama-3-8B" if args.preset == "gpu" else "smoke-sized"
+      precision_table(f"llama: one {shape} decoder layer, batch {batch} x context {context}, "
+                      "train step (SGD)", llama_cases(args.preset), on_gpu)
+      precision_table(f"llama: {LLAMA_STACK} {shape} decoder layers, batch {batch} x context "
+                      f"{context}, train step (SGD)", llama_cases(args.preset, LLAMA_STACK), on_gpu)
     else:  # dense, block
       preset = bench_fp8.PRESETS[args.preset]
       size = ("x".join(map(str, preset["dense"])) if workload == "dense" else

@@ -125,15 +125,21 @@ def tree_bytes(tree) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
 
 
+CAUSAL_ATTENTION = jaxmp.Rule(nn.MultiHeadDotProductAttention, causal_attention=True)
+"""The blocks' self-attention is causal over unpadded text: cuDNN's CAUSAL mode, no mask."""
+
+
 def make_model(run: Run, config: transformer.Config, fused_attention: bool = False):
   """The run's model: the transformer wrapped in its policy, with
-  ``PolicyRules(fused_attention=True)`` in the 16-bit runs if ``fused_attention``
-  (cuDNN's fused kernel takes 16-bit inputs only; the float32 run keeps Flax's
-  attention, which moves fewer bytes than XLA's fused-attention fallback there)."""
+  ``PolicyRules(fused_attention=True)`` and the attention declared causal
+  (:data:`CAUSAL_ATTENTION`) in the 16-bit runs if ``fused_attention`` (cuDNN's
+  fused kernel takes 16-bit inputs only; the float32 run keeps Flax's attention,
+  which moves fewer bytes than XLA's fused-attention fallback there)."""
   rules = (run.policy if isinstance(run.policy, jaxmp.PolicyRules)
            else jaxmp.PolicyRules(run.policy))
-  sixteen_bit = rules.default.compute_dtype != jnp.float32
-  rules = dataclasses.replace(rules, fused_attention=fused_attention and sixteen_bit)
+  if fused_attention and rules.default.compute_dtype != jnp.float32:
+    rules = dataclasses.replace(rules, fused_attention=True,
+                                rules=rules.rules + (CAUSAL_ATTENTION,))
   return jaxmp.linen.mixed_precision(transformer.TransformerLM(config), rules)
 
 

@@ -158,10 +158,10 @@ def test_gpu_report_lists_its_workloads_and_refuses_an_unknown_one_before_compil
                                      env=env, capture_output=True, text=True, timeout=300,
                                      cwd=ROOT)
   help_text = " ".join(run("--help").stdout.split())
-  assert "from: traffic, dense, block, demo, tpu (default: all)" in help_text, help_text
+  assert "from: traffic, dense, block, demo, llama, tpu (default: all)" in help_text, help_text
   bad = run("--workloads", "dense,llama")
   assert bad.returncode == 2 and bad.stdout == "", (bad.stdout, bad.stderr)
-  assert ("unknown workload(s) ['llama']; accepted: traffic, dense, block, demo, tpu"
+  assert ("unknown workload(s) ['llama']; accepted: traffic, dense, block, demo, llama, tpu"
           in bad.stderr), bad.stderr
 
 
