@@ -159,9 +159,9 @@ def test_gpu_report_lists_its_workloads_and_refuses_an_unknown_one_before_compil
                                      cwd=ROOT)
   help_text = " ".join(run("--help").stdout.split())
   assert "from: traffic, dense, block, demo, llama, tpu (default: all)" in help_text, help_text
-  bad = run("--workloads", "dense,llama")
+  bad = run("--workloads", "dense,gemma")
   assert bad.returncode == 2 and bad.stdout == "", (bad.stdout, bad.stderr)
-  assert ("unknown workload(s) ['llama']; accepted: traffic, dense, block, demo, llama, tpu"
+  assert ("unknown workload(s) ['gemma']; accepted: traffic, dense, block, demo, llama, tpu"
           in bad.stderr), bad.stderr
 
 
