@@ -168,12 +168,18 @@ def test_gpu_report_lists_its_workloads_and_refuses_an_unknown_one_before_compil
 @pytest.mark.slow
 @NEEDS_CUDA_PLUGIN
 def test_gpu_report_compiles_every_workload_for_an_h100():
-  workloads = ["traffic", "dense", "block", "demo"] + (
+  workloads = ["traffic", "dense", "block", "demo", "llama"] + (
       ["tpu"] if targets.installed("libtpu") else [])
   out = _run_deviceless("gpu_report.py", "--preset", "smoke", "--workloads", ",".join(workloads))
   for title in ("### fp8: non-GEMM HBM traffic", "### dense forward + backward",
-                "### block forward + backward", "### demo train step"):
+                "### block forward + backward", "### demo train step",
+                "### llama: one smoke-sized decoder layer", "### llama: 2 smoke-sized"):
     assert title in out, out
+  # Declared causal, the layer's attention runs as cuDNN's two calls (forward,
+  # backward) in place of the six score and weighted-sum GEMMs of Flax's attention.
+  llama = out[out.index("### llama: one"):out.index("### llama: 2")]
+  rows = _table_rows(llama, ["bf16", "bf16 + causal attention"])
+  assert (rows["bf16"][5], rows["bf16 + causal attention"][5]) == ("0/21", "0/17"), llama
   # jaxmp's fp8 Dense runs its three GEMMs in fp8 on an H100, at any size.
   dense = out[out.index("### dense"):out.index("### block")]
   assert _table_rows(dense, ["bf16 + jaxmp fp8"])["bf16 + jaxmp fp8"][5] == "3/3", dense
