@@ -35,6 +35,12 @@ Workloads (``--workloads``):
   reading the mask tensor, bf16 with ``Rule(causal_attention=True)``, jaxmp fp8
   per-tensor (delayed) with and without causal attention, fp8 rowwise with causal
   attention, and Flax's own fp8.
+* ``memory``: that layer (batch 1 x 512 tokens, so params and optimizer state
+  dominate), a jitted train step with clipped AdamW and the state donated, for each of
+  ``examples/train_memory.py``'s runs (float32; mixed; bf16 params + float32 master +
+  bf16 moments; remainder masters; pure bf16 with round-to-nearest, stochastic
+  rounding, Kahan summation): the compiled step's peak by XLA's accounting
+  (``audit(...).memory``: arguments + outputs + temporaries - aliased).
 * ``tpu``: 4096^3 matmuls in bf16, fp8 and int8, and jaxmp's fp8 Dense, compiled for
   TPU v5e, v5p, v6e and v7 (libtpu, deviceless): the operand dtypes in the HLO and
   the TPU cost model's estimated cycles per matmul.
@@ -76,6 +82,7 @@ import jaxmp  # pylint: disable=g-import-not-at-top
 import llama_layer  # pylint: disable=g-import-not-at-top
 import timing  # pylint: disable=g-import-not-at-top
 import train_lm  # pylint: disable=g-import-not-at-top
+import train_memory  # pylint: disable=g-import-not-at-top
 import transformer  # pylint: disable=g-import-not-at-top
 from jaxmp import fp8  # pylint: disable=g-import-not-at-top
 
@@ -245,6 +252,55 @@ def llama_cases(preset_name: str = "gpu", layers: int = 1) -> dict[str, Case]:
       "fp8 rowwise + causal attention": jaxmp_case(rules(causal, fp8_rule(rowwise))),
       "Flax fp8": Case(flax_step, flax_make),
   }
+
+
+MEMORY_TOKENS = {"gpu": (1, 512), "smoke": (1, 16)}
+"""(batch, context) of the memory workload: few tokens, so params and state dominate."""
+
+
+def memory_cases(preset_name: str = "gpu") -> dict[str, Case]:
+  """``examples/train_memory.py``'s seven ways to store params and AdamW's state, on
+  one Llama-3-8B-shaped layer (218M params at ``gpu``); steps donate their state."""
+  config = llama_layer.LLAMA3_8B if preset_name == "gpu" else llama_layer.SMOKE
+  batch, context = MEMORY_TOKENS[preset_name]
+  model = llama_layer.DecoderLayer(config)
+  loss_of = lambda y: jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+  def case(run):
+    wrapped = jaxmp.linen.mixed_precision(model, run.policy)
+
+    def make():
+      x = jax.random.normal(jax.random.key(1), (batch, context, config.d_model))
+      return jaxmp.linen.TrainState.create(
+          apply_fn=wrapped.apply, variables=wrapped.init(jax.random.key(0), x),
+          tx=train_lm.make_optimizer(run, 1e-4, 1000)), x
+
+    def step(state, x):
+      loss, grads = state.value_and_grad(lambda v: loss_of(state.apply_fn(v, x)))()
+      return state.apply_gradients(grads), loss
+    return Case(jax.jit(step, donate_argnums=0), make)
+
+  return {run.name: case(run) for run in train_memory.RUNS}
+
+
+def memory_table(preset_name: str = "gpu") -> None:
+  """Peak memory of the compiled H100 train step, by XLA's accounting, per way."""
+  cases = memory_cases(preset_name)
+  reports = {name: audit(case, "cuBLAS", f"memory: {name}") for name, case in cases.items()}
+  params = sum(x.size for x in jax.tree_util.tree_leaves(
+      jax.eval_shape(lambda: next(iter(cases.values())).make()[0].params)))
+  batch, context = MEMORY_TOKENS[preset_name]
+  print(f"\n### memory: one {'Llama-3-8B' if preset_name == 'gpu' else 'smoke'} layer "
+        f"({params / 1e6:.0f}M params), batch {batch} x context {context}, train step "
+        "(clipped AdamW, state donated)\n")
+  print("| run | peak GiB | vs float32 | arguments GiB | temporaries GiB | "
+        "temporaries bytes/param |\n|---|---:|---:|---:|---:|---:|")
+  base = reports["float32"].memory.peak_bytes
+  for name, r in reports.items():
+    m = r.memory
+    print(f"| {name} | {m.peak_bytes / 2**30:.3f} | {m.peak_bytes / base:.2f}x | "
+          f"{m.argument_bytes / 2**30:.3f} | {m.temp_bytes / 2**30:.3f} | "
+          f"{m.temp_bytes / params:.2f} |")
 
 
 def traffic_cases(power_of_two: bool = False,
@@ -480,7 +536,7 @@ def tpu_table(generations=("v5e", "v5p", "v6e", "v7"), size: int = 4096) -> None
             f"{', '.join(f'{c / base:.2f}' for c in cycles)} |")
 
 
-WORKLOADS = ("traffic", "dense", "block", "demo", "llama", "tpu")
+WORKLOADS = ("traffic", "dense", "block", "demo", "llama", "memory", "tpu")
 """What ``--workloads`` accepts, in the default order (the module docstring says what each is)."""
 
 
@@ -501,7 +557,8 @@ def main(argv=None) -> None:
       help=f"comma-separated, from: {', '.join(WORKLOADS)} (default: all). demo: the "
            "demo's train step in five precisions; dense: one 8192^3 Dense fwd+bwd; block: a "
            "transformer block; llama: a Llama-3-8B-shaped decoder layer and a stack of "
-           "two at context 4096, eight ways; traffic: jaxmp's fp8 against Flax's, non-GEMM bytes; tpu: "
+           "two at context 4096, eight ways; memory: that layer's train step's peak "
+           "memory with seven ways to store params and AdamW's state; traffic: jaxmp's fp8 against Flax's, non-GEMM bytes; tpu: "
            "matmuls compiled for TPU v5e-v7. All of them compile for about half an hour on "
            "2 cores; progress goes to stderr.")
   parser.add_argument("--power-of-two", action="store_true",
@@ -521,6 +578,8 @@ def main(argv=None) -> None:
     elif workload == "demo":
       precision_table(f"demo train step, examples/train_lm.py --preset {args.preset} (AdamW)",
                       demo_cases(args.preset), on_gpu)
+    elif workload == "memory":
+      memory_table(args.preset)
     elif workload == "llama":
       batch, context = LLAMA_TOKENS[args.preset]
       shape = "Llama-3-8B" if args.preset == "gpu" else "smoke-sized"

@@ -42,6 +42,7 @@ from jaxmp._src.tools.hardware import DeviceCapabilities
 from jaxmp._src.tools.hardware import RecommendedPolicy
 from jaxmp._src.tools.hardware import device_capabilities
 from jaxmp._src.tools.hardware import recommended_policy
+from jaxmp._src.tools.memory import CompiledMemory
 from jaxmp._src.tools.memory import MemoryReport
 from jaxmp._src.tools.memory import memory_report
 from jaxmp._src.tools.monitor import Anomaly
@@ -65,6 +66,7 @@ from jaxmp._src.tools.underflow import underflow_stats
 __all__ = (
     "Anomaly",
     "AuditReport",
+    "CompiledMemory",
     "DeviceCapabilities",
     "DivergenceError",
     "FloatFormat",

@@ -158,22 +158,23 @@ def test_gpu_report_lists_its_workloads_and_refuses_an_unknown_one_before_compil
                                      env=env, capture_output=True, text=True, timeout=300,
                                      cwd=ROOT)
   help_text = " ".join(run("--help").stdout.split())
-  assert "from: traffic, dense, block, demo, llama, tpu (default: all)" in help_text, help_text
+  assert "from: traffic, dense, block, demo, llama, memory, tpu (default: all)" in help_text, help_text
   bad = run("--workloads", "dense,gemma")
   assert bad.returncode == 2 and bad.stdout == "", (bad.stdout, bad.stderr)
-  assert ("unknown workload(s) ['gemma']; accepted: traffic, dense, block, demo, llama, tpu"
+  assert ("unknown workload(s) ['gemma']; accepted: traffic, dense, block, demo, llama, memory, tpu"
           in bad.stderr), bad.stderr
 
 
 @pytest.mark.slow
 @NEEDS_CUDA_PLUGIN
 def test_gpu_report_compiles_every_workload_for_an_h100():
-  workloads = ["traffic", "dense", "block", "demo", "llama"] + (
+  workloads = ["traffic", "dense", "block", "demo", "llama", "memory"] + (
       ["tpu"] if targets.installed("libtpu") else [])
   out = _run_deviceless("gpu_report.py", "--preset", "smoke", "--workloads", ",".join(workloads))
   for title in ("### fp8: non-GEMM HBM traffic", "### dense forward + backward",
                 "### block forward + backward", "### demo train step",
-                "### llama: one smoke-sized decoder layer", "### llama: 2 smoke-sized"):
+                "### llama: one smoke-sized decoder layer", "### llama: 2 smoke-sized",
+                "### memory: one smoke layer"):
     assert title in out, out
   # Declared causal, the layer's attention runs as cuDNN's two calls (forward,
   # backward) in place of the six score and weighted-sum GEMMs of Flax's attention.

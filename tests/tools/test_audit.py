@@ -136,6 +136,16 @@ def test_gpu_module_roofline_and_loop_count():
   assert report.estimated_seconds_with_launches(2e-6) == report.estimated_seconds + 6 * 2e-6
 
 
+def test_audit_reports_the_compiled_steps_memory():
+  x = jnp.ones((64, 32), jnp.float32)
+  memory = jaxmp.tools.audit(lambda x: x.T @ x, x).memory
+  assert (memory.argument_bytes, memory.output_bytes) == (64 * 32 * 4, 32 * 32 * 4)
+  assert memory.peak_bytes == (memory.argument_bytes + memory.output_bytes
+                               + memory.temp_bytes - memory.alias_bytes)
+  donated = jaxmp.tools.audit(jax.jit(lambda x: x * 2, donate_argnums=0), x).memory
+  assert donated.alias_bytes == 64 * 32 * 4 and donated.peak_bytes == 64 * 32 * 4
+
+
 def test_launch_overhead_bad_input():
   spec = targets.GPU_TARGETS["h100"]
   report = audit_lib.analyze(GPU_HLO, "gpu", spec, "h100", spec.device_kind)

@@ -54,6 +54,7 @@ from jaxmp._src.fp8 import dot_general as fp8_dot_general
 from jaxmp._src.fp8 import state as fp8_state
 from jaxmp._src.fp8 import support as fp8_support
 from jaxmp._src.tools import hlo as hlo_lib
+from jaxmp._src.tools import memory as memory_lib
 from jaxmp._src.tools import table
 from jaxmp._src.tools import targets as targets_lib
 
@@ -163,6 +164,9 @@ class AuditReport:
     spec: the GPU peaks the roofline used, or None.
     estimated_seconds: the step's estimated time (see the module docstring), or None.
     hlo: the optimized HLO text.
+    memory: the compiled step's device memory by XLA's accounting
+      (``memory_analysis()``; ``memory.peak_bytes``), or None (not compiled here, or
+      the backend does not say).
   """
 
   target: str
@@ -173,6 +177,7 @@ class AuditReport:
   spec: Optional[targets_lib.GpuSpec]
   estimated_seconds: Optional[float]
   hlo: str = dataclasses.field(repr=False)
+  memory: Optional[memory_lib.CompiledMemory] = None
 
   @property
   def gemm_flops(self) -> int:
@@ -616,8 +621,9 @@ def audit(fn: Any, *args: Any, target: Optional[str] = None,
     tpu_seconds = cost.get("optimal_seconds")
     if tpu_seconds is not None and tpu_seconds < 0:  # the cost model's "unknown"
       tpu_seconds = None
-  return analyze(compiled.as_text(), platform, spec, name, kind, compiler_options or {},
-                 tpu_seconds)
+  report = analyze(compiled.as_text(), platform, spec, name, kind, compiler_options or {},
+                   tpu_seconds)
+  return dataclasses.replace(report, memory=memory_lib.compiled_memory(compiled))
 
 
 def compiled_gemms(recipe: Any, target: str, size: int = 512) -> tuple[tuple[str, ...], bool]:

@@ -121,6 +121,37 @@ class MemoryReport:
     return text
 
 
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+  """XLA's accounting of a compiled step's device memory (``memory_analysis()``).
+
+  Attributes:
+    argument_bytes: the step's arguments.
+    output_bytes: its outputs.
+    temp_bytes: temporaries XLA allocates while it runs.
+    alias_bytes: outputs written into donated arguments (counted in both above).
+  """
+
+  argument_bytes: int
+  output_bytes: int
+  temp_bytes: int
+  alias_bytes: int
+
+  @property
+  def peak_bytes(self) -> int:
+    """Arguments + outputs + temporaries - aliased: the step's footprint."""
+    return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+
+
+def compiled_memory(compiled: jax.stages.Compiled) -> Optional[CompiledMemory]:
+  """``compiled.memory_analysis()`` as a :class:`CompiledMemory`, or None where absent."""
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return None
+  return CompiledMemory(int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes),
+                        int(stats.temp_size_in_bytes), int(stats.alias_size_in_bytes))
+
+
 def _compiled_bytes(compiled: Any) -> dict[str, Optional[int]]:
   if compiled is None:
     return {}
@@ -129,13 +160,8 @@ def _compiled_bytes(compiled: Any) -> dict[str, Optional[int]]:
             if hasattr(compiled, "lower") else "")
     raise TypeError(f"memory_report: compiled must be a compiled step (jax.stages.Compiled), "
                     f"got {type(compiled).__name__}{hint}.")
-  stats = compiled.memory_analysis()
-  if stats is None:
-    return {}
-  return dict(argument_bytes=int(stats.argument_size_in_bytes),
-              output_bytes=int(stats.output_size_in_bytes),
-              temp_bytes=int(stats.temp_size_in_bytes),
-              alias_bytes=int(stats.alias_size_in_bytes))
+  memory = compiled_memory(compiled)
+  return {} if memory is None else dataclasses.asdict(memory)
 
 
 def memory_report(params: Any, opt_state: Any = None, *, grads: Any = None,
@@ -183,7 +209,9 @@ def memory_report(params: Any, opt_state: Any = None, *, grads: Any = None,
 
 
 __all__ = (
+    "CompiledMemory",
     "MemoryReport",
+    "compiled_memory",
     "memory_report",
     "tree_bytes",
 )
