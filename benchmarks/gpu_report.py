@@ -258,10 +258,12 @@ MEMORY_TOKENS = {"gpu": (1, 512), "smoke": (1, 16)}
 """(batch, context) of the memory workload: few tokens, so params and state dominate."""
 
 
-def memory_cases(preset_name: str = "gpu") -> dict[str, Case]:
-  """``examples/train_memory.py``'s seven ways to store params and AdamW's state, on
-  one Llama-3-8B-shaped layer (218M params at ``gpu``); steps donate their state."""
-  config = llama_layer.LLAMA3_8B if preset_name == "gpu" else llama_layer.SMOKE
+def memory_cases(preset_name: str = "gpu", config: Any = None,
+                 runs: Any = None) -> dict[str, Case]:
+  """``examples/train_memory.py``'s seven ways to store params and AdamW's state (or
+  ``runs``), on one Llama-3-8B-shaped layer (218M params at ``gpu``; or ``config``'s);
+  steps donate their state."""
+  config = config or (llama_layer.LLAMA3_8B if preset_name == "gpu" else llama_layer.SMOKE)
   batch, context = MEMORY_TOKENS[preset_name]
   model = llama_layer.DecoderLayer(config)
   loss_of = lambda y: jnp.mean(jnp.square(y.astype(jnp.float32)))
@@ -280,7 +282,7 @@ def memory_cases(preset_name: str = "gpu") -> dict[str, Case]:
       return state.apply_gradients(grads), loss
     return Case(jax.jit(step, donate_argnums=0), make)
 
-  return {run.name: case(run) for run in train_memory.RUNS}
+  return {run.name: case(run) for run in (runs or train_memory.RUNS)}
 
 
 def memory_table(preset_name: str = "gpu") -> None:

@@ -15,6 +15,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -186,3 +187,49 @@ def test_gpu_report_compiles_every_workload_for_an_h100():
   assert _table_rows(dense, ["bf16 + jaxmp fp8"])["bf16 + jaxmp fp8"][5] == "3/3", dense
   if "tpu" in workloads:
     assert "### TPU:" in out and "| v7 (" in out, out
+
+
+_MEMORY_CHECK = textwrap.dedent("""\
+    import dataclasses, sys
+    sys.argv = ["gpu_report"]
+    import jax, jaxmp, gpu_report, llama_layer, train_memory
+    runs = {r.name: r for r in train_memory.RUNS}
+    # The order the README advises against: stochastic rounding inside loss scaling.
+    inside = lambda schedule: jaxmp.optim.stochastic_rounding(
+        train_memory.bf16_adamw(schedule), jax.random.key(0))
+    runs["inside"] = dataclasses.replace(runs["(d) pure bf16, stochastic"], name="inside",
+                                         optimizer=inside, loss_scale=jaxmp.NoOpLossScale)
+    config = llama_layer.Config(d_model=512, heads=8, kv_heads=2, head_dim=64, ffn=2048)
+    cases = gpu_report.memory_cases("smoke", config, list(runs.values()))
+    state = jax.eval_shape(lambda: cases["float32"].make()[0])
+    print(sum(x.size for x in jax.tree_util.tree_leaves(state.params)))
+    for name, case in cases.items():
+      m = gpu_report.audit(case, "cuBLAS").memory
+      print(f"{name}|{m.peak_bytes}|{m.temp_bytes}")
+    """)
+
+
+@pytest.mark.slow
+@NEEDS_CUDA_PLUGIN
+def test_h100_train_step_memory_orders_as_the_memory_transforms_promise():
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([str(ROOT), str(BENCHMARKS), str(ROOT / "examples")]))
+  out = subprocess.run([sys.executable, "-c", _MEMORY_CHECK], env=env, capture_output=True,
+                       text=True, timeout=1200, cwd=ROOT)
+  assert out.returncode == 0, out.stderr[-4000:]
+  first, *lines = out.stdout.strip().splitlines()
+  params = int(first)
+  rows = {}
+  for line in lines:
+    name, peak, temp = line.rsplit("|", 2)
+    rows[name] = (int(peak), int(temp))
+  peak = lambda name: rows[name][0]
+  # Less state, lower peak: float32 Adam > mixed > master + bf16 moments > remainders
+  # > pure bfloat16.
+  assert (peak("float32") > peak("(a) mixed") > peak("(b) master + bf16 Adam")
+          > peak("(b) remainders") > peak("(c) pure bf16, nearest")), rows
+  # Stochastic rounding outside loss scaling: its random bits cost at most 2 bytes of
+  # temporaries per param over round-to-nearest; inside, more (why the README says so).
+  extra = lambda name: (rows[name][1] - rows["(c) pure bf16, nearest"][1]) / params
+  assert extra("(d) pure bf16, stochastic") <= 2, rows
+  assert extra("inside") > 2, rows

@@ -158,3 +158,24 @@ def test_the_chain_form_that_a_later_transform_silently_undid_is_refused():
   # rounding: SGD rescaled the updates that were meant to land on the rounded values.
   with pytest.raises(TypeError, match=r"stochastic_rounding\(inner, key\)"):
     optax.chain(jaxmp.optim.stochastic_rounding(jax.random.key(0)), optax.sgd(1e-3))
+
+
+def test_outside_loss_scaling_a_skipped_step_keeps_every_param_bit_for_bit():
+  # The order the README recommends: stochastic_rounding(loss_scaling(...)). Loss
+  # scaling's zero updates (-0.0) round to the params themselves: p's low 16 bits are
+  # zero, so no random 16-bit addend carries into the kept bits.
+  params = {"w": jnp.array([1.0, -0.0, 0.0, -3.5, 1e-30, jnp.inf], jnp.bfloat16),
+            "b": jnp.array([2.0**-126, -7.0], jnp.bfloat16)}
+  tx = jaxmp.optim.stochastic_rounding(
+      jaxmp.loss_scaling(jaxmp.optim.state_dtypes(optax.adam(1e-2), "bfloat16"),
+                         jaxmp.DynamicLossScale(2.0**15)), jax.random.key(3))
+  state = tx.init(params)
+  finite = jax.tree.map(lambda p: jnp.ones(p.shape, jnp.float32), params)
+  updates, state = tx.update(finite, state, params)
+  params = optax.apply_updates(params, updates)
+  adam_before = state.inner_state.inner_state  # under stochastic rounding and loss scaling
+  bad = jax.tree.map(lambda p: jnp.full(p.shape, jnp.nan, jnp.float32), params)
+  updates, skipped = tx.update(bad, state, params)
+  chex.assert_trees_all_equal(optax.apply_updates(params, updates), params)
+  chex.assert_trees_all_equal(skipped.inner_state.inner_state, adam_before)
+  assert float(jaxmp.get_loss_scale(skipped).loss_scale) == 2.0**14
