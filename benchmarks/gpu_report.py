@@ -300,7 +300,7 @@ def memory_table(preset_name: str = "gpu") -> None:
   base = reports["float32"].memory.peak_bytes
   for name, r in reports.items():
     m = r.memory
-    print(f"| {name} | {m.peak_bytes / 2**30:.3f} | {m.peak_bytes / base:.2f}x | "
+    print(f"| {name} | {m.peak_bytes / 2**30:.3f} | {m.peak_bytes / base:.3f}x | "
           f"{m.argument_bytes / 2**30:.3f} | {m.temp_bytes / 2**30:.3f} | "
           f"{m.temp_bytes / params:.2f} |")
 
