@@ -167,6 +167,16 @@ def test_bad_fused_attention_value():
     jaxmp.PolicyRules(BF16, fused_attention="cudnn")
 
 
+def _run_deviceless(script: str) -> subprocess.CompletedProcess:
+  """``script`` in a process that compiles for an H100 it does not have (or a skip)."""
+  if not targets.cuda_plugin_installed():
+    pytest.skip("needs jax[cuda12] plugin (make gpu-report builds it)")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+  return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                        text=True, timeout=600)
+
+
 _H100_CHECK = textwrap.dedent("""\
     import flax.linen as nn, jax, jax.numpy as jnp, jaxmp
     S = jax.ShapeDtypeStruct
@@ -206,12 +216,7 @@ _CAUSAL_CHECK = textwrap.dedent("""\
 
 
 def test_h100_deviceless_causal_attention_runs_cudnns_causal_mode_with_no_bias():
-  if not targets.cuda_plugin_installed():
-    pytest.skip("needs jax[cuda12] plugin (make gpu-report builds it)")
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-  out = subprocess.run([sys.executable, "-c", _CAUSAL_CHECK], env=env, capture_output=True,
-                       text=True, timeout=600)
+  out = _run_deviceless(_CAUSAL_CHECK)
   assert out.returncode == 0, out.stderr[-4000:]
   with_mask, causal = out.stdout.strip().splitlines()
   # The mask as a tensor: cuDNN reads it as a dense bias, every tile computed.
@@ -239,12 +244,7 @@ _FLOAT32_CHECK = textwrap.dedent("""\
 
 
 def test_float32_fused_attention_warns_that_cudnn_refuses_it():
-  if not targets.cuda_plugin_installed():
-    pytest.skip("needs jax[cuda12] plugin (make gpu-report builds it)")
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-  out = subprocess.run([sys.executable, "-c", _FLOAT32_CHECK], env=env, capture_output=True,
-                       text=True, timeout=600)
+  out = _run_deviceless(_FLOAT32_CHECK)
   assert out.returncode == 0, out.stderr[-4000:]
   assert ("PolicyRules(fused_attention=True): cuDNN's fused attention does not take query "
           "float32[2, 16, 4, 16] (Q must be fp16/bf16/fp8_e4m3fn/fp8_e5m2, got float32): "
@@ -252,10 +252,5 @@ def test_float32_fused_attention_warns_that_cudnn_refuses_it():
 
 
 def test_h100_deviceless_runs_cudnn_fused_attention():
-  if not targets.cuda_plugin_installed():
-    pytest.skip("needs jax[cuda12] plugin (make gpu-report builds it)")
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-  out = subprocess.run([sys.executable, "-c", _H100_CHECK], env=env, capture_output=True,
-                       text=True, timeout=600)
+  out = _run_deviceless(_H100_CHECK)
   assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-4000:]
