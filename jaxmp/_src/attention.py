@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +55,7 @@ def _cudnn_can_take(query, key, value, bias, mask, is_causal) -> bool:
 
 
 def attend(query: jax.Array, key: jax.Array, value: jax.Array,
-           bias: Optional[jax.Array] = None, mask: Optional[jax.Array] = None,
+           bias: jax.Array | None = None, mask: jax.Array | None = None,
            is_causal: bool = False) -> jax.Array:
   """``softmax(q k^T / sqrt(d) + bias, masked) v``: cuDNN's fused kernel on GPUs, else XLA's.
 

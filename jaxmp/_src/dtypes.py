@@ -21,13 +21,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-DTypeLike = Union[str, np.dtype, type, Any]
+DTypeLike = str | np.dtype | type | Any
 
 # Names exactly as jmp spells them; the first name of each dtype is jmp's canonical one.
 POLICY_DTYPE_ALIASES: dict[str, np.dtype] = {
@@ -74,7 +74,7 @@ def check_device(device: Any, where: str) -> Any:
   return device
 
 
-def gpu_compute_capability(device: Any, where: str) -> Optional[tuple[int, int]]:
+def gpu_compute_capability(device: Any, where: str) -> tuple[int, int] | None:
   """A CUDA device's compute capability as ``(major, minor)``; ``None`` if it has none.
 
   CUDA devices report e.g. ``"9.0"``; ROCm devices report no such attribute.
@@ -92,7 +92,7 @@ def gpu_compute_capability(device: Any, where: str) -> Optional[tuple[int, int]]
   return int(major), int(minor or 0)
 
 
-def half_dtype(device: Optional[jax.Device] = None) -> np.dtype:
+def half_dtype(device: jax.Device | None = None) -> np.dtype:
   """Returns the 16-bit float dtype that ``device`` computes in best.
 
   bfloat16 on TPUs and on GPUs with compute capability >= 8.0 (Ampere and later) or
@@ -180,11 +180,13 @@ def parse_dtype(value: DTypeLike, *, allow_fp8: bool = False) -> np.dtype:
 
 def _to_numpy_dtype(value: Any) -> np.dtype:
   if value is None or isinstance(value, (bool, int, float)):
-    raise TypeError(f"Expected a dtype or dtype name, got {value!r} of type {type(value).__name__}.")
+    raise TypeError(f"Expected a dtype or dtype name, got {value!r} of type "
+                    f"{type(value).__name__}.")
   try:
     return np.dtype(value)
   except TypeError as e:
-    raise TypeError(f"Expected a dtype or dtype name, got {value!r} of type {type(value).__name__}.") from e
+    raise TypeError(f"Expected a dtype or dtype name, got {value!r} of type "
+                    f"{type(value).__name__}.") from e
 
 
 def dtype_name(dtype: DTypeLike) -> str:

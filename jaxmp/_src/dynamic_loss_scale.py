@@ -195,7 +195,7 @@ class DynamicLossScale(LossScale):
   min_scale = property(lambda self: self._hparams[3])
   max_scale = property(lambda self: self._hparams[4])
 
-  def adjust(self, grads_finite: Any) -> "DynamicLossScale":
+  def adjust(self, grads_finite: Any) -> DynamicLossScale:
     """The loss scale after a step whose gradients were (not) finite; jit-safe.
 
     Args:
@@ -227,7 +227,7 @@ class DynamicLossScale(LossScale):
     new_counter = jnp.where(finite & ~grow, next_counter, jnp.zeros((), jnp.int32))
     return self._replace_leaves(new_scale, new_counter)
 
-  def _replace_leaves(self, loss_scale, counter) -> "DynamicLossScale":
+  def _replace_leaves(self, loss_scale, counter) -> DynamicLossScale:
     return type(self)._tree_unflatten(self._hparams, (loss_scale, counter))
 
   def __repr__(self) -> str:

@@ -57,7 +57,9 @@ import contextlib
 import functools
 import importlib
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp

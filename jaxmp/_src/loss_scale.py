@@ -37,7 +37,10 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, TypeVar, Union
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -96,8 +99,8 @@ def poison_unless(valid: jax.Array, scale: jax.Array) -> jax.Array:
   return jnp.where(valid, scale, jnp.float32(jnp.nan))
 
 
-def as_loss_scale(loss_scale: Any, *, where: str, default: "LossScale",
-                  none_means: str) -> "LossScale":
+def as_loss_scale(loss_scale: Any, *, where: str, default: LossScale,
+                  none_means: str) -> LossScale:
   """``loss_scale`` if it is a jaxmp loss scale, ``default`` for ``None``.
 
   Args:
@@ -227,7 +230,7 @@ class LossScale(pytree_lib.Immutable):
     """
     return _multiply_tree(tree, jnp.float32(1.0) / self.loss_scale)
 
-  def adjust(self, grads_finite: Any) -> "LossScale":
+  def adjust(self, grads_finite: Any) -> LossScale:
     """The loss scale for the next step, given whether this step's grads were finite."""
     raise NotImplementedError
 
@@ -257,7 +260,7 @@ class LossScale(pytree_lib.Immutable):
     return loss * self.loss_scale.astype(loss.dtype)
 
   def value_and_grad(self, fun: Callable[..., Any], *, has_aux: bool = False,
-                     argnums: Union[int, Sequence[int]] = 0) -> Callable[..., Any]:
+                     argnums: int | Sequence[int] = 0) -> Callable[..., Any]:
     """Like ``jax.value_and_grad``, but differentiates the scaled loss.
 
     The returned function computes ``fun(*args, **kwargs)`` once and differentiates
@@ -315,7 +318,7 @@ class NoOpLossScale(LossScale):
     """Returns ``tree`` itself: nothing is unscaled."""
     return tree
 
-  def adjust(self, grads_finite: Any) -> "NoOpLossScale":
+  def adjust(self, grads_finite: Any) -> NoOpLossScale:
     """Returns ``self`` (after checking that ``grads_finite`` is a scalar bool)."""
     check_grads_finite(grads_finite, owner="NoOpLossScale.adjust")
     return self
@@ -372,7 +375,7 @@ class StaticLossScale(LossScale):
   def loss_scale(self) -> jax.Array:
     return self._loss_scale
 
-  def adjust(self, grads_finite: Any) -> "StaticLossScale":
+  def adjust(self, grads_finite: Any) -> StaticLossScale:
     """Returns ``self`` (after checking that ``grads_finite`` is a scalar bool)."""
     check_grads_finite(grads_finite, owner="StaticLossScale.adjust")
     return self

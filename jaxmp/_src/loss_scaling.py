@@ -57,7 +57,9 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Hashable, NamedTuple, Optional
+from collections.abc import Hashable
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -113,7 +115,7 @@ class LossScalingState(NamedTuple):
   consecutive_skips: jax.Array
 
 
-def _check_axis_name(axis_name: Any) -> Optional[Hashable]:
+def _check_axis_name(axis_name: Any) -> Hashable | None:
   if axis_name is None:
     return None
   try:
@@ -125,7 +127,7 @@ def _check_axis_name(axis_name: Any) -> Optional[Hashable]:
   return axis_name
 
 
-def _check_max_skips(value: Any) -> Optional[int]:
+def _check_max_skips(value: Any) -> int | None:
   if value is None:
     return None
   return checks.positive_int(value, "max_consecutive_skips", where="loss_scaling",
@@ -143,7 +145,7 @@ def _gradient_steps(inner_state: Any) -> list:
           if is_multi(leaf)]
 
 
-def _optimizer_step_completed(old_inner: Any, new_inner: Any) -> Optional[jax.Array]:
+def _optimizer_step_completed(old_inner: Any, new_inner: Any) -> jax.Array | None:
   """Whether the update completed an optimizer step: an accumulating MultiSteps emitted.
 
   ``None`` without a MultiSteps inside: then every update is an optimizer step.
@@ -154,7 +156,7 @@ def _optimizer_step_completed(old_inner: Any, new_inner: Any) -> Optional[jax.Ar
 
 
 def _adjust(loss_scale: loss_scale_lib.LossScale, finite: jax.Array,
-            completed: Optional[jax.Array]) -> loss_scale_lib.LossScale:
+            completed: jax.Array | None) -> loss_scale_lib.LossScale:
   """``loss_scale.adjust(finite)``, held on a finite micro-batch that completes no step."""
   adjusted = loss_scale.adjust(finite)
   if completed is None:
@@ -186,10 +188,10 @@ def _check_skip_cap(count: jax.Array, scale: jax.Array, cap: int) -> None:
 
 def loss_scaling(
     inner: optax.GradientTransformation,
-    loss_scale: Optional[loss_scale_lib.LossScale] = None,
+    loss_scale: loss_scale_lib.LossScale | None = None,
     *,
-    axis_name: Optional[Hashable] = None,
-    max_consecutive_skips: Optional[int] = None,
+    axis_name: Hashable | None = None,
+    max_consecutive_skips: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optimizer to take gradients of a scaled loss and skip non-finite steps.
 
@@ -346,7 +348,7 @@ def _find_states(tree: Any, found: list, caller: str) -> None:
         raise ValueError(_WRONG_NESTING.format(caller=caller))
 
 
-def find_state(opt_state: Any, caller: str) -> Optional[LossScalingState]:
+def find_state(opt_state: Any, caller: str) -> LossScalingState | None:
   """The one :class:`LossScalingState` in ``opt_state``, or ``None`` if there is none.
 
   NNX variable wrappers (``nnx.Optimizer``'s ``opt_state``) are removed.

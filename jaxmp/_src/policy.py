@@ -35,7 +35,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, TypeVar, Union
+from typing import TypeVar
 
 import jax.numpy as jnp
 import jmp
@@ -90,8 +90,8 @@ class Policy:
   """
 
   param_dtype: np.dtype = np.dtype(np.float32)
-  compute_dtype: Optional[np.dtype] = None
-  output_dtype: Optional[np.dtype] = None
+  compute_dtype: np.dtype | None = None
+  output_dtype: np.dtype | None = None
 
   def __post_init__(self):
     param = _policy_dtype(self.param_dtype, "param_dtype")
@@ -115,15 +115,15 @@ class Policy:
     """Casts the floating-point leaves of ``tree`` to the output dtype."""
     return tree_lib.cast_tree(tree, self.output_dtype)
 
-  def with_param_dtype(self, dtype: dtypes_lib.DTypeLike) -> "Policy":
+  def with_param_dtype(self, dtype: dtypes_lib.DTypeLike) -> Policy:
     """A copy of this policy with another param dtype (the others unchanged)."""
     return dataclasses.replace(self, param_dtype=dtype)
 
-  def with_compute_dtype(self, dtype: dtypes_lib.DTypeLike) -> "Policy":
+  def with_compute_dtype(self, dtype: dtypes_lib.DTypeLike) -> Policy:
     """A copy of this policy with another compute dtype (the others unchanged)."""
     return dataclasses.replace(self, compute_dtype=dtype)
 
-  def with_output_dtype(self, dtype: dtypes_lib.DTypeLike) -> "Policy":
+  def with_output_dtype(self, dtype: dtypes_lib.DTypeLike) -> Policy:
     """A copy of this policy with another output dtype (the others unchanged)."""
     return dataclasses.replace(self, output_dtype=dtype)
 
@@ -148,7 +148,7 @@ class Policy:
             f"{self.compute_dtype.name}, output_dtype={self.output_dtype.name})")
 
 
-PolicyLike = Union[Policy, jmp.Policy, str]
+PolicyLike = Policy | jmp.Policy | str
 
 
 def _grammar_help() -> str:

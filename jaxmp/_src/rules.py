@@ -46,7 +46,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -80,12 +81,12 @@ def is_normalization(module_type: type) -> bool:
 MODULE_DTYPES = ("policy", "model")
 """Who decides a module's computation dtype field: the resolved policy, or the model."""
 
-Match = Union[type, tuple, str]
+Match = type | tuple | str
 
 _OUTPUT_KEY = re.compile(r"(^|,)\s*(o|output)\s*=")
 
 
-def _check_match(match: Any) -> Optional[re.Pattern]:
+def _check_match(match: Any) -> re.Pattern | None:
   """Validates a rule's match; returns the compiled regex for a string match."""
   if isinstance(match, str):
     try:
@@ -105,7 +106,7 @@ def _check_fp8(recipe: Any) -> None:
     recipes_lib.check_recipe(recipe, where="Rule fp8")
 
 
-def _named_output(policy: Any, parsed: policy_lib.Policy) -> Optional[np.dtype]:
+def _named_output(policy: Any, parsed: policy_lib.Policy) -> np.dtype | None:
   """The output dtype a rule's policy names, or None where it only follows compute."""
   if isinstance(policy, str):
     return parsed.output_dtype if _OUTPUT_KEY.search(policy) else None
@@ -146,11 +147,11 @@ class Rule:
   """
 
   match: Match
-  policy: Optional[policy_lib.Policy] = None
+  policy: policy_lib.Policy | None = None
   fp8: Any = None
-  output_dtype: Optional[np.dtype] = None
-  float32_ops: Optional[frozenset] = None
-  _regex: Optional[re.Pattern] = dataclasses.field(
+  output_dtype: np.dtype | None = None
+  float32_ops: frozenset | None = None
+  _regex: re.Pattern | None = dataclasses.field(
       default=None, init=False, repr=False, compare=False)
 
   def __post_init__(self):
@@ -202,9 +203,9 @@ class ModulePrecision:
   """
 
   policy: policy_lib.Policy
-  output_dtype: Optional[np.dtype]
+  output_dtype: np.dtype | None
   fp8: Any
-  rule: Optional[Rule]
+  rule: Rule | None
   float32_ops: frozenset = frozenset(float32_ops_lib.DEFAULT)
 
 
@@ -298,7 +299,7 @@ class PolicyRules:
     return ModulePrecision(self.default, None, None, None, self.float32_ops)
 
 
-PolicyOrRules = Union[PolicyRules, policy_lib.PolicyLike]
+PolicyOrRules = PolicyRules | policy_lib.PolicyLike
 
 
 def check_rules(rules: Any, where: str) -> PolicyRules:

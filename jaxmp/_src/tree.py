@@ -21,7 +21,9 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -129,8 +131,9 @@ def all_finite(tree: Any) -> jax.Array:
   """Whether every floating-point value in ``tree`` is finite.
 
   Non-float leaves (integers, bools, keys, ``None``) are finite by definition, and an
-  empty tree is finite; any other leaf (a string, an object) is refused. Floating-point NumPy arrays and scalars and Python floats
-  count like arrays (:func:`is_float_leaf`); being concrete, they are checked on the
+  empty tree is finite; any other leaf (a string, an object) is refused. Floating-point
+  NumPy arrays and scalars and Python floats count like arrays (:func:`is_float_leaf`);
+  being concrete, they are checked on the
   host, in their own dtype. For JAX arrays the check is one float32 reduction per
   leaf, chosen per backend when the computation is lowered:
 

@@ -33,7 +33,9 @@ from __future__ import annotations
 import functools
 import string
 from collections.abc import Mapping
-from typing import Any, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,12 +62,12 @@ class _Config(NamedTuple):
   out_dtype: np.dtype
   out_sharding: Any
   # (shape, dtype) of each state leaf, to hand the new state back in the same form.
-  state_avals: Optional[tuple]
+  state_avals: tuple | None
   # The shard_map mesh axes lhs, rhs and each state leaf vary over (empty outside
   # shard_map): each cotangent must vary over exactly its primal's axes.
   lhs_varying: frozenset = frozenset()
   rhs_varying: frozenset = frozenset()
-  state_varying: Optional[tuple] = None
+  state_varying: tuple | None = None
 
 
 def _check_operand(name: str, x: jax.Array) -> None:
@@ -291,7 +293,7 @@ _fp8_dot_jit = jax.jit(_fp8_dot, static_argnums=(3,))
 
 def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
                     preferred_element_type: Any = None, out_sharding: Any = None, *,
-                    state: Any = None, recipe: Optional[recipes_lib.Recipe] = None) -> jax.Array:
+                    state: Any = None, recipe: recipes_lib.Recipe | None = None) -> jax.Array:
   """``jax.lax.dot_general`` computed in fp8, under any jaxmp fp8 recipe.
 
   A drop-in ``dot_general``: ``functools.partial(fp8_dot_general, state=...,
@@ -376,8 +378,8 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, prec
     cfg = per_gemm_lib.config(lhs, rhs, dimension_numbers, recipe, out_dtype, target.mx)
     return per_gemm_lib.dot(lhs, rhs, cfg)
   cfg = _Config(dimension_numbers, recipe, np.dtype(lhs.dtype), np.dtype(rhs.dtype),
-                out_dtype, out_sharding, state_avals, sharding.varying_axes(lhs), sharding.varying_axes(rhs),
-                state_varying)
+                out_dtype, out_sharding, state_avals, sharding.varying_axes(lhs),
+                sharding.varying_axes(rhs), state_varying)
   return _fp8_dot_jit(lhs, rhs, state, cfg)
 
 
@@ -431,7 +433,7 @@ def _parse_einsum(eqn: str, lhs_ndim: int, rhs_ndim: int) -> tuple:
 
 
 def fp8_einsum(eqn: str, lhs: jax.Array, rhs: jax.Array, *, state: Any = None,
-               recipe: Optional[recipes_lib.Recipe] = None, preferred_element_type: Any = None,
+               recipe: recipes_lib.Recipe | None = None, preferred_element_type: Any = None,
                precision: Any = None) -> jax.Array:
   """A two-operand ``jnp.einsum`` computed as one :func:`fp8_dot_general`.
 

@@ -31,7 +31,8 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Union
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +49,7 @@ from jaxmp._src.fp8 import scaled_gemm
 INPUT, KERNEL, GRADIENT = "input", "kernel", "output_grad"
 _FORMATS = {"e4m3": q.E4M3, "e5m2": q.E5M2}
 
-Operand = Union[grouped.Quantized, jax.Array]
+Operand = grouped.Quantized | jax.Array
 
 
 class Config(NamedTuple):

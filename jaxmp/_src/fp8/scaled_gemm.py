@@ -222,5 +222,5 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, groupings: tup
   return out[:, :p, :q_]
 
 
-__all__ = ("CANONICAL", "GPU_FP8_CONTRACTION_MULTIPLE", "fuses_output", "fuses_output_on_gpus", "gemm",
-           "rescaled_dot")
+__all__ = ("CANONICAL", "GPU_FP8_CONTRACTION_MULTIPLE", "fuses_output", "fuses_output_on_gpus",
+           "gemm", "rescaled_dot")

@@ -51,7 +51,9 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional, TypeVar
+from typing import Any
+from typing import NamedTuple
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -109,7 +111,7 @@ class DelayedScalingState(NamedTuple):
   output_grad_amax_history: Any
 
   @classmethod
-  def from_variables(cls, variables: Any) -> "DelayedScalingState":
+  def from_variables(cls, variables: Any) -> DelayedScalingState:
     """Builds the state from a mapping with Flax's six variable names.
 
     Raises:
@@ -124,7 +126,7 @@ class DelayedScalingState(NamedTuple):
     return cls(**{name: variables[name] for name in cls._fields})
 
 
-def init_state(recipe: recipes_lib.Recipe) -> Optional[DelayedScalingState]:
+def init_state(recipe: recipes_lib.Recipe) -> DelayedScalingState | None:
   """The initial state of one fp8 matmul under ``recipe``.
 
   Scales start at 1 and histories at 0, as in Flax and TransformerEngine: the first
@@ -235,7 +237,7 @@ def _guard_jvp(message, primals, tangents):
   return operand, operand_tangent
 
 
-def require_state_gradient(operand: jax.Array, state: Optional[DelayedScalingState], *,
+def require_state_gradient(operand: jax.Array, state: DelayedScalingState | None, *,
                            hint: str, params: Any = None) -> jax.Array:
   """``operand``, refusing a derivative with respect to ``params`` without one for ``state``.
 
@@ -386,7 +388,8 @@ def accumulate(a: T, b: T) -> T:
     Array([5., 1.], dtype=float32)
   """
   a, b = from_grad(a), from_grad(b)
-  return jax.tree_util.tree_map(lambda x, y: jnp.fmax(jnp.asarray(x, F32), jnp.asarray(y, F32)), a, b)
+  return jax.tree_util.tree_map(
+      lambda x, y: jnp.fmax(jnp.asarray(x, F32), jnp.asarray(y, F32)), a, b)
 
 
 def all_reduce(state_cotangent: T, axis_name: Any) -> T:

@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 from flax.core import scope as flax_scope
 from flax.linen import module as linen_module
 
-from jaxmp._src.linen import fp8 as fp8_linen
 from jaxmp._src.fp8 import recipes as recipes_lib
 from jaxmp._src.fp8 import state as state_lib
+from jaxmp._src.linen import fp8 as fp8_linen
 
 _MISSING = object()
 

@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -269,7 +270,7 @@ class MixedPrecision(engine.Wrapper):
     """
     return dict(self._module_types)
 
-  def with_rules(self, rules: rules_lib.PolicyRules) -> "MixedPrecision":
+  def with_rules(self, rules: rules_lib.PolicyRules) -> MixedPrecision:
     """The same model under other rules; the variables it takes are the same.
 
     Nothing is re-initialised: ``apply`` of the new wrapper takes the variables this
@@ -374,7 +375,7 @@ class MixedPrecision(engine.Wrapper):
                              _fp8_layer_names(), already_warned=self._warned, stacklevel=4)
 
 
-def trace_abstract(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRules],
+def trace_abstract(model_or_wrapper: Any, rules: rules_lib.PolicyOrRules | None,
                    args: tuple, kwargs: dict, *, variables: Any = None, rngs: Any = None
                    ) -> tuple[rules_lib.PolicyRules, list[CallRecord], Any]:
   """Traces one ``init`` or ``apply`` abstractly; for :func:`jaxmp.tools.summary`.

@@ -31,14 +31,16 @@ Example:
   >>> layer(jnp.ones((4, 3))).shape
   (4, 2)
   >>> sorted(nnx.state(layer, jaxmp.nnx.Fp8State)["dot_general"])
-  ['input_amax_history', 'input_scale', 'kernel_amax_history', 'kernel_scale', 'output_grad_amax_history', 'output_grad_scale']
+  ['input_amax_history', 'input_scale', 'kernel_amax_history', 'kernel_scale',
+   'output_grad_amax_history', 'output_grad_scale']
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -83,14 +85,14 @@ _TRAIN_HINT = ("Train NNX fp8 models with jaxmp.nnx.value_and_grad (it different
                "merges the new fp8 state), not a plain nnx.grad + optimizer.update.")
 
 
-def _read_state(module: nnx.Module) -> Optional[state_lib.DelayedScalingState]:
+def _read_state(module: nnx.Module) -> state_lib.DelayedScalingState | None:
   if not isinstance(module.recipe, recipes_lib.DelayedScaling):
     return None
   return state_lib.DelayedScalingState(
       *(getattr(module, name).get_value() for name in state_lib.DelayedScalingState._fields))
 
 
-def _guarded(rhs: jax.Array, state: Optional[state_lib.DelayedScalingState]) -> jax.Array:
+def _guarded(rhs: jax.Array, state: state_lib.DelayedScalingState | None) -> jax.Array:
   """The kernel, refused under a derivative that leaves the fp8 state out."""
   return state_lib.require_state_gradient(rhs, state, hint=_TRAIN_HINT)
 

@@ -77,7 +77,8 @@ import dataclasses
 import functools
 import inspect
 import types
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as linen
 import jax
@@ -253,8 +254,8 @@ class MixedPrecision(nnx.Module, engine.Wrapper):
   """
 
   def __init__(self, model: nnx.Module, rules: rules_lib.PolicyRules,
-               fp8_modules: Optional[dict[str, nnx.Module]] = None,
-               nonfinite: Optional[nonfinite_nnx.NonfiniteProbe] = None):
+               fp8_modules: dict[str, nnx.Module] | None = None,
+               nonfinite: nonfinite_nnx.NonfiniteProbe | None = None):
     self.model = model
     self.rules = rules
     self.fp8 = nnx.Dict(fp8_modules or {})
@@ -290,7 +291,7 @@ class MixedPrecision(nnx.Module, engine.Wrapper):
     return {r.path: _ORIGINAL.get(type(r.module), type(r.module))
             for r in _resolve(self.model, self.rules).values()}
 
-  def with_rules(self, rules: rules_lib.PolicyRules) -> "MixedPrecision":
+  def with_rules(self, rules: rules_lib.PolicyRules) -> MixedPrecision:
     """A wrapper of the same model under other rules, sharing every variable.
 
     Nothing is re-initialised or copied: the new wrapper holds this one's model (its
@@ -547,7 +548,7 @@ def _warn_unused(model: nnx.Module, rules: rules_lib.PolicyRules,
   engine.warn_unused_rules(type(model).__name__, rules, records, _fp8_layer_names())
 
 
-def trace_abstract(model_or_wrapper: nnx.Module, rules: Optional[rules_lib.PolicyOrRules],
+def trace_abstract(model_or_wrapper: nnx.Module, rules: rules_lib.PolicyOrRules | None,
                    method: str, args: tuple, kwargs: dict
                    ) -> tuple[rules_lib.PolicyRules, list[CallRecord], Any]:
   """Traces one call of an NNX model or wrapper abstractly; for :func:`jaxmp.tools.summary`.

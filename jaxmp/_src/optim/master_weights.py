@@ -51,7 +51,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import numpy as np

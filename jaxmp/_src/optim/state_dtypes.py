@@ -49,21 +49,22 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxmp._src import checks
 from jaxmp._src import dtypes as dtypes_lib
 from jaxmp._src import tree as tree_lib
-from jaxmp._src import checks
 from jaxmp._src.optim import base
 
 _WHERE = "state_dtypes"
 STORAGE_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
-DTypeChoice = Callable[[str, jax.ShapeDtypeStruct], Optional[dtypes_lib.DTypeLike]]
+DTypeChoice = Callable[[str, jax.ShapeDtypeStruct], dtypes_lib.DTypeLike | None]
 _F16 = np.dtype(jnp.float16)
 
 SQUARED_FIELDS: dict[str, tuple[str, ...]] = {
@@ -113,7 +114,7 @@ def _storage_dtype(value: Any, where: str) -> np.dtype:
   return dtype
 
 
-def _choice(dtype: Union[dtypes_lib.DTypeLike, DTypeChoice]) -> DTypeChoice:
+def _choice(dtype: dtypes_lib.DTypeLike | DTypeChoice) -> DTypeChoice:
   """``dtype`` as a function of (path, leaf); a plain dtype is checked right away."""
   if callable(dtype) and not isinstance(dtype, type) and not hasattr(dtype, "dtype"):
     return dtype
@@ -182,7 +183,7 @@ def _natural_dtypes(natural: Any) -> Any:
 
 
 def state_dtypes(inner: optax.GradientTransformation,
-                 dtype: Union[dtypes_lib.DTypeLike, DTypeChoice]
+                 dtype: dtypes_lib.DTypeLike | DTypeChoice
                  ) -> optax.GradientTransformationExtraArgs:
   """Stores ``inner``'s state in narrower dtypes and computes its update in float32.
 

@@ -19,8 +19,8 @@ left alone (cast, not rounded: a NaN's payload may sit in the low bits only).
 bfloat16 param ``p`` into the one that ``optax.apply_updates`` turns ``p`` into
 ``stochastic_round(p + u)`` by (see :mod:`jaxmp._src.optim.base`, and there why it
 wraps rather than chains). Its state holds the key, a step count and ``inner``'s
-state; the random bits of a step come from ``fold_in(fold_in(key, count), leaf index)``, so a restored
-checkpoint continues with the same bits, a skipped step (under loss scaling, which
+state; the random bits of a step come from ``fold_in(fold_in(key, count), leaf index)``,
+so a restored checkpoint continues with the same bits, a skipped step (under loss scaling, which
 leaves this state alone) is retried with the same bits, and a sharded param gets the
 same bits as on one device (JAX's partitionable threefry, the default).
 
@@ -33,7 +33,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -43,7 +43,8 @@ import contextlib
 import dataclasses
 import math
 import warnings
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -109,9 +110,9 @@ class Gemm:
   shape: str
   flops: int
   bytes: int
-  rate: Optional[str] = None
-  seconds: Optional[float] = None
-  cycles: Optional[int] = None
+  rate: str | None = None
+  seconds: float | None = None
+  cycles: int | None = None
   count: int = 1
 
   @property
@@ -142,9 +143,9 @@ class Kernel:
   kind: str
   output: str
   bytes: int
-  unfused: Optional[str] = None
-  seconds: Optional[float] = None
-  cycles: Optional[int] = None
+  unfused: str | None = None
+  seconds: float | None = None
+  cycles: int | None = None
   count: int = 1
 
 
@@ -168,8 +169,8 @@ class AuditReport:
   compiler_options: Mapping[str, Any]
   gemms: tuple[Gemm, ...]
   kernels: tuple[Kernel, ...]
-  spec: Optional[targets_lib.GpuSpec]
-  estimated_seconds: Optional[float]
+  spec: targets_lib.GpuSpec | None
+  estimated_seconds: float | None
   hlo: str = dataclasses.field(repr=False)
 
   @property
@@ -187,11 +188,11 @@ class AuditReport:
     return tuple(k for k in self.kernels if k.unfused)
 
   @property
-  def gemm_seconds(self) -> Optional[float]:
+  def gemm_seconds(self) -> float | None:
     return _total(g.seconds for g in self.gemms for _ in range(g.count))
 
   @property
-  def non_gemm_seconds(self) -> Optional[float]:
+  def non_gemm_seconds(self) -> float | None:
     return _total(k.seconds for k in self.kernels for _ in range(k.count))
 
   def __str__(self) -> str:
@@ -224,14 +225,14 @@ class AuditReport:
     return "\n".join(lines)
 
 
-def _total(values) -> Optional[float]:
+def _total(values) -> float | None:
   values = list(values)
   if any(v is None for v in values):
     return None
   return float(sum(values))
 
 
-def _fmt_time(seconds: Optional[float], cycles: Optional[int]) -> str:
+def _fmt_time(seconds: float | None, cycles: int | None) -> str:
   if seconds is not None:
     return f"{seconds * 1e6:.1f} us"
   return f"{cycles} cyc" if cycles is not None else "-"
@@ -245,7 +246,7 @@ def _peaks(spec: targets_lib.GpuSpec) -> str:
 
 
 def _held_dtype(module: hlo_lib.Module, instruction: hlo_lib.Instruction,
-                caller: Optional[hlo_lib.Instruction]) -> str:
+                caller: hlo_lib.Instruction | None) -> str:
   """The dtype whose values ``instruction`` carries, through exact conversions."""
   for _ in range(64):  # a chain of moves is short; the bound only guards cycles
     op = instruction.opcode
@@ -290,7 +291,7 @@ def _rate(compute: tuple[str, ...], precision: str) -> str:
   return "bf16"
 
 
-def _cycles(instruction: hlo_lib.Instruction) -> Optional[int]:
+def _cycles(instruction: hlo_lib.Instruction) -> int | None:
   found = instruction.attribute(r'"estimated_cycles":"(\d+)"')
   return int(found) if found else None
 
@@ -382,7 +383,7 @@ def _fused_gemm(module, ins, dots, platform: str) -> Gemm:
               cycles=_cycles(ins))
 
 
-def _unfused(module, ins) -> Optional[str]:
+def _unfused(module, ins) -> str | None:
   body = module.body(ins.called[0]) if ins.opcode == "fusion" else [ins]
   ops = [o for o in body if o.opcode not in _PLUMBING]
   if not ops or any(o.opcode not in ("convert", "transpose", "copy") for o in ops):
@@ -447,10 +448,10 @@ def _kernels(module: hlo_lib.Module, computation: str, count: int, platform: str
                           nbytes, _unfused(module, ins), cycles=_cycles(ins), count=count))
 
 
-def analyze(text: str, platform: str, spec: Optional[targets_lib.GpuSpec] = None,
+def analyze(text: str, platform: str, spec: targets_lib.GpuSpec | None = None,
             target: str = "", device_kind: str = "",
-            compiler_options: Optional[Mapping[str, Any]] = None,
-            tpu_seconds: Optional[float] = None) -> AuditReport:
+            compiler_options: Mapping[str, Any] | None = None,
+            tpu_seconds: float | None = None) -> AuditReport:
   """An :class:`AuditReport` from optimized HLO text (what :func:`audit` compiles).
 
   Args:
@@ -501,8 +502,8 @@ def _abstract(tree: Any, device: Any) -> Any:
   return jax.tree_util.tree_map(leaf, tree)
 
 
-def audit(fn: Any, *args: Any, target: Optional[str] = None,
-          compiler_options: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> AuditReport:
+def audit(fn: Any, *args: Any, target: str | None = None,
+          compiler_options: Mapping[str, Any] | None = None, **kwargs: Any) -> AuditReport:
   """Compiles ``fn(*args, **kwargs)`` and reports what runs: GEMMs, bytes, time.
 
   ``fn`` is jitted unless it already is (a ``jax.jit`` function keeps its static

@@ -50,9 +50,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
-import jax
 import numpy as np
 
 from jaxmp._src import dtypes as dtypes_lib
@@ -94,7 +93,7 @@ class DeviceCapabilities:
 
   platform: str
   device_kind: str
-  compute_capability: Optional[tuple[int, int]]
+  compute_capability: tuple[int, int] | None
   supports_bf16: bool
   supports_fp16: bool
   supports_fp8: bool

@@ -27,7 +27,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -82,10 +82,10 @@ class MemoryReport:
   master_bytes: int
   opt_state_bytes: int
   grad_bytes: int
-  argument_bytes: Optional[int] = None
-  output_bytes: Optional[int] = None
-  temp_bytes: Optional[int] = None
-  alias_bytes: Optional[int] = None
+  argument_bytes: int | None = None
+  output_bytes: int | None = None
+  temp_bytes: int | None = None
+  alias_bytes: int | None = None
 
   @property
   def state_bytes(self) -> int:
@@ -93,7 +93,7 @@ class MemoryReport:
     return self.param_bytes + self.master_bytes + self.opt_state_bytes
 
   @property
-  def peak_bytes(self) -> Optional[int]:
+  def peak_bytes(self) -> int | None:
     """The compiled step's arguments + outputs + temporaries - aliased, or ``None``."""
     if self.argument_bytes is None:
       return None
@@ -121,7 +121,7 @@ class MemoryReport:
     return text
 
 
-def _compiled_bytes(compiled: Any) -> dict[str, Optional[int]]:
+def _compiled_bytes(compiled: Any) -> dict[str, int | None]:
   if compiled is None:
     return {}
   if not isinstance(compiled, jax.stages.Compiled):
@@ -139,7 +139,7 @@ def _compiled_bytes(compiled: Any) -> dict[str, Optional[int]]:
 
 
 def memory_report(params: Any, opt_state: Any = None, *, grads: Any = None,
-                  compiled: Optional[jax.stages.Compiled] = None) -> MemoryReport:
+                  compiled: jax.stages.Compiled | None = None) -> MemoryReport:
   """Counts the bytes of params, master weights, optimizer state and gradients.
 
   See the module docstring for what each role counts.

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -261,8 +263,8 @@ class UnderflowReport:
   loss_scale: float
   rows: tuple[UnderflowRow, ...]
   total: UnderflowRow
-  suggested_scale: Optional[float]
-  at_suggested: Optional[UnderflowRow]
+  suggested_scale: float | None
+  at_suggested: UnderflowRow | None
 
   @property
   def underflow_fraction(self) -> float:
@@ -343,7 +345,7 @@ def _power_of_two_bounds(max_abs: float, min_abs: float,
 
 
 def suggest_scale(max_abs: float, min_abs: float,
-                  dtype: dtypes_lib.DTypeLike) -> Optional[float]:
+                  dtype: dtypes_lib.DTypeLike) -> float | None:
   """A power-of-two loss scale that brings values in ``[min_abs, max_abs]`` into range.
 
   The smallest power of two that makes ``min_abs`` a normal number of ``dtype`` (1 if
@@ -404,8 +406,8 @@ def underflow_report(grads_or_tree: Any, dtype: dtypes_lib.DTypeLike,
     TypeError: for a ``loss_scale`` that is not a real scalar.
 
   Example:
-    >>> report = jaxmp.tools.underflow_report({"w": jnp.array([1e-8, 1e-3]), "b": jnp.array([70000.0])},
-    ...                                 "float16")
+    >>> report = jaxmp.tools.underflow_report(
+    ...     {"w": jnp.array([1e-8, 1e-3]), "b": jnp.array([70000.0])}, "float16")
     >>> report.row("w").underflow, report.row("b").overflow
     (1, 1)
     >>> report.suggested_scale, report.at_suggested.overflow
