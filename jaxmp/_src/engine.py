@@ -120,6 +120,7 @@ class Wrapper:
   """
 
   __slots__ = ()
+  model: Any  # the wrapped model; each adapter's wrapper sets it
 
 
 NOT_A_DTYPE_FIELD = object()
@@ -280,10 +281,11 @@ class Call:
 
   def _cast_output(self, out: Any, dtype: np.dtype, args: tuple, kwargs: dict) -> Any:
     threaded = self._threaded_state(out, args, kwargs)
-    if not any(a is not None for a in threaded):
+    elements = _elements(out)
+    if elements is None or not any(a is not None for a in threaded):
       return self.cast(out, dtype)
     cast = [self.cast(e, dtype) if a is None else self._cast_like(e, a)
-            for e, a in zip(_elements(out), threaded)]
+            for e, a in zip(elements, threaded)]
     return _rebuild(out, cast)
 
   def _cast_like(self, tree: Any, like: Any) -> Any:

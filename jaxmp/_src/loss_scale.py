@@ -399,10 +399,12 @@ class StaticLossScale(LossScale):
     return out
 
 
-for _cls in (NoOpLossScale, StaticLossScale):
-  jax.tree_util.register_pytree_with_keys(
-      _cls, _cls._tree_flatten_with_keys, _cls._tree_unflatten, _cls._tree_flatten)
-del _cls
+jax.tree_util.register_pytree_with_keys(
+    NoOpLossScale, NoOpLossScale._tree_flatten_with_keys, NoOpLossScale._tree_unflatten,
+    NoOpLossScale._tree_flatten)
+jax.tree_util.register_pytree_with_keys(
+    StaticLossScale, StaticLossScale._tree_flatten_with_keys, StaticLossScale._tree_unflatten,
+    StaticLossScale._tree_flatten)
 
 
 __all__ = (

@@ -313,7 +313,9 @@ def loss_scaling(
       _check_skip_cap(consecutive_skips, new_state.loss_scale.loss_scale, max_consecutive_skips)
     return new_updates, new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  # optax types a state as an ArrayTree, which has no room for a loss scale (a
+  # registered pytree class) in LossScalingState.
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def _unwrap_nnx_variables(tree: Any) -> Any:

@@ -415,7 +415,7 @@ def with_param_grads(trace: NonfiniteTrace,
     owner = paths_lib.owner(tuple(path), {p: p for p in rows_of})
     if owner is not None and jnp.size(leaf):
       owned.setdefault(owner, []).append(leaf)
-  column = [np.float32(-np.inf)] * len(trace.calls)
+  column: list[np.float32 | jax.Array] = [np.float32(-np.inf)] * len(trace.calls)
   for owner, leaves in owned.items():
     amax = _amax(leaves)
     for i in rows_of[owner]:

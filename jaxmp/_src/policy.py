@@ -66,7 +66,7 @@ def _policy_dtype(value: dtypes_lib.DTypeLike, field: str) -> np.dtype:
     raise TypeError(f"Policy {field}: {e}") from None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Policy:
   """The dtypes a module stores its parameters in, computes in and returns.
 
@@ -89,16 +89,20 @@ class Policy:
     dtype('float16')
   """
 
-  param_dtype: np.dtype = np.dtype(np.float32)
-  compute_dtype: np.dtype | None = None
-  output_dtype: np.dtype | None = None
+  param_dtype: np.dtype
+  compute_dtype: np.dtype
+  output_dtype: np.dtype
 
-  def __post_init__(self):
-    param = _policy_dtype(self.param_dtype, "param_dtype")
-    compute = param if self.compute_dtype is None else _policy_dtype(
-        self.compute_dtype, "compute_dtype")
-    output = compute if self.output_dtype is None else _policy_dtype(
-        self.output_dtype, "output_dtype")
+  # The constructor takes any dtype-like and None for "follow"; the fields are always
+  # resolved np.dtypes (``dataclasses.replace`` calls this too, with the field values).
+  def __init__(self, param_dtype: dtypes_lib.DTypeLike = np.dtype(np.float32),
+               compute_dtype: dtypes_lib.DTypeLike | None = None,
+               output_dtype: dtypes_lib.DTypeLike | None = None):
+    param = _policy_dtype(param_dtype, "param_dtype")
+    compute = param if compute_dtype is None else _policy_dtype(
+        compute_dtype, "compute_dtype")
+    output = compute if output_dtype is None else _policy_dtype(
+        output_dtype, "output_dtype")
     object.__setattr__(self, "param_dtype", param)
     object.__setattr__(self, "compute_dtype", compute)
     object.__setattr__(self, "output_dtype", output)

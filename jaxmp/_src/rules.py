@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+from collections.abc import Collection
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,7 +114,7 @@ def _named_output(policy: Any, parsed: policy_lib.Policy) -> np.dtype | None:
   return parsed.output_dtype if parsed.output_dtype != parsed.compute_dtype else None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Rule:
   """Gives the modules that ``match`` a policy, an fp8 recipe, or both.
 
@@ -147,12 +148,23 @@ class Rule:
   """
 
   match: Match
-  policy: policy_lib.Policy | None = None
-  fp8: Any = None
-  output_dtype: np.dtype | None = None
-  float32_ops: frozenset | None = None
+  policy: policy_lib.Policy | None
+  fp8: recipes_lib.Recipe | None
+  output_dtype: np.dtype | None
+  float32_ops: frozenset | None
   _regex: re.Pattern | None = dataclasses.field(
       default=None, init=False, repr=False, compare=False)
+
+  # The constructor takes what users write (a policy string, a dtype name, a tuple of
+  # op names); the fields hold the parsed values (``dataclasses.replace`` calls this too).
+  def __init__(self, match: Match, policy: policy_lib.PolicyLike | None = None,
+               fp8: recipes_lib.Recipe | None = None,
+               output_dtype: dtypes_lib.DTypeLike | None = None,
+               float32_ops: Collection[str] | None = None):
+    for name, value in (("match", match), ("policy", policy), ("fp8", fp8),
+                        ("output_dtype", output_dtype), ("float32_ops", float32_ops)):
+      object.__setattr__(self, name, value)
+    self.__post_init__()
 
   def __post_init__(self):
     object.__setattr__(self, "_regex", _check_match(self.match))
@@ -178,7 +190,8 @@ class Rule:
     """Whether this rule applies to a module of ``module_type`` at ``path``."""
     if self._regex is not None:
       return self._regex.fullmatch(path) is not None
-    return issubclass(module_type, self.match)
+    # No regex: the match is a class or a tuple of classes.
+    return not isinstance(self.match, str) and issubclass(module_type, self.match)
 
   def describe(self) -> str:
     """A short human-readable form of the match, for tables and warnings."""
@@ -215,7 +228,7 @@ def _normalization_policy(default: policy_lib.Policy) -> policy_lib.Policy:
   return default.with_compute_dtype(np.float32)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class PolicyRules:
   """A default policy plus ordered per-module overrides; the first matching rule wins.
 
@@ -253,12 +266,27 @@ class PolicyRules:
   """
 
   default: policy_lib.Policy
-  rules: tuple[Rule, ...] = ()
-  float32_normalization: bool = True
-  float32_ops: frozenset = frozenset(float32_ops_lib.DEFAULT)
-  module_dtypes: str = "policy"
-  fused_attention: bool = False
-  trace_nonfinite: bool = False
+  rules: tuple[Rule, ...]
+  float32_normalization: bool
+  float32_ops: frozenset
+  module_dtypes: str
+  fused_attention: bool
+  trace_nonfinite: bool
+
+  # As for Rule: the constructor takes a policy spec and any sequence of rules; the
+  # fields hold the parsed policy and a tuple.
+  def __init__(self, default: policy_lib.PolicyLike, rules: Sequence[Rule] = (),
+               float32_normalization: bool = True,
+               float32_ops: Collection[str] = frozenset(float32_ops_lib.DEFAULT),
+               module_dtypes: str = "policy", fused_attention: bool = False,
+               trace_nonfinite: bool = False):
+    for name, value in (("default", default), ("rules", rules),
+                        ("float32_normalization", float32_normalization),
+                        ("float32_ops", float32_ops), ("module_dtypes", module_dtypes),
+                        ("fused_attention", fused_attention),
+                        ("trace_nonfinite", trace_nonfinite)):
+      object.__setattr__(self, name, value)
+    self.__post_init__()
 
   def __post_init__(self):
     object.__setattr__(self, "default", policy_lib.get_policy(self.default))

@@ -56,7 +56,7 @@ F32 = np.dtype(np.float32)
 class _Config(NamedTuple):
   """Everything static about one fp8 matmul (hashable)."""
   dimension_numbers: tuple
-  recipe: recipes_lib.Recipe
+  recipe: recipes_lib.DelayedScaling | recipes_lib.CurrentScaling  # per tensor
   lhs_dtype: np.dtype
   rhs_dtype: np.dtype
   out_dtype: np.dtype
@@ -270,7 +270,7 @@ def _backward(cfg: _Config, residuals, g):
                         scale=x_scale * g_scale, dtype=cfg.rhs_dtype, exact_scale=pow2)
   d_lhs = sharding.like_primal(d_lhs, cfg.lhs_varying, jax.lax.psum)
   d_rhs = sharding.like_primal(d_rhs, cfg.rhs_varying, jax.lax.psum)
-  if cfg.state_avals is None:
+  if cfg.state_avals is None or cfg.state_varying is None:  # both set with a state
     return d_lhs, d_rhs, None
   values = (x_scale, x_history, k_scale, k_history, g_scale, g_history)
   new_state = state_lib.DelayedScalingState(

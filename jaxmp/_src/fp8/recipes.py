@@ -66,7 +66,7 @@ def _check_margin(cls_name: str, margin: Any) -> None:
         f"2**margin), got {margin!r} of type {type(margin).__name__}.")
   if margin < 0:
     raise ValueError(f"{cls_name}: margin must be >= 0, got {margin!r}.")
-  if margin > MAX_MARGIN:
+  if int(margin) > MAX_MARGIN:
     raise ValueError(
         f"{cls_name}: margin must be in [0, {MAX_MARGIN}] (beyond it the product of two "
         f"scales, amax * 2**margin / 448 each, overflows float32 for amaxes up to 2**16 "

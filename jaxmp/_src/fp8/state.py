@@ -233,7 +233,9 @@ def _guard_jvp(message, primals, tangents):
   if trained and isinstance(state_tangent, zero):
     raise ValueError(message)
   if isinstance(operand_tangent, zero):
-    operand_tangent = jnp.zeros(jnp.shape(operand), operand_tangent.dtype)
+    # A SymbolicZero forwards ``dtype`` to its aval through __getattr__, which pyright
+    # reads as a method.
+    operand_tangent = jnp.zeros(jnp.shape(operand), operand_tangent.dtype)  # pyright: ignore[reportArgumentType]
   return operand, operand_tangent
 
 

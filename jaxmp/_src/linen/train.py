@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import flax
+import flax.struct
 import jax
 import jax.numpy as jnp
 import optax

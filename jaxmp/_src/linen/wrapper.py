@@ -89,13 +89,16 @@ class _CacheVariable(nn.Variable):
     super().__init__(variable.scope, variable.collection, variable.name, variable.unbox)
     self._read = read
 
+  # nn.Variable.value is a property with a getter and a setter; typeshed types a
+  # property's fget/fset as Optional.
   @property
   def value(self) -> Any:
-    return self._read(nn.Variable.value.fget(self))
+    return self._read(nn.Variable.value.fget(self))  # pyright: ignore[reportOptionalCall]
 
   @value.setter
   def value(self, value: Any) -> None:
-    nn.Variable.value.fset(self, engine.written(value, nn.Variable.value.fget(self)))
+    nn.Variable.value.fset(  # pyright: ignore[reportOptionalCall]
+        self, engine.written(value, nn.Variable.value.fget(self)))  # pyright: ignore[reportOptionalCall]
 
 
 def _caches_in(module: nn.Module, dtype: np.dtype, call: engine.Call) -> contextlib.ExitStack:

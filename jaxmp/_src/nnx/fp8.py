@@ -85,7 +85,7 @@ _TRAIN_HINT = ("Train NNX fp8 models with jaxmp.nnx.value_and_grad (it different
                "merges the new fp8 state), not a plain nnx.grad + optimizer.update.")
 
 
-def _read_state(module: nnx.Module) -> state_lib.DelayedScalingState | None:
+def _read_state(module: Fp8Module) -> state_lib.DelayedScalingState | None:
   if not isinstance(module.recipe, recipes_lib.DelayedScaling):
     return None
   return state_lib.DelayedScalingState(
@@ -193,6 +193,9 @@ FP8_LAYER_TYPES: tuple[type, ...] = (
 FP8_MODULE_TYPES: tuple[type, ...] = (Fp8DotGeneral, Fp8Einsum)
 """jaxmp's own NNX fp8 modules, which precision policies leave alone."""
 
+Fp8Module = Fp8DotGeneral | Fp8Einsum
+"""The fp8 module (with its state) that computes an fp8 layer's product."""
+
 _PROJECTIONS = ("query", "key", "value", "out")
 
 
@@ -207,6 +210,7 @@ def _hook(layer: nnx.Module) -> tuple[str, Any]:
     return "einsum_op", layer.einsum_op
   if isinstance(layer, nnx.LinearGeneral) and layer.dot_general_cls is not None:
     return "dot_general_cls", layer.dot_general_cls
+  assert isinstance(layer, (nnx.Linear, nnx.LinearGeneral))  # the other FP8_LAYER_TYPES
   return "dot_general", layer.dot_general
 
 
@@ -256,7 +260,7 @@ def fp8_layers(path: str, module: nnx.Module) -> list[tuple[str, nnx.Module]]:
   return layers
 
 
-def new_fp8_module(layer: nnx.Module, recipe: recipes_lib.Recipe) -> nnx.Module:
+def new_fp8_module(layer: nnx.Module, recipe: recipes_lib.Recipe) -> Fp8Module:
   """A fresh :class:`Fp8Einsum` for an ``nnx.Einsum``, else a :class:`Fp8DotGeneral`."""
   if isinstance(layer, nnx.Einsum):
     return Fp8Einsum(recipe)
@@ -267,7 +271,7 @@ def _call_module(module, *args, **kwargs):
   return module(*args, **kwargs)
 
 
-def install(layer: nnx.Module, fp8_module: nnx.Module) -> None:
+def install(layer: nnx.Module, fp8_module: Fp8Module) -> None:
   """Makes ``layer`` compute its product with ``fp8_module``.
 
   Only for a private copy of a layer (``jaxmp.nnx.mixed_precision`` runs each call on

@@ -175,8 +175,8 @@ def _intercepting_class(cls: type) -> type:
   cls = _ORIGINAL.get(cls, cls)
   sub = _INTERCEPTING.get(cls)
   if sub is None:
-    namespace = {name: _intercepted(name, attribute)
-                 for name, attribute in _public_methods(cls).items()}
+    namespace: dict[str, Any] = {name: _intercepted(name, attribute)
+                                 for name, attribute in _public_methods(cls).items()}
     namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__,
                      __doc__=cls.__doc__)
     sub = types.new_class(cls.__name__, (cls,), {"pytree": cls._pytree__is_pytree},
@@ -254,11 +254,11 @@ class MixedPrecision(nnx.Module, engine.Wrapper):
   """
 
   def __init__(self, model: nnx.Module, rules: rules_lib.PolicyRules,
-               fp8_modules: dict[str, nnx.Module] | None = None,
+               fp8_modules: dict[str, fp8_nnx.Fp8Module] | None = None,
                nonfinite: nonfinite_nnx.NonfiniteProbe | None = None):
     self.model = model
     self.rules = rules
-    self.fp8 = nnx.Dict(fp8_modules or {})
+    self.fp8: nnx.Dict[fp8_nnx.Fp8Module] = nnx.Dict(fp8_modules or {})
     if nonfinite is not None:
       self.nonfinite = nonfinite
 
@@ -518,9 +518,9 @@ def mixed_precision(model: nnx.Module,
 
 
 def _fp8_modules(modules: dict[tuple, _Resolved],
-                 existing: dict[str, nnx.Module]) -> dict[str, nnx.Module]:
+                 existing: dict[str, fp8_nnx.Fp8Module]) -> dict[str, fp8_nnx.Fp8Module]:
   """The fp8 module of every layer an fp8 rule reaches; ``existing`` ones kept by recipe."""
-  fp8_modules: dict[str, nnx.Module] = {}
+  fp8_modules: dict[str, fp8_nnx.Fp8Module] = {}
   for r in modules.values():  # parents first: an attention rule decides its projections
     if r.precision.fp8 is None:
       continue
@@ -601,6 +601,7 @@ def trace_abstract(model_or_wrapper: nnx.Module, rules: rules_lib.PolicyOrRules 
     if isinstance(obj, MixedPrecision):
       wrapper = obj if rules is None else mixed_precision(obj.model, rules)
     else:
+      assert rules is not None  # checked above for an unwrapped model
       wrapper = mixed_precision(obj, rules)
     out, records = wrapper._trace(method, call_args, call_kwargs, annotate=True)  # pylint: disable=protected-access
     found.append((wrapper.rules, records))

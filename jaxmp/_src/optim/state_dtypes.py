@@ -107,7 +107,7 @@ def _storage_dtype(value: Any, where: str) -> np.dtype:
   except TypeError as e:
     raise TypeError(f"{where}: a storage dtype must be a dtype or its name ({accepted}), "
                     f"got {value!r} of type {type(value).__name__}.") from e
-  if dtype not in STORAGE_DTYPES:
+  if dtype is None or dtype not in STORAGE_DTYPES:
     shown = value if isinstance(value, str) else getattr(np.dtype(value), "name", value)
     raise ValueError(f"{where}: storage dtype {shown!r} is not accepted: a state is stored "
                      f"in a floating dtype, one of {accepted}.")
@@ -224,11 +224,11 @@ def state_dtypes(inner: optax.GradientTransformation,
     params32 = _upcast(params)
     return _cast(inner.init(params32), _storage(choose, natural_state(params32)))
 
-  def update_fn(grads, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, **extra_args):
     params32 = None if params is None else _upcast(params)
-    natural = natural_state(params32 if params is not None else _upcast(grads))
+    natural = natural_state(params32 if params is not None else _upcast(updates))
     state = _cast(state, _natural_dtypes(natural))
-    updates, state = inner.update(_upcast(grads), state, params32, **extra_args)
+    updates, state = inner.update(_upcast(updates), state, params32, **extra_args)
     return updates, _cast(state, _storage(choose, natural))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

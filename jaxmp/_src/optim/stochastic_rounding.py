@@ -221,7 +221,9 @@ def stochastic_rounding(inner: optax.GradientTransformation,
                                     jax.random.fold_in(step_key, i))) if m else u
            for i, (m, p, u) in enumerate(zip(flat_mask, flat_params, flat_updates))]
     return (jax.tree_util.tree_unflatten(treedef, new),
-            StochasticRoundingState(key=state.key, count=optax.safe_increment(state.count),
+            # optax types safe_increment's result as any ArrayLike; it is an array.
+            StochasticRoundingState(key=state.key,
+                                    count=optax.safe_increment(state.count),  # pyright: ignore[reportArgumentType]
                                     inner_state=inner_state))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -216,9 +216,11 @@ class AuditReport:
       lines += [f"  {k.name}: {k.unfused} -> {k.output}" for k in unfused]
     if self.estimated_seconds is not None:
       if self.spec is not None:
+        gemm, other = self.gemm_seconds, self.non_gemm_seconds
+        assert gemm is not None and other is not None  # the roofline estimate is their sum
         lines.append(
             f"roofline estimate: {self.estimated_seconds * 1e3:.3f} ms (GEMMs "
-            f"{self.gemm_seconds * 1e3:.3f} ms, other kernels {self.non_gemm_seconds * 1e3:.3f} "
+            f"{gemm * 1e3:.3f} ms, other kernels {other * 1e3:.3f} "
             f"ms; peaks {_peaks(self.spec)}, HBM {self.spec.hbm_bytes_per_second / 1e12:.2f} TB/s)")
       else:
         lines.append(f"TPU cost-model estimate: {self.estimated_seconds * 1e3:.3f} ms")
@@ -296,7 +298,7 @@ def _cycles(instruction: hlo_lib.Instruction) -> int | None:
   return int(found) if found else None
 
 
-def _cublas_gemm(module, ins, platform: str) -> Gemm:
+def _cublas_gemm(module: hlo_lib.Module, ins: hlo_lib.Instruction, platform: str) -> Gemm:
   a, b = (module.instruction(o) for o in ins.operands[:2])
   held = tuple(_dtype_name(_held_dtype(module, x, None)) for x in (a, b))
   compute = tuple(_dtype_name(x.first_array[0]) for x in (a, b))
@@ -310,7 +312,9 @@ def _cublas_gemm(module, ins, platform: str) -> Gemm:
   nbytes = sum(hlo_lib.nbytes(x.type) for x in (a, b)) + hlo_lib.nbytes(
       f"{out_dtype}[{','.join(map(str, out_dims))}]")
   precision = ins.attribute(r'"operand_precision":\[([^\]]*)\]') or ""
-  return Gemm(ins.name, _CUBLAS.get(ins.custom_call_target, ins.custom_call_target), held,
+  target = ins.custom_call_target
+  assert target is not None  # only cuBLAS custom calls come here
+  return Gemm(ins.name, _CUBLAS.get(target, target), held,
               compute, _dtype_name(out_dtype), _shape(lhs_dims, out_dims, contracting, n_batch),
               flops, nbytes, _rate(compute, precision) if platform == "gpu" else None)
 
@@ -408,6 +412,7 @@ def _kernels(module: hlo_lib.Module, computation: str, count: int, platform: str
     if op == "while":
       trips = ins.attribute(r'"known_trip_count":\{"n":"(\d+)"\}')
       body = ins.attribute(r"\bbody=%?([\w.\-]+)")
+      assert body is not None  # every HLO while names its body
       _kernels(module, body, count * int(trips or 1), platform, gemms, kernels)
       continue
     if op in ("call", "async-start"):
@@ -577,7 +582,9 @@ def audit(fn: Any, *args: Any, target: str | None = None,
     tpu_seconds = cost.get("optimal_seconds")
     if tpu_seconds is not None and tpu_seconds < 0:  # the cost model's "unknown"
       tpu_seconds = None
-  return analyze(compiled.as_text(), platform, spec, name, kind, compiler_options or {},
+  text = compiled.as_text()
+  assert text is not None  # JAX types it Optional; a compiled executable has its HLO
+  return analyze(text, platform, spec, name, kind, compiler_options or {},
                  tpu_seconds)
 
 

@@ -157,7 +157,7 @@ def device_capabilities(device: Any = None) -> DeviceCapabilities:
     bf16, fp16, fp8 = True, True, False
     why = ("A GPU without a CUDA compute capability (ROCm): taken to compute bfloat16 and "
            "float16 natively, as jaxmp.half_dtype does; fp8 support unknown.")
-  elif platform == "gpu":
+  elif platform == "gpu" and capability is not None:
     cc = ".".join(map(str, capability))
     bf16 = capability >= BF16_MIN_COMPUTE_CAPABILITY
     fp16 = capability >= FP16_MIN_COMPUTE_CAPABILITY

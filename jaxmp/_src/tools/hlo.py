@@ -174,7 +174,7 @@ class Module:
   def __init__(self, text: str):
     self.text = text
     self.computations: dict[str, list[Instruction]] = {}
-    self.entry: str | None = None
+    entry = None
     current = None
     for line in text.splitlines():
       if current is None:
@@ -183,7 +183,7 @@ class Module:
           current = match.group(2)
           self.computations[current] = []
           if match.group(1):
-            self.entry = current
+            entry = current
         continue
       if line.startswith("}"):
         current = None
@@ -191,8 +191,9 @@ class Module:
       instruction = Instruction.parse(line, current)
       if instruction is not None:
         self.computations[current].append(instruction)
-    if self.entry is None:
+    if entry is None:
       raise ValueError("Not an HLO module: no ENTRY computation found in the text.")
+    self.entry: str = entry
     self._by_name = {i.name: i for body in self.computations.values() for i in body}
 
   def instruction(self, name: str) -> Instruction:

@@ -95,9 +95,13 @@ class MemoryReport:
   @property
   def peak_bytes(self) -> int | None:
     """The compiled step's arguments + outputs + temporaries - aliased, or ``None``."""
-    if self.argument_bytes is None:
+    # The four are set together, from one compiled step's memory analysis.
+    arguments, outputs, temps, aliased = (self.argument_bytes, self.output_bytes,
+                                          self.temp_bytes, self.alias_bytes)
+    if arguments is None:
       return None
-    return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+    assert outputs is not None and temps is not None and aliased is not None
+    return arguments + outputs + temps - aliased
 
   def bytes_per_param(self) -> dict[str, float]:
     """Bytes per param value of each role: params, master, optimizer state, gradients."""
@@ -113,11 +117,14 @@ class MemoryReport:
                  f"{self.state_bytes / n:.2f}"))
     text = (f"{self.num_params:,} params\n"
             + table.text_table(("", "MiB", "bytes/param"), rows, (False, True, True)))
-    if self.peak_bytes is not None:
-      text += (f"\ncompiled step (memory_analysis): arguments {self.argument_bytes / _MIB:.2f} "
-               f"MiB, outputs {self.output_bytes / _MIB:.2f} MiB, temporaries "
-               f"{self.temp_bytes / _MIB:.2f} MiB, aliased {self.alias_bytes / _MIB:.2f} MiB, "
-               f"peak {self.peak_bytes / _MIB:.2f} MiB")
+    peak = self.peak_bytes
+    if peak is not None:
+      compiled = (self.argument_bytes, self.output_bytes, self.temp_bytes, self.alias_bytes)
+      arguments, outputs, temps, aliased = (x or 0 for x in compiled)  # all set with peak
+      text += (f"\ncompiled step (memory_analysis): arguments {arguments / _MIB:.2f} "
+               f"MiB, outputs {outputs / _MIB:.2f} MiB, temporaries "
+               f"{temps / _MIB:.2f} MiB, aliased {aliased / _MIB:.2f} MiB, "
+               f"peak {peak / _MIB:.2f} MiB")
     return text
 
 

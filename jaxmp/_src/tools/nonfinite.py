@@ -301,8 +301,8 @@ def nonfinite_report(trace: Any, *, loss_scale: Any = None) -> NonfiniteReport:
     if row[nonfinite_lib.COUNT] <= 0:
       continue
     forward = row[nonfinite_lib.FORWARD]
-    rows.append(ModuleAmax(path, method, *(_amax(row[i]) for i in range(len(_AMAXES))),
-                           int(forward) if np.isfinite(forward) else None))
+    rows.append(ModuleAmax._make((path, method, *(_amax(row[i]) for i in range(len(_AMAXES))),
+                                  int(forward) if np.isfinite(forward) else None)))
   rows.sort(key=lambda m: math.inf if m.forward is None else m.forward)
   return NonfiniteReport(first_nonfinite(trace), tuple(rows), scale)
 

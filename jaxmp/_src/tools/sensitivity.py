@@ -124,11 +124,11 @@ class _Runner:
       return state, call
     wrapper = linen_lib.mixed_precision(self.model, rules)
 
-    def call(variables, arrays):
+    def call_linen(variables, arrays):
       args, kw = self._call_args(arrays)
       return tree_lib.cast_tree(wrapper.apply(variables, *args, **kw), jnp.float32)
 
-    return self.variables, call
+    return self.variables, call_linen
 
   def reference(self) -> Any:
     if self._reference is None:
@@ -412,7 +412,8 @@ def sensitivity(model_or_wrapper: Any, variables: Any, *args,
 
 
 def deviation(model_or_wrapper: Any, variables: Any, *args,
-              rules: rules_lib.PolicyOrRules | Sequence[rules_lib.PolicyOrRules],
+              rules: (rules_lib.PolicyOrRules | list[rules_lib.PolicyOrRules]
+                     | tuple[rules_lib.PolicyOrRules, ...]),
               metric: Metric | None = None, **kwargs) -> float | tuple[float, ...]:
   """How far the output under ``rules`` is from the all-float32 output.
 

@@ -307,6 +307,7 @@ class UnderflowReport:
       lines.append("no suggested loss scale: no nonzero finite values")
     else:
       s = self.at_suggested
+      assert s is not None  # set with suggested_scale
       need, cap = _power_of_two_bounds(t.max_abs, t.min_abs, dtypes_lib.float_format(self.dtype))
       if need > cap:
         why = ("the largest with max |x| x scale <= max / 2: the values span more than "
