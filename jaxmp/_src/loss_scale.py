@@ -45,6 +45,7 @@ from typing import TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxmp._src import checks
 from jaxmp._src import dtypes as dtypes_lib
@@ -230,7 +231,7 @@ class LossScale(pytree_lib.Immutable):
     """
     return _multiply_tree(tree, jnp.float32(1.0) / self.loss_scale)
 
-  def adjust(self, grads_finite: Any) -> LossScale:
+  def adjust(self, grads_finite: ArrayLike) -> LossScale:
     """The loss scale for the next step, given whether this step's grads were finite."""
     raise NotImplementedError
 
@@ -318,7 +319,7 @@ class NoOpLossScale(LossScale):
     """Returns ``tree`` itself: nothing is unscaled."""
     return tree
 
-  def adjust(self, grads_finite: Any) -> NoOpLossScale:
+  def adjust(self, grads_finite: ArrayLike) -> NoOpLossScale:
     """Returns ``self`` (after checking that ``grads_finite`` is a scalar bool)."""
     check_grads_finite(grads_finite, owner="NoOpLossScale.adjust")
     return self
@@ -368,14 +369,14 @@ class StaticLossScale(LossScale):
 
   __slots__ = ("_loss_scale",)
 
-  def __init__(self, scale: Any):
+  def __init__(self, scale: ArrayLike):
     object.__setattr__(self, "_loss_scale", check_scale(scale, where="StaticLossScale"))
 
   @property
   def loss_scale(self) -> jax.Array:
     return self._loss_scale
 
-  def adjust(self, grads_finite: Any) -> StaticLossScale:
+  def adjust(self, grads_finite: ArrayLike) -> StaticLossScale:
     """Returns ``self`` (after checking that ``grads_finite`` is a scalar bool)."""
     check_grads_finite(grads_finite, owner="StaticLossScale.adjust")
     return self

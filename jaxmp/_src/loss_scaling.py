@@ -382,7 +382,8 @@ def _require_state(opt_state: Any, caller: str) -> LossScalingState:
 _REQUIRED = object()
 
 
-def get_loss_scale(opt_state: Any, default: Any = _REQUIRED) -> loss_scale_lib.LossScale:
+def get_loss_scale(opt_state: optax.OptState,
+                   default: Any = _REQUIRED) -> loss_scale_lib.LossScale:
   """The current loss scale, found anywhere in a (nested) optimizer state.
 
   Looks through tuples, lists, dicts, NamedTuples and every pytree (``optax.chain``,
@@ -419,7 +420,7 @@ def get_loss_scale(opt_state: Any, default: Any = _REQUIRED) -> loss_scale_lib.L
   return default if state is None else state.loss_scale
 
 
-def loss_scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
+def loss_scaling_metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
   """Scalars a training loop can log, read from the state without leaving ``jit``.
 
   Args:

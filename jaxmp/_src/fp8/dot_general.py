@@ -40,6 +40,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from jaxmp._src import sharding
 from jaxmp._src.fp8 import maxgrad
@@ -291,9 +292,12 @@ _fp8_dot.defvjp(_forward, _backward)
 _fp8_dot_jit = jax.jit(_fp8_dot, static_argnums=(3,))
 
 
-def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
-                    preferred_element_type: Any = None, out_sharding: Any = None, *,
-                    state: Any = None, recipe: recipes_lib.Recipe | None = None) -> jax.Array:
+def fp8_dot_general(lhs: jax.Array, rhs: jax.Array,
+                    dimension_numbers: jax.lax.DotDimensionNumbers,
+                    precision: jax.lax.PrecisionLike = None,
+                    preferred_element_type: DTypeLike | None = None, out_sharding: Any = None, *,
+                    state: state_lib.DelayedScalingState | None = None,
+                    recipe: recipes_lib.Recipe | None = None) -> jax.Array:
   """``jax.lax.dot_general`` computed in fp8, under any jaxmp fp8 recipe.
 
   A drop-in ``dot_general``: ``functools.partial(fp8_dot_general, state=...,
@@ -432,9 +436,11 @@ def _parse_einsum(eqn: str, lhs_ndim: int, rhs_ndim: int) -> tuple:
   return lhs_spec, rhs_spec, out
 
 
-def fp8_einsum(eqn: str, lhs: jax.Array, rhs: jax.Array, *, state: Any = None,
-               recipe: recipes_lib.Recipe | None = None, preferred_element_type: Any = None,
-               precision: Any = None) -> jax.Array:
+def fp8_einsum(eqn: str, lhs: jax.Array, rhs: jax.Array, *,
+               state: state_lib.DelayedScalingState | None = None,
+               recipe: recipes_lib.Recipe | None = None,
+               preferred_element_type: DTypeLike | None = None,
+               precision: jax.lax.PrecisionLike = None) -> jax.Array:
   """A two-operand ``jnp.einsum`` computed as one :func:`fp8_dot_general`.
 
   ``lhs`` is the input and ``rhs`` the kernel, as in ``nn.Einsum`` (whose kernel is

@@ -51,6 +51,7 @@ Example:
 from __future__ import annotations
 
 import functools
+from collections.abc import Hashable
 from typing import Any
 from typing import NamedTuple
 from typing import TypeVar
@@ -58,6 +59,7 @@ from typing import TypeVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxmp._src import dtypes
 from jaxmp._src import tree as tree_lib
@@ -321,7 +323,7 @@ def _check_predicate(grads_finite: Any) -> jax.Array:
   return jnp.asarray(grads_finite)
 
 
-def merge(old_state: T, state_cotangent: T, grads_finite: Any = True) -> T:
+def merge(old_state: T, state_cotangent: T, grads_finite: ArrayLike = True) -> T:
   """The next fp8 state from the old one and the state cotangent of a step.
 
   Leaf by leaf: the cotangent where the step was finite and the cotangent carries
@@ -394,7 +396,7 @@ def accumulate(a: T, b: T) -> T:
       lambda x, y: jnp.fmax(jnp.asarray(x, F32), jnp.asarray(y, F32)), a, b)
 
 
-def all_reduce(state_cotangent: T, axis_name: Any) -> T:
+def all_reduce(state_cotangent: T, axis_name: Hashable) -> T:
   """Combines the state cotangents of data-parallel replicas: max over ``axis_name``.
 
   Under ``jit`` with sharded arrays nothing is needed (the amax of a sharded tensor is

@@ -205,7 +205,7 @@ def _masters(mask: Any, stored: Any, params: Any, remainders: bool) -> Any:
   return base.map_selected(_keep, mask, stored, params, otherwise=lambda r, p: p)
 
 
-def master_params(opt_state: Any, params: Any) -> Any:
+def master_params(opt_state: optax.OptState, params: optax.Params) -> optax.Params:
   """The float32 masters held by the :func:`master_weights` state in ``opt_state``.
 
   The masters are matched to the params leaf by leaf, by key path: the state of an

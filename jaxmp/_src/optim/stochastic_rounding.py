@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.typing import DTypeLike
 
 from jaxmp._src import checks
 from jaxmp._src.optim import base
@@ -74,7 +75,8 @@ def _key_data(key: Any, where: str) -> tuple[jax.Array, Any]:
                   f"uint32[2] jax.random.PRNGKey(0)), got {shown}.")
 
 
-def stochastic_round(x: jax.Array, key: Any, dtype: Any = jnp.bfloat16) -> jax.Array:
+def stochastic_round(x: jax.Array, key: jax.Array,
+                     dtype: DTypeLike = jnp.bfloat16) -> jax.Array:
   """Rounds float32 values to bfloat16 up or down at random, unbiased.
 
   See the module docstring for the algorithm.
@@ -147,7 +149,7 @@ def _is_key(value: Any) -> bool:
 
 
 def stochastic_rounding(inner: optax.GradientTransformation,
-                        key: Any = None) -> optax.GradientTransformationExtraArgs:
+                        key: jax.Array | None = None) -> optax.GradientTransformationExtraArgs:
   """Runs ``inner`` and writes its updates into bfloat16 params with stochastic rounding.
 
   Each ``update`` runs ``inner`` on the gradients and the bfloat16 params as they

@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import math
 import warnings
+from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
@@ -507,7 +508,7 @@ def _abstract(tree: Any, device: Any) -> Any:
   return jax.tree_util.tree_map(leaf, tree)
 
 
-def audit(fn: Any, *args: Any, target: str | None = None,
+def audit(fn: Callable[..., Any], *args: Any, target: str | None = None,
           compiler_options: Mapping[str, Any] | None = None, **kwargs: Any) -> AuditReport:
   """Compiles ``fn(*args, **kwargs)`` and reports what runs: GEMMs, bytes, time.
 

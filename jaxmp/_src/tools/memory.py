@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jaxmp._src.optim import base as optim_base
 from jaxmp._src.optim import master_weights as master_weights_lib
@@ -145,7 +146,8 @@ def _compiled_bytes(compiled: Any) -> dict[str, int | None]:
               alias_bytes=int(stats.alias_size_in_bytes))
 
 
-def memory_report(params: Any, opt_state: Any = None, *, grads: Any = None,
+def memory_report(params: optax.Params, opt_state: optax.OptState | None = None, *,
+                  grads: optax.Updates | None = None,
                   compiled: jax.stages.Compiled | None = None) -> MemoryReport:
   """Counts the bytes of params, master weights, optimizer state and gradients.
 

@@ -60,6 +60,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from jax.typing import ArrayLike
 
 from jaxmp._src import dtypes as dtypes_lib
 from jaxmp._src import loss_scale as loss_scale_lib
@@ -77,8 +79,10 @@ def _inverse_scale(loss_scale: Any) -> Any:
   return 1.0 / loss_scale_lib.loss_scale_array(loss_scale, where="training_metrics")
 
 
-def training_metrics(grads: Any, opt_state: Any = None, *, loss_scale: Any = None,
-                     nonfinite_trace: Any = None) -> dict[str, Any]:
+def training_metrics(grads: optax.Updates, opt_state: optax.OptState | None = None, *,
+                     loss_scale: loss_scale_lib.LossScale | ArrayLike | None = None,
+                     nonfinite_trace: nonfinite_lib.NonfiniteTrace | None = None
+                     ) -> dict[str, Any]:
   """Scalars that say whether a mixed-precision step was healthy; pure and jit-able.
 
   Args:

@@ -48,11 +48,11 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any
 from typing import NamedTuple
 
 import jax
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import nonfinite as nonfinite_lib
@@ -255,7 +255,9 @@ class NonfiniteReport(NamedTuple):
             + table.text_table(header, body, (False,) + (True,) * 5 + (False,)))
 
 
-def nonfinite_report(trace: Any, *, loss_scale: Any = None) -> NonfiniteReport:
+def nonfinite_report(trace: nonfinite_lib.NonfiniteTrace, *,
+                     loss_scale: loss_scale_lib.LossScale | ArrayLike | None = None
+                     ) -> NonfiniteReport:
   """Reads a step's non-finite trace: the first non-finite value and the amax table.
 
   The "first" non-finite value is :func:`first_nonfinite`'s: the model's inputs, else

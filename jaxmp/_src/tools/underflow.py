@@ -23,6 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxmp._src import checks
 from jaxmp._src import dtypes as dtypes_lib
@@ -114,7 +115,8 @@ def _leaf_stats(x: jax.Array, bounds: _Boundaries, target: np.dtype, scale: Any)
 
 
 def underflow_stats(tree: Any, dtype: dtypes_lib.DTypeLike,
-                    loss_scale: Any = 1.0) -> dict[str, LeafStats]:
+                    loss_scale: loss_scale_lib.LossScale | ArrayLike = 1.0
+                    ) -> dict[str, LeafStats]:
   """Per-leaf counts of values ``dtype`` would flush, make subnormal or overflow; jit-able.
 
   Each nonzero finite value ``x`` of every floating-point leaf is multiplied by
@@ -378,7 +380,8 @@ def suggest_scale(max_abs: float, min_abs: float,
 
 
 def underflow_report(grads_or_tree: Any, dtype: dtypes_lib.DTypeLike,
-                     loss_scale: Any = 1.0) -> UnderflowReport:
+                     loss_scale: loss_scale_lib.LossScale | ArrayLike = 1.0
+                     ) -> UnderflowReport:
   """Reports, per leaf and overall, the values ``dtype`` would lose at a loss scale.
 
   For gradients computed in float32 (say from a float32 run of the model), it answers
