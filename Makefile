@@ -24,10 +24,11 @@ $(STAMP): pyproject.toml
 
 env: $(STAMP)
 
-# pyright is given the venv's interpreter so that it reads the installed jax, flax, optax.
+# pyright is given the venv's interpreter so that it reads the installed jax, flax, optax,
+# and this pyproject.toml (a pyrightconfig.json in a parent folder would otherwise win).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check jaxmp
-	$(VENV)/bin/pyright --warnings --pythonpath $(PY)
+	$(VENV)/bin/pyright --warnings --project pyproject.toml --pythonpath $(PY)
 
 test: lint
 	$(PY) -m pytest
