@@ -1,5 +1,7 @@
 # The two commands a newcomer needs: `make test` and `make demo`.
 # Both create the virtual environment from pyproject.toml when it is missing or stale.
+# `make test` first runs `make lint` (ruff and pyright on jaxmp/, both pinned in the dev
+# extra); any finding fails it.
 # `make gpu-report` estimates H100 (and TPU) performance without the hardware: it builds
 # .venv-cuda beside .venv (jax[cuda12,tpu] at .venv's jax version, 6.5 GB) on first use.
 
@@ -12,7 +14,7 @@ CUDA_VENV  ?= .venv-cuda
 CUDA_PY    := $(CUDA_VENV)/bin/python
 CUDA_STAMP := $(CUDA_VENV)/.installed
 
-.PHONY: test demo env gpu-report clean
+.PHONY: test lint demo env gpu-report clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +24,13 @@ $(STAMP): pyproject.toml
 
 env: $(STAMP)
 
-test: $(STAMP)
+# pyright is given the venv's interpreter so that it reads the installed jax, flax, optax,
+# and this pyproject.toml (a pyrightconfig.json in a parent folder would otherwise win).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check jaxmp
+	$(VENV)/bin/pyright --warnings --project pyproject.toml --pythonpath $(PY)
+
+test: lint
 	$(PY) -m pytest
 
 demo: $(STAMP)

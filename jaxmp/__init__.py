@@ -22,6 +22,7 @@ Example:
 """
 
 import importlib
+from typing import TYPE_CHECKING
 from typing import Any
 
 from jaxmp._src.dtypes import half_dtype
@@ -44,6 +45,13 @@ from jaxmp._src.tree import select_tree
 __version__ = "0.1.0"
 
 _NAMESPACES = ("fp8", "linen", "nnx", "optim", "tools")
+
+if TYPE_CHECKING:  # type checkers see the namespaces that __getattr__ loads on first use
+  from jaxmp import fp8
+  from jaxmp import linen
+  from jaxmp import nnx
+  from jaxmp import optim
+  from jaxmp import tools
 
 
 def __getattr__(name: str) -> Any:

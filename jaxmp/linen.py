@@ -14,7 +14,8 @@
 
 Example:
   >>> import flax.linen as nn
-  >>> model = jaxmp.linen.mixed_precision(nn.Dense(2), "params=float32,compute=bfloat16,output=float32")
+  >>> model = jaxmp.linen.mixed_precision(nn.Dense(2),
+  ...                                     "params=float32,compute=bfloat16,output=float32")
   >>> variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
   >>> model.apply(variables, jnp.ones((1, 3))).dtype
   dtype('float32')

@@ -30,14 +30,13 @@ Example:
 from jaxmp._src.dtypes import FloatFormat
 from jaxmp._src.dtypes import float_format
 from jaxmp._src.dtypes import parse_dtype
+from jaxmp._src.nonfinite import NonfiniteTrace
 from jaxmp._src.tools.adaptive import DivergenceError
 from jaxmp._src.tools.adaptive import PrecisionChange
 from jaxmp._src.tools.adaptive import PrecisionController
 from jaxmp._src.tools.adaptive import propose_change
 from jaxmp._src.tools.audit import AuditReport
 from jaxmp._src.tools.audit import audit
-from jaxmp._src.nonfinite import NonfiniteTrace
-from jaxmp._src.tools.nonfinite import Origin
 from jaxmp._src.tools.hardware import DeviceCapabilities
 from jaxmp._src.tools.hardware import RecommendedPolicy
 from jaxmp._src.tools.hardware import device_capabilities
@@ -51,6 +50,7 @@ from jaxmp._src.tools.monitor import StepRecord
 from jaxmp._src.tools.monitor import training_metrics
 from jaxmp._src.tools.nonfinite import ModuleAmax
 from jaxmp._src.tools.nonfinite import NonfiniteReport
+from jaxmp._src.tools.nonfinite import Origin
 from jaxmp._src.tools.nonfinite import nonfinite_report
 from jaxmp._src.tools.sensitivity import SensitivityReport
 from jaxmp._src.tools.sensitivity import deviation

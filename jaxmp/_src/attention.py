@@ -48,7 +48,8 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +57,7 @@ import jax.numpy as jnp
 _NOT_GIVEN = object()
 
 
-def _cudnn_refusal(query, key, value, bias, mask, is_causal) -> Optional[str]:
+def _cudnn_refusal(query, key, value, bias, mask, is_causal) -> str | None:
   """Why JAX's cuDNN attention refuses these arguments (traced abstractly), or None.
 
   Returns ``""`` where there is no cuDNN to ask (a machine without JAX's CUDA plugin):
@@ -74,7 +75,7 @@ def _cudnn_refusal(query, key, value, bias, mask, is_causal) -> Optional[str]:
 
 
 def attend(query: jax.Array, key: jax.Array, value: jax.Array,
-           bias: Optional[jax.Array] = None, mask: Optional[jax.Array] = None,
+           bias: jax.Array | None = None, mask: jax.Array | None = None,
            is_causal: bool = False) -> jax.Array:
   """``softmax(q k^T / sqrt(d) + bias, masked) v``: cuDNN's fused kernel on GPUs, else XLA's.
 
@@ -103,7 +104,7 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array,
 
 
 def _fallback_reason(query, dropout_rate, deterministic, module, precision,
-                     einsums) -> Optional[str]:
+                     einsums) -> str | None:
   """Why the fused computation cannot stand in for the layer's own, or None."""
   if dropout_rate > 0.0 and not deterministic:
     return f"dropout on the attention weights (dropout_rate={dropout_rate})"

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 import optax
 
@@ -87,7 +88,9 @@ def real_scalar_array(value: Any, name: str, *, where: str) -> Any:
       or not (isinstance(value, (int, float, np.number)) or hasattr(value, "dtype"))):
     raise TypeError(f"{where}: {name} must be a real number or a scalar array, got "
                     f"{value!r} of type {type(value).__name__}.")
-  dtype = value.dtype if hasattr(value, "dtype") else np.result_type(value)
+  dtype = getattr(value, "dtype", None)
+  if dtype is None:
+    dtype = np.result_type(value)
   if not is_real_dtype(dtype):
     raise TypeError(f"{where}: {name} must be real, got dtype {dtype}.")
   scalar_shape(value, name, where=where)

@@ -21,13 +21,15 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-DTypeLike = Union[str, np.dtype, type, Any]
+# What the dtype arguments accept: a name ("bf16"), a scalar type (jnp.bfloat16,
+# np.float32) or an np.dtype; JAX's own alias.
+DTypeLike = jax.typing.DTypeLike
 
 # Names exactly as jmp spells them; the first name of each dtype is jmp's canonical one.
 POLICY_DTYPE_ALIASES: dict[str, np.dtype] = {
@@ -74,7 +76,7 @@ def check_device(device: Any, where: str) -> Any:
   return device
 
 
-def gpu_compute_capability(device: Any, where: str) -> Optional[tuple[int, int]]:
+def gpu_compute_capability(device: Any, where: str) -> tuple[int, int] | None:
   """A CUDA device's compute capability as ``(major, minor)``; ``None`` if it has none.
 
   CUDA devices report e.g. ``"9.0"``; ROCm devices report no such attribute.
@@ -92,7 +94,9 @@ def gpu_compute_capability(device: Any, where: str) -> Optional[tuple[int, int]]
   return int(major), int(minor or 0)
 
 
-def half_dtype(device: Optional[jax.Device] = None) -> np.dtype:
+# pyright reads ``jax.Device`` as an unknown variable (JAX assigns it from its compiled
+# extension), though it is the class of every device.
+def half_dtype(device: jax.Device | None = None) -> np.dtype:  # pyright: ignore[reportInvalidTypeForm]
   """Returns the 16-bit float dtype that ``device`` computes in best.
 
   bfloat16 on TPUs and on GPUs with compute capability >= 8.0 (Ampere and later) or
@@ -115,11 +119,11 @@ def half_dtype(device: Optional[jax.Device] = None) -> np.dtype:
     >>> jaxmp.half_dtype(jax.devices("cpu")[0])
     dtype('float16')
   """
-  device = check_device(device, "half_dtype")
-  if device.platform == "tpu":
+  checked = check_device(device, "half_dtype")
+  if checked.platform == "tpu":
     return np.dtype(jnp.bfloat16)
-  if device.platform == "gpu":
-    capability = gpu_compute_capability(device, "half_dtype")
+  if checked.platform == "gpu":
+    capability = gpu_compute_capability(checked, "half_dtype")
     if capability is None or capability >= BF16_MIN_COMPUTE_CAPABILITY:
       return np.dtype(jnp.bfloat16)
   return np.dtype(jnp.float16)
@@ -180,11 +184,13 @@ def parse_dtype(value: DTypeLike, *, allow_fp8: bool = False) -> np.dtype:
 
 def _to_numpy_dtype(value: Any) -> np.dtype:
   if value is None or isinstance(value, (bool, int, float)):
-    raise TypeError(f"Expected a dtype or dtype name, got {value!r} of type {type(value).__name__}.")
+    raise TypeError(f"Expected a dtype or dtype name, got {value!r} of type "
+                    f"{type(value).__name__}.")
   try:
     return np.dtype(value)
   except TypeError as e:
-    raise TypeError(f"Expected a dtype or dtype name, got {value!r} of type {type(value).__name__}.") from e
+    raise TypeError(f"Expected a dtype or dtype name, got {value!r} of type "
+                    f"{type(value).__name__}.") from e
 
 
 def dtype_name(dtype: DTypeLike) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxmp._src import checks
 from jaxmp._src.loss_scale import LossScale
@@ -108,7 +109,7 @@ class DynamicLossScale(LossScale):
 
   def __init__(
       self,
-      scale: Any = 2.0**15,
+      scale: ArrayLike = 2.0**15,
       growth_interval: int = 2000,
       growth_factor: float = 2.0,
       backoff_factor: float = 0.5,
@@ -195,7 +196,7 @@ class DynamicLossScale(LossScale):
   min_scale = property(lambda self: self._hparams[3])
   max_scale = property(lambda self: self._hparams[4])
 
-  def adjust(self, grads_finite: Any) -> "DynamicLossScale":
+  def adjust(self, grads_finite: ArrayLike) -> DynamicLossScale:
     """The loss scale after a step whose gradients were (not) finite; jit-safe.
 
     Args:
@@ -227,7 +228,7 @@ class DynamicLossScale(LossScale):
     new_counter = jnp.where(finite & ~grow, next_counter, jnp.zeros((), jnp.int32))
     return self._replace_leaves(new_scale, new_counter)
 
-  def _replace_leaves(self, loss_scale, counter) -> "DynamicLossScale":
+  def _replace_leaves(self, loss_scale, counter) -> DynamicLossScale:
     return type(self)._tree_unflatten(self._hparams, (loss_scale, counter))
 
   def __repr__(self) -> str:

@@ -56,7 +56,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+from collections.abc import Callable
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+from typing import TypeVar
 
 import jax
 import numpy as np
@@ -116,6 +120,7 @@ class Wrapper:
   """
 
   __slots__ = ()
+  model: Any  # the wrapped model; each adapter's wrapper sets it
 
 
 NOT_A_DTYPE_FIELD = object()
@@ -152,7 +157,7 @@ class Call:
   """
 
   def __init__(self, rules: rules_lib.PolicyRules, supports_fp8: Callable[[type], bool], *,
-               is_node: Optional[Callable[[Any], bool]] = None, annotate: bool = False,
+               is_node: Callable[[Any], bool] | None = None, annotate: bool = False,
                nonfinite: Any = None):
     self.rules = rules
     self.supports_fp8 = supports_fp8
@@ -171,7 +176,7 @@ class Call:
     self._narrowed: dict[int, tuple[Any, Any]] = {}
     self._float32_ops = contextlib.ExitStack()
 
-  def __enter__(self) -> "Call":
+  def __enter__(self) -> Call:
     self._float32_ops.enter_context(float32_ops_lib.installed())
     return self
 
@@ -261,7 +266,7 @@ class Call:
       return self._callers[-1]
     return self.rules.default.output_dtype
 
-  def _threaded_state(self, out: Any, args: tuple, kwargs: dict) -> list[Optional[Any]]:
+  def _threaded_state(self, out: Any, args: tuple, kwargs: dict) -> list[Any | None]:
     """For each element of a tuple/list/dict output, the argument it threads, or None.
 
     An element is threaded state (a KV cache, a recurrent carry) when an argument has
@@ -278,10 +283,11 @@ class Call:
 
   def _cast_output(self, out: Any, dtype: np.dtype, args: tuple, kwargs: dict) -> Any:
     threaded = self._threaded_state(out, args, kwargs)
-    if not any(a is not None for a in threaded):
+    elements = _elements(out)
+    if elements is None or not any(a is not None for a in threaded):
       return self.cast(out, dtype)
     cast = [self.cast(e, dtype) if a is None else self._cast_like(e, a)
-            for e, a in zip(_elements(out), threaded)]
+            for e, a in zip(elements, threaded)]
     return _rebuild(out, cast)
 
   def _cast_like(self, tree: Any, like: Any) -> Any:
@@ -377,7 +383,7 @@ def _is_float_dtype_value(value: Any) -> bool:
     return False
 
 
-def _elements(out: Any) -> Optional[list]:
+def _elements(out: Any) -> list | None:
   if isinstance(out, (tuple, list)) and len(out) > 1:
     return list(out)
   if isinstance(out, dict) and len(out) > 1:
@@ -393,7 +399,7 @@ def _rebuild(out: Any, elements: list) -> Any:
   return type(out)(elements)
 
 
-def _same_shapes(a: Any, b: Any, is_node: Optional[Callable[[Any], bool]]) -> bool:
+def _same_shapes(a: Any, b: Any, is_node: Callable[[Any], bool] | None) -> bool:
   leaves_a, def_a = jax.tree_util.tree_flatten(a, is_leaf=is_node)
   leaves_b, def_b = jax.tree_util.tree_flatten(b, is_leaf=is_node)
   return def_a == def_b and all(
@@ -449,7 +455,8 @@ def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
   """
   problems = []
   # The model-wide list governs every module whose rule (if any) gives no list of its own.
-  governed = [r for r in records if r.precision.rule is None or r.precision.rule.float32_ops is None]
+  governed = [r for r in records
+              if r.precision.rule is None or r.precision.rule.float32_ops is None]
   problems += _uninterceptable_ops("PolicyRules float32_ops", rules.float32_ops, governed)
   for index, rule in enumerate(rules.rules):
     decided = [r for r in records if r.precision.rule is rule]
@@ -468,7 +475,7 @@ def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
   return problems
 
 
-def _uninterceptable_ops(who: str, ops: Optional[frozenset],
+def _uninterceptable_ops(who: str, ops: frozenset | None,
                          records: Sequence[CallRecord]) -> list[str]:
   """The problem of a float32 op list naming ops jaxmp cannot intercept, where it applies."""
   uninterceptable = sorted(set(ops or ()) & set(float32_ops_lib.UNINTERCEPTABLE))
@@ -492,7 +499,7 @@ def describe_paths(records: Sequence[CallRecord]) -> str:
 
 def warn_unused_rules(model_name: str, rules: rules_lib.PolicyRules,
                       records: Sequence[CallRecord], fp8_layer_names: str, *,
-                      already_warned: Optional[set] = None, stacklevel: int = 2) -> None:
+                      already_warned: set | None = None, stacklevel: int = 2) -> None:
   """Warns once per problem :func:`unused_rules` finds, listing the model's paths.
 
   Args:

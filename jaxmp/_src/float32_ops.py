@@ -82,7 +82,10 @@ import contextlib
 import functools
 import importlib
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
+from typing import Any
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -176,7 +179,8 @@ def _softmax_residual(x: jax.Array, axis: Any) -> tuple[jax.Array, jax.Array]:
   # used, in float32 arithmetic. Differentiating JAX's own softmax here would keep its
   # float32 result and intermediates for the backward pass: a second, wider copy of
   # every attention matrix (on a CPU, the bfloat16 demo step took ~40% longer for it).
-  y = _softmax_in_float32(x, axis)
+  # jax.custom_vjp under functools.partial loses the wrapped function's return type.
+  y = cast(jax.Array, _softmax_in_float32(x, axis))
   return y, y
 
 

@@ -37,11 +37,15 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, TypeVar, Union
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxmp._src import checks
 from jaxmp._src import dtypes as dtypes_lib
@@ -96,8 +100,8 @@ def poison_unless(valid: jax.Array, scale: jax.Array) -> jax.Array:
   return jnp.where(valid, scale, jnp.float32(jnp.nan))
 
 
-def as_loss_scale(loss_scale: Any, *, where: str, default: "LossScale",
-                  none_means: str) -> "LossScale":
+def as_loss_scale(loss_scale: Any, *, where: str, default: LossScale,
+                  none_means: str) -> LossScale:
   """``loss_scale`` if it is a jaxmp loss scale, ``default`` for ``None``.
 
   Args:
@@ -227,7 +231,7 @@ class LossScale(pytree_lib.Immutable):
     """
     return _multiply_tree(tree, jnp.float32(1.0) / self.loss_scale)
 
-  def adjust(self, grads_finite: Any) -> "LossScale":
+  def adjust(self, grads_finite: ArrayLike) -> LossScale:
     """The loss scale for the next step, given whether this step's grads were finite."""
     raise NotImplementedError
 
@@ -257,7 +261,7 @@ class LossScale(pytree_lib.Immutable):
     return loss * self.loss_scale.astype(loss.dtype)
 
   def value_and_grad(self, fun: Callable[..., Any], *, has_aux: bool = False,
-                     argnums: Union[int, Sequence[int]] = 0) -> Callable[..., Any]:
+                     argnums: int | Sequence[int] = 0) -> Callable[..., Any]:
     """Like ``jax.value_and_grad``, but differentiates the scaled loss.
 
     The returned function computes ``fun(*args, **kwargs)`` once and differentiates
@@ -315,7 +319,7 @@ class NoOpLossScale(LossScale):
     """Returns ``tree`` itself: nothing is unscaled."""
     return tree
 
-  def adjust(self, grads_finite: Any) -> "NoOpLossScale":
+  def adjust(self, grads_finite: ArrayLike) -> NoOpLossScale:
     """Returns ``self`` (after checking that ``grads_finite`` is a scalar bool)."""
     check_grads_finite(grads_finite, owner="NoOpLossScale.adjust")
     return self
@@ -365,14 +369,14 @@ class StaticLossScale(LossScale):
 
   __slots__ = ("_loss_scale",)
 
-  def __init__(self, scale: Any):
+  def __init__(self, scale: ArrayLike):
     object.__setattr__(self, "_loss_scale", check_scale(scale, where="StaticLossScale"))
 
   @property
   def loss_scale(self) -> jax.Array:
     return self._loss_scale
 
-  def adjust(self, grads_finite: Any) -> "StaticLossScale":
+  def adjust(self, grads_finite: ArrayLike) -> StaticLossScale:
     """Returns ``self`` (after checking that ``grads_finite`` is a scalar bool)."""
     check_grads_finite(grads_finite, owner="StaticLossScale.adjust")
     return self
@@ -396,10 +400,12 @@ class StaticLossScale(LossScale):
     return out
 
 
-for _cls in (NoOpLossScale, StaticLossScale):
-  jax.tree_util.register_pytree_with_keys(
-      _cls, _cls._tree_flatten_with_keys, _cls._tree_unflatten, _cls._tree_flatten)
-del _cls
+jax.tree_util.register_pytree_with_keys(
+    NoOpLossScale, NoOpLossScale._tree_flatten_with_keys, NoOpLossScale._tree_unflatten,
+    NoOpLossScale._tree_flatten)
+jax.tree_util.register_pytree_with_keys(
+    StaticLossScale, StaticLossScale._tree_flatten_with_keys, StaticLossScale._tree_unflatten,
+    StaticLossScale._tree_flatten)
 
 
 __all__ = (

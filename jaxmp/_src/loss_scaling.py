@@ -57,7 +57,9 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any, Hashable, NamedTuple, Optional
+from collections.abc import Hashable
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -113,7 +115,7 @@ class LossScalingState(NamedTuple):
   consecutive_skips: jax.Array
 
 
-def _check_axis_name(axis_name: Any) -> Optional[Hashable]:
+def _check_axis_name(axis_name: Any) -> Hashable | None:
   if axis_name is None:
     return None
   try:
@@ -125,7 +127,7 @@ def _check_axis_name(axis_name: Any) -> Optional[Hashable]:
   return axis_name
 
 
-def _check_max_skips(value: Any) -> Optional[int]:
+def _check_max_skips(value: Any) -> int | None:
   if value is None:
     return None
   return checks.positive_int(value, "max_consecutive_skips", where="loss_scaling",
@@ -143,7 +145,7 @@ def _gradient_steps(inner_state: Any) -> list:
           if is_multi(leaf)]
 
 
-def _optimizer_step_completed(old_inner: Any, new_inner: Any) -> Optional[jax.Array]:
+def _optimizer_step_completed(old_inner: Any, new_inner: Any) -> jax.Array | None:
   """Whether the update completed an optimizer step: an accumulating MultiSteps emitted.
 
   ``None`` without a MultiSteps inside: then every update is an optimizer step.
@@ -154,7 +156,7 @@ def _optimizer_step_completed(old_inner: Any, new_inner: Any) -> Optional[jax.Ar
 
 
 def _adjust(loss_scale: loss_scale_lib.LossScale, finite: jax.Array,
-            completed: Optional[jax.Array]) -> loss_scale_lib.LossScale:
+            completed: jax.Array | None) -> loss_scale_lib.LossScale:
   """``loss_scale.adjust(finite)``, held on a finite micro-batch that completes no step."""
   adjusted = loss_scale.adjust(finite)
   if completed is None:
@@ -186,10 +188,10 @@ def _check_skip_cap(count: jax.Array, scale: jax.Array, cap: int) -> None:
 
 def loss_scaling(
     inner: optax.GradientTransformation,
-    loss_scale: Optional[loss_scale_lib.LossScale] = None,
+    loss_scale: loss_scale_lib.LossScale | None = None,
     *,
-    axis_name: Optional[Hashable] = None,
-    max_consecutive_skips: Optional[int] = None,
+    axis_name: Hashable | None = None,
+    max_consecutive_skips: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optimizer to take gradients of a scaled loss and skip non-finite steps.
 
@@ -311,7 +313,9 @@ def loss_scaling(
       _check_skip_cap(consecutive_skips, new_state.loss_scale.loss_scale, max_consecutive_skips)
     return new_updates, new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  # optax types a state as an ArrayTree, which has no room for a loss scale (a
+  # registered pytree class) in LossScalingState.
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
 def _unwrap_nnx_variables(tree: Any) -> Any:
@@ -346,7 +350,7 @@ def _find_states(tree: Any, found: list, caller: str) -> None:
         raise ValueError(_WRONG_NESTING.format(caller=caller))
 
 
-def find_state(opt_state: Any, caller: str) -> Optional[LossScalingState]:
+def find_state(opt_state: Any, caller: str) -> LossScalingState | None:
   """The one :class:`LossScalingState` in ``opt_state``, or ``None`` if there is none.
 
   NNX variable wrappers (``nnx.Optimizer``'s ``opt_state``) are removed.
@@ -378,7 +382,8 @@ def _require_state(opt_state: Any, caller: str) -> LossScalingState:
 _REQUIRED = object()
 
 
-def get_loss_scale(opt_state: Any, default: Any = _REQUIRED) -> loss_scale_lib.LossScale:
+def get_loss_scale(opt_state: optax.OptState,
+                   default: Any = _REQUIRED) -> loss_scale_lib.LossScale:
   """The current loss scale, found anywhere in a (nested) optimizer state.
 
   Looks through tuples, lists, dicts, NamedTuples and every pytree (``optax.chain``,
@@ -415,7 +420,7 @@ def get_loss_scale(opt_state: Any, default: Any = _REQUIRED) -> loss_scale_lib.L
   return default if state is None else state.loss_scale
 
 
-def loss_scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
+def loss_scaling_metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
   """Scalars a training loop can log, read from the state without leaving ``jit``.
 
   Args:

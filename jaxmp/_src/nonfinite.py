@@ -51,13 +51,16 @@ Example:
   ...   return jnp.sum(y)
   >>> trace = jax.grad(loss, argnums=1)(jnp.ones(2), probe)
   >>> dict(zip(nonfinite.COLUMNS, trace.values[0].tolist()))
-  {'input': -inf, 'output': inf, 'output_grad': 1.0, 'input_grad': -inf, 'param_grad': -inf, 'made_forward': 1.0, 'made_backward': -inf, 'forward': 1.0, 'backward': 1.0, 'count': 1.0}
+  {'input': -inf, 'output': inf, 'output_grad': 1.0, 'input_grad': -inf, 'param_grad': -inf,
+   'made_forward': 1.0, 'made_backward': -inf, 'forward': 1.0, 'backward': 1.0, 'count': 1.0}
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable, Optional, Sequence
+from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -325,7 +328,7 @@ def enter(xs: Sequence[jax.Array], slot: jax.Array, *,
   return _enter(tuple(xs), maxgrad.from_max_float32(slot), backward)
 
 
-def leave(xs: Sequence[jax.Array], slot: jax.Array, token: Optional[jax.Array] = None, *,
+def leave(xs: Sequence[jax.Array], slot: jax.Array, token: jax.Array | None = None, *,
           forward: int, backward: int) -> tuple:
   """The identity on a call's float outputs that measures them and their gradient.
 
@@ -412,7 +415,7 @@ def with_param_grads(trace: NonfiniteTrace,
     owner = paths_lib.owner(tuple(path), {p: p for p in rows_of})
     if owner is not None and jnp.size(leaf):
       owned.setdefault(owner, []).append(leaf)
-  column = [np.float32(-np.inf)] * len(trace.calls)
+  column: list[np.float32 | jax.Array] = [np.float32(-np.inf)] * len(trace.calls)
   for owner, leaves in owned.items():
     amax = _amax(leaves)
     for i in rows_of[owner]:

@@ -15,7 +15,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, TypeVar
+from collections.abc import Mapping
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -28,7 +29,7 @@ def describe_path(path: str) -> str:
   return path or ROOT
 
 
-def owner(path: tuple, by_path: Mapping[tuple, T]) -> Optional[T]:
+def owner(path: tuple, by_path: Mapping[tuple, T]) -> T | None:
   """The entry of the nearest module strictly enclosing ``path`` (a variable's path).
 
   Example:

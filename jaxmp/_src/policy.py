@@ -35,7 +35,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, TypeVar, Union
+from typing import TypeVar
 
 import jax.numpy as jnp
 import jmp
@@ -66,7 +66,7 @@ def _policy_dtype(value: dtypes_lib.DTypeLike, field: str) -> np.dtype:
     raise TypeError(f"Policy {field}: {e}") from None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Policy:
   """The dtypes a module stores its parameters in, computes in and returns.
 
@@ -89,16 +89,20 @@ class Policy:
     dtype('float16')
   """
 
-  param_dtype: np.dtype = np.dtype(np.float32)
-  compute_dtype: Optional[np.dtype] = None
-  output_dtype: Optional[np.dtype] = None
+  param_dtype: np.dtype
+  compute_dtype: np.dtype
+  output_dtype: np.dtype
 
-  def __post_init__(self):
-    param = _policy_dtype(self.param_dtype, "param_dtype")
-    compute = param if self.compute_dtype is None else _policy_dtype(
-        self.compute_dtype, "compute_dtype")
-    output = compute if self.output_dtype is None else _policy_dtype(
-        self.output_dtype, "output_dtype")
+  # The constructor takes any dtype-like and None for "follow"; the fields are always
+  # resolved np.dtypes (``dataclasses.replace`` calls this too, with the field values).
+  def __init__(self, param_dtype: dtypes_lib.DTypeLike = np.dtype(np.float32),
+               compute_dtype: dtypes_lib.DTypeLike | None = None,
+               output_dtype: dtypes_lib.DTypeLike | None = None):
+    param = _policy_dtype(param_dtype, "param_dtype")
+    compute = param if compute_dtype is None else _policy_dtype(
+        compute_dtype, "compute_dtype")
+    output = compute if output_dtype is None else _policy_dtype(
+        output_dtype, "output_dtype")
     object.__setattr__(self, "param_dtype", param)
     object.__setattr__(self, "compute_dtype", compute)
     object.__setattr__(self, "output_dtype", output)
@@ -115,15 +119,15 @@ class Policy:
     """Casts the floating-point leaves of ``tree`` to the output dtype."""
     return tree_lib.cast_tree(tree, self.output_dtype)
 
-  def with_param_dtype(self, dtype: dtypes_lib.DTypeLike) -> "Policy":
+  def with_param_dtype(self, dtype: dtypes_lib.DTypeLike) -> Policy:
     """A copy of this policy with another param dtype (the others unchanged)."""
     return dataclasses.replace(self, param_dtype=dtype)
 
-  def with_compute_dtype(self, dtype: dtypes_lib.DTypeLike) -> "Policy":
+  def with_compute_dtype(self, dtype: dtypes_lib.DTypeLike) -> Policy:
     """A copy of this policy with another compute dtype (the others unchanged)."""
     return dataclasses.replace(self, compute_dtype=dtype)
 
-  def with_output_dtype(self, dtype: dtypes_lib.DTypeLike) -> "Policy":
+  def with_output_dtype(self, dtype: dtypes_lib.DTypeLike) -> Policy:
     """A copy of this policy with another output dtype (the others unchanged)."""
     return dataclasses.replace(self, output_dtype=dtype)
 
@@ -148,7 +152,7 @@ class Policy:
             f"{self.compute_dtype.name}, output_dtype={self.output_dtype.name})")
 
 
-PolicyLike = Union[Policy, jmp.Policy, str]
+PolicyLike = Policy | jmp.Policy | str
 
 
 def _grammar_help() -> str:

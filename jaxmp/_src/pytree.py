@@ -39,6 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 
 

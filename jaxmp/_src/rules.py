@@ -46,7 +46,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Any, Optional, Sequence, Union
+from collections.abc import Collection
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -80,12 +82,12 @@ def is_normalization(module_type: type) -> bool:
 MODULE_DTYPES = ("policy", "model")
 """Who decides a module's computation dtype field: the resolved policy, or the model."""
 
-Match = Union[type, tuple, str]
+Match = type | tuple | str
 
 _OUTPUT_KEY = re.compile(r"(^|,)\s*(o|output)\s*=")
 
 
-def _check_match(match: Any) -> Optional[re.Pattern]:
+def _check_match(match: Any) -> re.Pattern | None:
   """Validates a rule's match; returns the compiled regex for a string match."""
   if isinstance(match, str):
     try:
@@ -105,14 +107,14 @@ def _check_fp8(recipe: Any) -> None:
     recipes_lib.check_recipe(recipe, where="Rule fp8")
 
 
-def _named_output(policy: Any, parsed: policy_lib.Policy) -> Optional[np.dtype]:
+def _named_output(policy: Any, parsed: policy_lib.Policy) -> np.dtype | None:
   """The output dtype a rule's policy names, or None where it only follows compute."""
   if isinstance(policy, str):
     return parsed.output_dtype if _OUTPUT_KEY.search(policy) else None
   return parsed.output_dtype if parsed.output_dtype != parsed.compute_dtype else None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class Rule:
   """Gives the modules that ``match`` a policy, an fp8 recipe, or both.
 
@@ -155,13 +157,25 @@ class Rule:
   """
 
   match: Match
-  policy: Optional[policy_lib.Policy] = None
-  fp8: Any = None
-  output_dtype: Optional[np.dtype] = None
-  float32_ops: Optional[frozenset] = None
-  causal_attention: bool = False
-  _regex: Optional[re.Pattern] = dataclasses.field(
+  policy: policy_lib.Policy | None
+  fp8: recipes_lib.Recipe | None
+  output_dtype: np.dtype | None
+  float32_ops: frozenset | None
+  causal_attention: bool
+  _regex: re.Pattern | None = dataclasses.field(
       default=None, init=False, repr=False, compare=False)
+
+  # The constructor takes what users write (a policy string, a dtype name, a tuple of
+  # op names); the fields hold the parsed values (``dataclasses.replace`` calls this too).
+  def __init__(self, match: Match, policy: policy_lib.PolicyLike | None = None,
+               fp8: recipes_lib.Recipe | None = None,
+               output_dtype: dtypes_lib.DTypeLike | None = None,
+               float32_ops: Collection[str] | None = None, causal_attention: bool = False):
+    for name, value in (("match", match), ("policy", policy), ("fp8", fp8),
+                        ("output_dtype", output_dtype), ("float32_ops", float32_ops),
+                        ("causal_attention", causal_attention)):
+      object.__setattr__(self, name, value)
+    self.__post_init__()
 
   def __post_init__(self):
     object.__setattr__(self, "_regex", _check_match(self.match))
@@ -190,7 +204,8 @@ class Rule:
     """Whether this rule applies to a module of ``module_type`` at ``path``."""
     if self._regex is not None:
       return self._regex.fullmatch(path) is not None
-    return issubclass(module_type, self.match)
+    # No regex: the match is a class or a tuple of classes.
+    return not isinstance(self.match, str) and issubclass(module_type, self.match)
 
   def describe(self) -> str:
     """A short human-readable form of the match, for tables and warnings."""
@@ -217,9 +232,9 @@ class ModulePrecision:
   """
 
   policy: policy_lib.Policy
-  output_dtype: Optional[np.dtype]
+  output_dtype: np.dtype | None
   fp8: Any
-  rule: Optional[Rule]
+  rule: Rule | None
   float32_ops: frozenset = frozenset(float32_ops_lib.DEFAULT)
   causal_attention: bool = False
 
@@ -230,7 +245,7 @@ def _normalization_policy(default: policy_lib.Policy) -> policy_lib.Policy:
   return default.with_compute_dtype(np.float32)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class PolicyRules:
   """A default policy plus ordered per-module overrides; the first matching rule wins.
 
@@ -268,12 +283,27 @@ class PolicyRules:
   """
 
   default: policy_lib.Policy
-  rules: tuple[Rule, ...] = ()
-  float32_normalization: bool = True
-  float32_ops: frozenset = frozenset(float32_ops_lib.DEFAULT)
-  module_dtypes: str = "policy"
-  fused_attention: bool = False
-  trace_nonfinite: bool = False
+  rules: tuple[Rule, ...]
+  float32_normalization: bool
+  float32_ops: frozenset
+  module_dtypes: str
+  fused_attention: bool
+  trace_nonfinite: bool
+
+  # As for Rule: the constructor takes a policy spec and any sequence of rules; the
+  # fields hold the parsed policy and a tuple.
+  def __init__(self, default: policy_lib.PolicyLike, rules: Sequence[Rule] = (),
+               float32_normalization: bool = True,
+               float32_ops: Collection[str] = frozenset(float32_ops_lib.DEFAULT),
+               module_dtypes: str = "policy", fused_attention: bool = False,
+               trace_nonfinite: bool = False):
+    for name, value in (("default", default), ("rules", rules),
+                        ("float32_normalization", float32_normalization),
+                        ("float32_ops", float32_ops), ("module_dtypes", module_dtypes),
+                        ("fused_attention", fused_attention),
+                        ("trace_nonfinite", trace_nonfinite)):
+      object.__setattr__(self, name, value)
+    self.__post_init__()
 
   def __post_init__(self):
     object.__setattr__(self, "default", policy_lib.get_policy(self.default))
@@ -315,7 +345,7 @@ class PolicyRules:
     return ModulePrecision(self.default, None, None, None, self.float32_ops)
 
 
-PolicyOrRules = Union[PolicyRules, policy_lib.PolicyLike]
+PolicyOrRules = PolicyRules | policy_lib.PolicyLike
 
 
 def check_rules(rules: Any, where: str) -> PolicyRules:

@@ -37,7 +37,7 @@ def make_varying(x: jax.Array, axes: Any) -> jax.Array:
     return x
   if hasattr(jax.lax, "pcast"):
     return jax.lax.pcast(x, missing, to="varying")
-  return jax.lax.pvary(x, missing)  # jax < 0.9
+  return jax.lax.pvary(x, missing)  # jax < 0.9  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def like_primal(ct: jax.Array, primal_axes: frozenset, reduce: Any) -> jax.Array:

@@ -25,7 +25,9 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, TypeVar
+from typing import Any
+from typing import NamedTuple
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp

@@ -21,11 +21,14 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxmp._src import dtypes as dtypes_lib
 
@@ -129,8 +132,9 @@ def all_finite(tree: Any) -> jax.Array:
   """Whether every floating-point value in ``tree`` is finite.
 
   Non-float leaves (integers, bools, keys, ``None``) are finite by definition, and an
-  empty tree is finite; any other leaf (a string, an object) is refused. Floating-point NumPy arrays and scalars and Python floats
-  count like arrays (:func:`is_float_leaf`); being concrete, they are checked on the
+  empty tree is finite; any other leaf (a string, an object) is refused. Floating-point
+  NumPy arrays and scalars and Python floats count like arrays (:func:`is_float_leaf`);
+  being concrete, they are checked on the
   host, in their own dtype. For JAX arrays the check is one float32 reduction per
   leaf, chosen per backend when the computation is lowered:
 
@@ -191,7 +195,7 @@ def _finite_by_zero_product(*leaves: jax.Array) -> jax.Array:
   return jnp.isfinite(sum(jnp.sum(_with_arithmetic(x) * 0, dtype=jnp.float32) for x in leaves))
 
 
-def select_tree(pred: Any, on_true: T, on_false: T) -> T:
+def select_tree(pred: ArrayLike, on_true: T, on_false: T) -> T:
   """Picks ``on_true`` where ``pred`` is true, else ``on_false``, leaf by leaf.
 
   The jit-safe counterpart of ``on_true if pred else on_false`` for a traced scalar
@@ -218,13 +222,12 @@ def select_tree(pred: Any, on_true: T, on_false: T) -> T:
   pred_shape = np.shape(pred)
   if pred_shape != ():
     raise ValueError(f"select_tree needs a scalar predicate, got one of shape {pred_shape}.")
-  if hasattr(pred, "dtype"):
-    pred_dtype = pred.dtype
-  elif isinstance(pred, (bool, int, float, complex)):
+  pred_dtype = getattr(pred, "dtype", None)
+  if pred_dtype is None:
+    if not isinstance(pred, (bool, int, float, complex)):
+      raise TypeError(f"select_tree needs a boolean predicate, got {pred!r} of type "
+                      f"{type(pred).__name__}.")
     pred_dtype = np.result_type(pred)
-  else:
-    raise TypeError(f"select_tree needs a boolean predicate, got {pred!r} of type "
-                    f"{type(pred).__name__}.")
   if pred_dtype != np.dtype(bool):
     raise TypeError(f"select_tree needs a boolean predicate, got dtype {pred_dtype}.")
 

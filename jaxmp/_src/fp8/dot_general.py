@@ -33,11 +33,14 @@ from __future__ import annotations
 import functools
 import string
 from collections.abc import Mapping
-from typing import Any, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from jaxmp._src import sharding
 from jaxmp._src.fp8 import maxgrad
@@ -54,18 +57,18 @@ F32 = np.dtype(np.float32)
 class _Config(NamedTuple):
   """Everything static about one fp8 matmul (hashable)."""
   dimension_numbers: tuple
-  recipe: recipes_lib.Recipe
+  recipe: recipes_lib.DelayedScaling | recipes_lib.CurrentScaling  # per tensor
   lhs_dtype: np.dtype
   rhs_dtype: np.dtype
   out_dtype: np.dtype
   out_sharding: Any
   # (shape, dtype) of each state leaf, to hand the new state back in the same form.
-  state_avals: Optional[tuple]
+  state_avals: tuple | None
   # The shard_map mesh axes lhs, rhs and each state leaf vary over (empty outside
   # shard_map): each cotangent must vary over exactly its primal's axes.
   lhs_varying: frozenset = frozenset()
   rhs_varying: frozenset = frozenset()
-  state_varying: Optional[tuple] = None
+  state_varying: tuple | None = None
 
 
 def _check_operand(name: str, x: jax.Array) -> None:
@@ -268,7 +271,7 @@ def _backward(cfg: _Config, residuals, g):
                         scale=x_scale * g_scale, dtype=cfg.rhs_dtype, exact_scale=pow2)
   d_lhs = sharding.like_primal(d_lhs, cfg.lhs_varying, jax.lax.psum)
   d_rhs = sharding.like_primal(d_rhs, cfg.rhs_varying, jax.lax.psum)
-  if cfg.state_avals is None:
+  if cfg.state_avals is None or cfg.state_varying is None:  # both set with a state
     return d_lhs, d_rhs, None
   values = (x_scale, x_history, k_scale, k_history, g_scale, g_history)
   new_state = state_lib.DelayedScalingState(
@@ -289,9 +292,12 @@ _fp8_dot.defvjp(_forward, _backward)
 _fp8_dot_jit = jax.jit(_fp8_dot, static_argnums=(3,))
 
 
-def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
-                    preferred_element_type: Any = None, out_sharding: Any = None, *,
-                    state: Any = None, recipe: Optional[recipes_lib.Recipe] = None) -> jax.Array:
+def fp8_dot_general(lhs: jax.Array, rhs: jax.Array,
+                    dimension_numbers: jax.lax.DotDimensionNumbers,
+                    precision: jax.lax.PrecisionLike = None,
+                    preferred_element_type: DTypeLike | None = None, out_sharding: Any = None, *,
+                    state: state_lib.DelayedScalingState | None = None,
+                    recipe: recipes_lib.Recipe | None = None) -> jax.Array:
   """``jax.lax.dot_general`` computed in fp8, under any jaxmp fp8 recipe.
 
   A drop-in ``dot_general``: ``functools.partial(fp8_dot_general, state=...,
@@ -376,8 +382,8 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, prec
     cfg = per_gemm_lib.config(lhs, rhs, dimension_numbers, recipe, out_dtype, target.mx)
     return per_gemm_lib.dot(lhs, rhs, cfg)
   cfg = _Config(dimension_numbers, recipe, np.dtype(lhs.dtype), np.dtype(rhs.dtype),
-                out_dtype, out_sharding, state_avals, sharding.varying_axes(lhs), sharding.varying_axes(rhs),
-                state_varying)
+                out_dtype, out_sharding, state_avals, sharding.varying_axes(lhs),
+                sharding.varying_axes(rhs), state_varying)
   return _fp8_dot_jit(lhs, rhs, state, cfg)
 
 
@@ -430,9 +436,11 @@ def _parse_einsum(eqn: str, lhs_ndim: int, rhs_ndim: int) -> tuple:
   return lhs_spec, rhs_spec, out
 
 
-def fp8_einsum(eqn: str, lhs: jax.Array, rhs: jax.Array, *, state: Any = None,
-               recipe: Optional[recipes_lib.Recipe] = None, preferred_element_type: Any = None,
-               precision: Any = None) -> jax.Array:
+def fp8_einsum(eqn: str, lhs: jax.Array, rhs: jax.Array, *,
+               state: state_lib.DelayedScalingState | None = None,
+               recipe: recipes_lib.Recipe | None = None,
+               preferred_element_type: DTypeLike | None = None,
+               precision: jax.lax.PrecisionLike = None) -> jax.Array:
   """A two-operand ``jnp.einsum`` computed as one :func:`fp8_dot_general`.
 
   ``lhs`` is the input and ``rhs`` the kernel, as in ``nn.Einsum`` (whose kernel is

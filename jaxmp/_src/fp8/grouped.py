@@ -35,7 +35,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,8 +53,8 @@ class Grouping(NamedTuple):
   ``Grouping(None, None)`` is the whole tensor, its batch included.
   """
 
-  rows: Optional[int]
-  cols: Optional[int]
+  rows: int | None
+  cols: int | None
 
   @property
   def per_tensor(self) -> bool:

@@ -29,7 +29,8 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +55,7 @@ class Layout(NamedTuple):
   contract_shape: tuple
 
   @classmethod
-  def of(cls, shape: Sequence[int], contract: Sequence[int], batch: Sequence[int]) -> "Layout":
+  def of(cls, shape: Sequence[int], contract: Sequence[int], batch: Sequence[int]) -> Layout:
     """The layout of an operand of ``shape`` with these contracting and batch dimensions."""
     shape = tuple(int(d) for d in shape)
     free = tuple(i for i in range(len(shape)) if i not in contract and i not in batch)

@@ -140,7 +140,9 @@ def _define_max_float32() -> Any:
   class MaxFloat32(extended_base):
     """float32 whose autodiff accumulation is ``max``."""
     _rules = MaxFloat32Rules
-    type = max_float32_scalar
+    # JAX's ExtendedDType declares ``type`` an abstract property; its own extended
+    # dtypes (PRNG keys) define it as a class attribute, as here.
+    type = max_float32_scalar  # pyright: ignore[reportAssignmentType]
     name = "max_float32"
     itemsize = 4
 

@@ -31,7 +31,9 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Union
+from typing import Any
+from typing import NamedTuple
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +50,7 @@ from jaxmp._src.fp8 import scaled_gemm
 INPUT, KERNEL, GRADIENT = "input", "kernel", "output_grad"
 _FORMATS = {"e4m3": q.E4M3, "e5m2": q.E5M2}
 
-Operand = Union[grouped.Quantized, jax.Array]
+Operand = grouped.Quantized | jax.Array
 
 
 class Config(NamedTuple):
@@ -102,9 +104,12 @@ def _gemm(a: Operand, b: Operand, recipe: Any, roles: tuple, shape: tuple, out_d
           cfg: Config) -> jax.Array:
   """``(B, P, C) x (B, Q, C) -> (B, P, Q)`` under ``recipe``, or in the operands' dtype."""
   if recipe is None:
+    # A GEMM without a recipe gets its operands unquantized (see ``_quantize``).
+    a, b = cast(jax.Array, a), cast(jax.Array, b)
     dtype = jnp.result_type(a.dtype, b.dtype)
     return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), scaled_gemm.CANONICAL,
                                preferred_element_type=out_dtype)
+  a, b = cast(grouped.Quantized, a), cast(grouped.Quantized, b)
   groupings = tuple(grouping(recipe, role) for role in roles)
   # The gradient GEMMs accumulate without cuBLASLt's fast accumulation, as in Flax and
   # TransformerEngine (scaled_gemm.rescaled_dot).

@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Optional, Union
+from typing import Any
 
 AMAX_COMPUTE_ALGORITHMS = ("max", "most_recent")
 
@@ -66,7 +66,7 @@ def _check_margin(cls_name: str, margin: Any) -> None:
         f"2**margin), got {margin!r} of type {type(margin).__name__}.")
   if margin < 0:
     raise ValueError(f"{cls_name}: margin must be >= 0, got {margin!r}.")
-  if margin > MAX_MARGIN:
+  if int(margin) > MAX_MARGIN:
     raise ValueError(
         f"{cls_name}: margin must be in [0, {MAX_MARGIN}] (beyond it the product of two "
         f"scales, amax * 2**margin / 448 each, overflows float32 for amaxes up to 2**16 "
@@ -382,13 +382,13 @@ class GemmRecipes:
                        "at least one GEMM a recipe, or drop the fp8 rule.")
 
   @property
-  def gemms(self) -> tuple[Optional[Any], Optional[Any], Optional[Any]]:
+  def gemms(self) -> tuple[Any | None, Any | None, Any | None]:
     """``(forward, input_grad, weight_grad)``."""
     return (self.forward, self.input_grad, self.weight_grad)
 
 
-Recipe = Union[DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MXScaling,
-               GemmRecipes]
+Recipe = (DelayedScaling | CurrentScaling | RowwiseScaling | BlockScaling | MXScaling
+          | GemmRecipes)
 
 RECIPE_TYPES = (DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MXScaling,
                 GemmRecipes)
@@ -424,7 +424,7 @@ def check_recipe(recipe: Any, where: str = "fp8") -> Recipe:
       f"{recipe!r} of type {type(recipe).__name__}.{hint}")
 
 
-def per_gemm(recipe: Recipe) -> Union[DelayedScaling, CurrentScaling, GemmRecipes]:
+def per_gemm(recipe: Recipe) -> DelayedScaling | CurrentScaling | GemmRecipes:
   """The recipe in the form the fp8 op runs it.
 
   The per-tensor recipes run as they are (one quantization of each tensor serves every
@@ -435,7 +435,9 @@ def per_gemm(recipe: Recipe) -> Union[DelayedScaling, CurrentScaling, GemmRecipe
   Example:
     >>> from jaxmp import fp8
     >>> jaxmp._src.fp8.recipes.per_gemm(fp8.MXScaling())
-    GemmRecipes(forward=MXScaling(gradient_format='e4m3'), input_grad=MXScaling(gradient_format='e4m3'), weight_grad=MXScaling(gradient_format='e4m3'))
+    GemmRecipes(forward=MXScaling(gradient_format='e4m3'),
+                input_grad=MXScaling(gradient_format='e4m3'),
+                weight_grad=MXScaling(gradient_format='e4m3'))
   """
   if isinstance(recipe, (DelayedScaling, CurrentScaling)):
     return recipe

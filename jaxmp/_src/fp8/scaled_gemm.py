@@ -214,7 +214,8 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, groupings: tup
   if isinstance(recipe, recipes_lib.MXScaling):
     out = mx.gemm(a, b, out_dtype, block_scaled_gemm)
   elif isinstance(recipe, recipes_lib.BlockScaling):
-    out = _dequantized_dot(a, b, *groupings, out_dtype, recipe.power_of_two)
+    grouping_a, grouping_b = groupings
+    out = _dequantized_dot(a, b, grouping_a, grouping_b, out_dtype, recipe.power_of_two)
   else:
     out = rescaled_dot(a.data, b.data, CANONICAL, _outer(a.scale, b.scale), out_dtype,
                        exact_scale=recipe.power_of_two,
@@ -222,5 +223,5 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, groupings: tup
   return out[:, :p, :q_]
 
 
-__all__ = ("CANONICAL", "GPU_FP8_CONTRACTION_MULTIPLE", "fuses_output", "fuses_output_on_gpus", "gemm",
-           "rescaled_dot")
+__all__ = ("CANONICAL", "GPU_FP8_CONTRACTION_MULTIPLE", "fuses_output", "fuses_output_on_gpus",
+           "gemm", "rescaled_dot")

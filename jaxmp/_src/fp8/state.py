@@ -51,11 +51,15 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional, TypeVar
+from collections.abc import Hashable
+from typing import Any
+from typing import NamedTuple
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxmp._src import dtypes
 from jaxmp._src import tree as tree_lib
@@ -109,7 +113,7 @@ class DelayedScalingState(NamedTuple):
   output_grad_amax_history: Any
 
   @classmethod
-  def from_variables(cls, variables: Any) -> "DelayedScalingState":
+  def from_variables(cls, variables: Any) -> DelayedScalingState:
     """Builds the state from a mapping with Flax's six variable names.
 
     Raises:
@@ -124,7 +128,7 @@ class DelayedScalingState(NamedTuple):
     return cls(**{name: variables[name] for name in cls._fields})
 
 
-def init_state(recipe: recipes_lib.Recipe) -> Optional[DelayedScalingState]:
+def init_state(recipe: recipes_lib.Recipe) -> DelayedScalingState | None:
   """The initial state of one fp8 matmul under ``recipe``.
 
   Scales start at 1 and histories at 0, as in Flax and TransformerEngine: the first
@@ -231,11 +235,13 @@ def _guard_jvp(message, primals, tangents):
   if trained and isinstance(state_tangent, zero):
     raise ValueError(message)
   if isinstance(operand_tangent, zero):
-    operand_tangent = jnp.zeros(jnp.shape(operand), operand_tangent.dtype)
+    # A SymbolicZero forwards ``dtype`` to its aval through __getattr__, which pyright
+    # reads as a method.
+    operand_tangent = jnp.zeros(jnp.shape(operand), operand_tangent.dtype)  # pyright: ignore[reportArgumentType]
   return operand, operand_tangent
 
 
-def require_state_gradient(operand: jax.Array, state: Optional[DelayedScalingState], *,
+def require_state_gradient(operand: jax.Array, state: DelayedScalingState | None, *,
                            hint: str, params: Any = None) -> jax.Array:
   """``operand``, refusing a derivative with respect to ``params`` without one for ``state``.
 
@@ -317,7 +323,7 @@ def _check_predicate(grads_finite: Any) -> jax.Array:
   return jnp.asarray(grads_finite)
 
 
-def merge(old_state: T, state_cotangent: T, grads_finite: Any = True) -> T:
+def merge(old_state: T, state_cotangent: T, grads_finite: ArrayLike = True) -> T:
   """The next fp8 state from the old one and the state cotangent of a step.
 
   Leaf by leaf: the cotangent where the step was finite and the cotangent carries
@@ -386,10 +392,11 @@ def accumulate(a: T, b: T) -> T:
     Array([5., 1.], dtype=float32)
   """
   a, b = from_grad(a), from_grad(b)
-  return jax.tree_util.tree_map(lambda x, y: jnp.fmax(jnp.asarray(x, F32), jnp.asarray(y, F32)), a, b)
+  return jax.tree_util.tree_map(
+      lambda x, y: jnp.fmax(jnp.asarray(x, F32), jnp.asarray(y, F32)), a, b)
 
 
-def all_reduce(state_cotangent: T, axis_name: Any) -> T:
+def all_reduce(state_cotangent: T, axis_name: Hashable) -> T:
   """Combines the state cotangents of data-parallel replicas: max over ``axis_name``.
 
   Under ``jit`` with sharded arrays nothing is needed (the amax of a sharded tensor is

@@ -44,7 +44,8 @@ import contextlib
 import contextvars
 import dataclasses
 import warnings
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 
@@ -70,7 +71,7 @@ class Target:
 
   name: str
   platform: str
-  fp8: Optional[bool]
+  fp8: bool | None
   mx: bool
   description: str
 
@@ -125,7 +126,7 @@ def compile_target(name: str) -> Iterator[Target]:
     _OVERRIDE.reset(token)
 
 
-def _cudnn_version() -> Optional[int]:
+def _cudnn_version() -> int | None:
   try:
     from jax._src.lib import cuda_versions  # pylint: disable=g-import-not-at-top
     return int(cuda_versions.cudnn_get_version()) if cuda_versions else None
@@ -207,7 +208,7 @@ def gemm_recipes(recipe: Any) -> tuple:
 _GEMM_NAMES = ("forward", "input-gradient", "weight-gradient")
 
 
-def warn_on_fallback(recipe: Any, target: Optional[Target] = None) -> None:
+def warn_on_fallback(recipe: Any, target: Target | None = None) -> None:
   """Warns (:class:`Fp8FallbackWarning`) if some of ``recipe``'s GEMMs fall back on ``target``.
 
   Args:

@@ -24,12 +24,13 @@ Example:
   >>> dense = nn.Dense(4, dot_general_cls=jaxmp.linen.Fp8DotGeneral)
   >>> variables = dense.init(jax.random.key(0), jnp.ones((2, 3)))
   >>> sorted(variables["_overwrite_with_gradient"]["Fp8DotGeneral_0"])
-  ['input_amax_history', 'input_scale', 'kernel_amax_history', 'kernel_scale', 'output_grad_amax_history', 'output_grad_scale']
+  ['input_amax_history', 'input_scale', 'kernel_amax_history', 'kernel_scale',
+   'output_grad_amax_history', 'output_grad_scale']
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -38,7 +39,6 @@ import jax.numpy as jnp
 from jaxmp._src.fp8 import dot_general as dot_general_lib
 from jaxmp._src.fp8 import recipes as recipes_lib
 from jaxmp._src.fp8 import state as state_lib
-
 
 _TRAIN_HINT = ("Train linen fp8 models with jaxmp.linen.value_and_grad and "
                "jaxmp.linen.apply_gradients (or jaxmp.linen.TrainState), or differentiate the "
@@ -63,7 +63,7 @@ def _check_state_reachable(module: nn.Module) -> None:
 
 
 def _read_state(module: nn.Module, recipe: recipes_lib.Recipe
-                ) -> Optional[state_lib.DelayedScalingState]:
+                ) -> state_lib.DelayedScalingState | None:
   if not isinstance(recipe, recipes_lib.DelayedScaling):
     return None
   _check_state_reachable(module)
@@ -80,7 +80,7 @@ def _read_state(module: nn.Module, recipe: recipes_lib.Recipe
 
 
 def _guarded(module: nn.Module, rhs: jax.Array,
-             state: Optional[state_lib.DelayedScalingState]) -> jax.Array:
+             state: state_lib.DelayedScalingState | None) -> jax.Array:
   """``rhs``, refused under a derivative that trains the owning module but not the state."""
   # The module that creates the fp8 op (the Dense whose kernel it multiplies, the
   # nn.Einsum, the user's block around an einsum of two activations) owns the params

@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 from flax.core import scope as flax_scope
 from flax.linen import module as linen_module
 
-from jaxmp._src.linen import fp8 as fp8_linen
 from jaxmp._src.fp8 import recipes as recipes_lib
 from jaxmp._src.fp8 import state as state_lib
+from jaxmp._src.linen import fp8 as fp8_linen
 
 _MISSING = object()
 
@@ -117,8 +119,10 @@ def _fp8_einsum_call(module: nn.Einsum, recipe: recipes_lib.Recipe, inputs,
     bias_shape, broadcast_shape = module._get_bias_shape(einsum_str, inputs, kernel)  # pylint: disable=protected-access
     bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
   inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+  # Flax types promote_dtype's results as Optional (for the bias); these two are arrays.
   y = fp8_linen.Fp8Einsum(recipe=recipe)(
-      einsum_str, inputs, kernel, preferred_element_type=module.preferred_element_type)
+      einsum_str, inputs, kernel,  # pyright: ignore[reportArgumentType]
+      preferred_element_type=module.preferred_element_type)
   if bias is not None:
     y += jnp.reshape(bias, broadcast_shape)
   return y

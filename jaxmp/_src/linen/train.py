@@ -26,10 +26,12 @@ Example:
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any
 
 import flax
+import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
@@ -88,7 +90,7 @@ def split_variables(variables: Any) -> tuple[Any, Any, dict]:
   return params, fp8, variables
 
 
-def join_variables(params: Any, fp8: Any, collections: Optional[dict] = None) -> dict:
+def join_variables(params: Any, fp8: Any, collections: dict | None = None) -> dict:
   """The inverse of :func:`split_variables`; an empty fp8 state is left out.
 
   Example:
@@ -152,7 +154,7 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callabl
   def traced(params, fp8, probe, collections, *args, **kwargs):
     return differentiable(params, fp8, {**collections, NONFINITE: probe}, *args, **kwargs)
 
-  def value_and_grads(variables, *args, loss_scale: Optional[loss_scale_lib.LossScale] = None,
+  def value_and_grads(variables, *args, loss_scale: loss_scale_lib.LossScale | None = None,
                       **kwargs):
     loss_scale = step_lib.check_loss_scale(loss_scale, "value_and_grad")
     params, fp8, collections = split_variables(variables)
@@ -268,7 +270,7 @@ class TrainState(flax.struct.PyTreeNode):
 
   @classmethod
   def create(cls, *, apply_fn: Callable[..., Any], variables: Any = None,
-             tx: Optional[optax.GradientTransformation] = None, **fields) -> "TrainState":
+             tx: optax.GradientTransformation | None = None, **fields) -> TrainState:
     """Builds the state from a model's ``apply``, its ``init`` variables and ``tx``.
 
     Args:
@@ -307,7 +309,7 @@ class TrainState(flax.struct.PyTreeNode):
                collections=collections, opt_state=tx.init(params), apply_fn=apply_fn, tx=tx,
                **fields)
 
-  def __deepcopy__(self, memo: dict) -> "TrainState":
+  def __deepcopy__(self, memo: dict) -> TrainState:
     """A copy with every array copied and ``apply_fn`` and ``tx`` shared.
 
     They are the program, not its data (static pytree fields), so a deep copy keeps
@@ -317,7 +319,7 @@ class TrainState(flax.struct.PyTreeNode):
     """
     return jax.tree_util.tree_map(lambda leaf: copy.deepcopy(leaf, memo), self)
 
-  def with_rules(self, rules: Any) -> "TrainState":
+  def with_rules(self, rules: Any) -> TrainState:
     """This state with ``apply_fn`` under other precision rules, every array kept.
 
     ``apply_fn`` must be the ``apply`` of a :func:`jaxmp.linen.mixed_precision`
@@ -358,8 +360,8 @@ class TrainState(flax.struct.PyTreeNode):
     return lambda *args, **kwargs: grad_fn(self.variables, *args, loss_scale=self.loss_scale,
                                            **kwargs)
 
-  def apply_gradients(self, grads: Gradients, *, extra_args: Optional[Mapping[str, Any]] = None,
-                      collections: Any = None, **changes) -> "TrainState":
+  def apply_gradients(self, grads: Gradients, *, extra_args: Mapping[str, Any] | None = None,
+                      collections: Any = None, **changes) -> TrainState:
     """One step: params through ``tx``, fp8 state merged; ``changes`` replace fields.
 
     Pass the model's updated collections as ``collections=...`` (e.g. the

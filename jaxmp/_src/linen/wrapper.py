@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -88,13 +89,16 @@ class _CacheVariable(nn.Variable):
     super().__init__(variable.scope, variable.collection, variable.name, variable.unbox)
     self._read = read
 
+  # nn.Variable.value is a property with a getter and a setter; typeshed types a
+  # property's fget/fset as Optional.
   @property
   def value(self) -> Any:
-    return self._read(nn.Variable.value.fget(self))
+    return self._read(nn.Variable.value.fget(self))  # pyright: ignore[reportOptionalCall]
 
   @value.setter
   def value(self, value: Any) -> None:
-    nn.Variable.value.fset(self, engine.written(value, nn.Variable.value.fget(self)))
+    nn.Variable.value.fset(  # pyright: ignore[reportOptionalCall]
+        self, engine.written(value, nn.Variable.value.fget(self)))  # pyright: ignore[reportOptionalCall]
 
 
 def _caches_in(module: nn.Module, dtype: np.dtype, call: engine.Call) -> contextlib.ExitStack:
@@ -269,7 +273,7 @@ class MixedPrecision(engine.Wrapper):
     """
     return dict(self._module_types)
 
-  def with_rules(self, rules: rules_lib.PolicyRules) -> "MixedPrecision":
+  def with_rules(self, rules: rules_lib.PolicyRules) -> MixedPrecision:
     """The same model under other rules; the variables it takes are the same.
 
     Nothing is re-initialised: ``apply`` of the new wrapper takes the variables this
@@ -374,7 +378,7 @@ class MixedPrecision(engine.Wrapper):
                              _fp8_layer_names(), already_warned=self._warned, stacklevel=4)
 
 
-def trace_abstract(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRules],
+def trace_abstract(model_or_wrapper: Any, rules: rules_lib.PolicyOrRules | None,
                    args: tuple, kwargs: dict, *, variables: Any = None, rngs: Any = None
                    ) -> tuple[rules_lib.PolicyRules, list[CallRecord], Any]:
   """Traces one ``init`` or ``apply`` abstractly; for :func:`jaxmp.tools.summary`.

@@ -31,14 +31,16 @@ Example:
   >>> layer(jnp.ones((4, 3))).shape
   (4, 2)
   >>> sorted(nnx.state(layer, jaxmp.nnx.Fp8State)["dot_general"])
-  ['input_amax_history', 'input_scale', 'kernel_amax_history', 'kernel_scale', 'output_grad_amax_history', 'output_grad_scale']
+  ['input_amax_history', 'input_scale', 'kernel_amax_history', 'kernel_scale',
+   'output_grad_amax_history', 'output_grad_scale']
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -83,14 +85,14 @@ _TRAIN_HINT = ("Train NNX fp8 models with jaxmp.nnx.value_and_grad (it different
                "merges the new fp8 state), not a plain nnx.grad + optimizer.update.")
 
 
-def _read_state(module: nnx.Module) -> Optional[state_lib.DelayedScalingState]:
+def _read_state(module: Fp8Module) -> state_lib.DelayedScalingState | None:
   if not isinstance(module.recipe, recipes_lib.DelayedScaling):
     return None
   return state_lib.DelayedScalingState(
       *(getattr(module, name).get_value() for name in state_lib.DelayedScalingState._fields))
 
 
-def _guarded(rhs: jax.Array, state: Optional[state_lib.DelayedScalingState]) -> jax.Array:
+def _guarded(rhs: jax.Array, state: state_lib.DelayedScalingState | None) -> jax.Array:
   """The kernel, refused under a derivative that leaves the fp8 state out."""
   return state_lib.require_state_gradient(rhs, state, hint=_TRAIN_HINT)
 
@@ -191,6 +193,9 @@ FP8_LAYER_TYPES: tuple[type, ...] = (
 FP8_MODULE_TYPES: tuple[type, ...] = (Fp8DotGeneral, Fp8Einsum)
 """jaxmp's own NNX fp8 modules, which precision policies leave alone."""
 
+Fp8Module = Fp8DotGeneral | Fp8Einsum
+"""The fp8 module (with its state) that computes an fp8 layer's product."""
+
 _PROJECTIONS = ("query", "key", "value", "out")
 
 
@@ -205,6 +210,7 @@ def _hook(layer: nnx.Module) -> tuple[str, Any]:
     return "einsum_op", layer.einsum_op
   if isinstance(layer, nnx.LinearGeneral) and layer.dot_general_cls is not None:
     return "dot_general_cls", layer.dot_general_cls
+  assert isinstance(layer, (nnx.Linear, nnx.LinearGeneral))  # the other FP8_LAYER_TYPES
   return "dot_general", layer.dot_general
 
 
@@ -254,7 +260,7 @@ def fp8_layers(path: str, module: nnx.Module) -> list[tuple[str, nnx.Module]]:
   return layers
 
 
-def new_fp8_module(layer: nnx.Module, recipe: recipes_lib.Recipe) -> nnx.Module:
+def new_fp8_module(layer: nnx.Module, recipe: recipes_lib.Recipe) -> Fp8Module:
   """A fresh :class:`Fp8Einsum` for an ``nnx.Einsum``, else a :class:`Fp8DotGeneral`."""
   if isinstance(layer, nnx.Einsum):
     return Fp8Einsum(recipe)
@@ -265,7 +271,7 @@ def _call_module(module, *args, **kwargs):
   return module(*args, **kwargs)
 
 
-def install(layer: nnx.Module, fp8_module: nnx.Module) -> None:
+def install(layer: nnx.Module, fp8_module: Fp8Module) -> None:
   """Makes ``layer`` compute its product with ``fp8_module``.
 
   Only for a private copy of a layer (``jaxmp.nnx.mixed_precision`` runs each call on

@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from flax import nnx
 
@@ -56,7 +56,7 @@ def differentiates(model: nnx.Module, wrt: Any) -> tuple[Any, bool]:
   return nnx.Any(wrt, fp8_nnx.Fp8State), False
 
 
-def trace_of(grads: nnx.State, wrt: Any) -> Optional[Any]:
+def trace_of(grads: nnx.State, wrt: Any) -> Any | None:
   """The step's ``NonfiniteTrace`` from the gradients, parameter gradients filled in.
 
   Args:

@@ -77,7 +77,8 @@ import dataclasses
 import functools
 import inspect
 import types
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as linen
 import jax
@@ -174,8 +175,8 @@ def _intercepting_class(cls: type) -> type:
   cls = _ORIGINAL.get(cls, cls)
   sub = _INTERCEPTING.get(cls)
   if sub is None:
-    namespace = {name: _intercepted(name, attribute)
-                 for name, attribute in _public_methods(cls).items()}
+    namespace: dict[str, Any] = {name: _intercepted(name, attribute)
+                                 for name, attribute in _public_methods(cls).items()}
     namespace.update(__module__=cls.__module__, __qualname__=cls.__qualname__,
                      __doc__=cls.__doc__)
     sub = types.new_class(cls.__name__, (cls,), {"pytree": cls._pytree__is_pytree},
@@ -253,11 +254,11 @@ class MixedPrecision(nnx.Module, engine.Wrapper):
   """
 
   def __init__(self, model: nnx.Module, rules: rules_lib.PolicyRules,
-               fp8_modules: Optional[dict[str, nnx.Module]] = None,
-               nonfinite: Optional[nonfinite_nnx.NonfiniteProbe] = None):
+               fp8_modules: dict[str, fp8_nnx.Fp8Module] | None = None,
+               nonfinite: nonfinite_nnx.NonfiniteProbe | None = None):
     self.model = model
     self.rules = rules
-    self.fp8 = nnx.Dict(fp8_modules or {})
+    self.fp8: nnx.Dict[fp8_nnx.Fp8Module] = nnx.Dict(fp8_modules or {})
     if nonfinite is not None:
       self.nonfinite = nonfinite
 
@@ -290,7 +291,7 @@ class MixedPrecision(nnx.Module, engine.Wrapper):
     return {r.path: _ORIGINAL.get(type(r.module), type(r.module))
             for r in _resolve(self.model, self.rules).values()}
 
-  def with_rules(self, rules: rules_lib.PolicyRules) -> "MixedPrecision":
+  def with_rules(self, rules: rules_lib.PolicyRules) -> MixedPrecision:
     """A wrapper of the same model under other rules, sharing every variable.
 
     Nothing is re-initialised or copied: the new wrapper holds this one's model (its
@@ -517,9 +518,9 @@ def mixed_precision(model: nnx.Module,
 
 
 def _fp8_modules(modules: dict[tuple, _Resolved],
-                 existing: dict[str, nnx.Module]) -> dict[str, nnx.Module]:
+                 existing: dict[str, fp8_nnx.Fp8Module]) -> dict[str, fp8_nnx.Fp8Module]:
   """The fp8 module of every layer an fp8 rule reaches; ``existing`` ones kept by recipe."""
-  fp8_modules: dict[str, nnx.Module] = {}
+  fp8_modules: dict[str, fp8_nnx.Fp8Module] = {}
   for r in modules.values():  # parents first: an attention rule decides its projections
     if r.precision.fp8 is None:
       continue
@@ -547,7 +548,7 @@ def _warn_unused(model: nnx.Module, rules: rules_lib.PolicyRules,
   engine.warn_unused_rules(type(model).__name__, rules, records, _fp8_layer_names())
 
 
-def trace_abstract(model_or_wrapper: nnx.Module, rules: Optional[rules_lib.PolicyOrRules],
+def trace_abstract(model_or_wrapper: nnx.Module, rules: rules_lib.PolicyOrRules | None,
                    method: str, args: tuple, kwargs: dict
                    ) -> tuple[rules_lib.PolicyRules, list[CallRecord], Any]:
   """Traces one call of an NNX model or wrapper abstractly; for :func:`jaxmp.tools.summary`.
@@ -600,6 +601,7 @@ def trace_abstract(model_or_wrapper: nnx.Module, rules: Optional[rules_lib.Polic
     if isinstance(obj, MixedPrecision):
       wrapper = obj if rules is None else mixed_precision(obj.model, rules)
     else:
+      assert rules is not None  # checked above for an unwrapped model
       wrapper = mixed_precision(obj, rules)
     out, records = wrapper._trace(method, call_args, call_kwargs, annotate=True)  # pylint: disable=protected-access
     found.append((wrapper.rules, records))

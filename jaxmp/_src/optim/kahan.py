@@ -30,7 +30,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -104,7 +105,7 @@ class KahanState(NamedTuple):
 
 
 def kahan_summation(
-    inner: Optional[optax.GradientTransformation] = None,
+    inner: optax.GradientTransformation | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Runs ``inner`` and adds its updates to 16-bit params with Kahan compensation.
 

@@ -51,7 +51,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -169,15 +170,15 @@ def master_weights(inner: optax.GradientTransformation, *,
       stored = base.map_selected(_keep, mask, masters, otherwise=_none)
     return MasterWeightsState(master=stored, inner_state=inner.init(masters))
 
-  def update_fn(grads, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, **extra_args):
     if not isinstance(state, MasterWeightsState):
       raise TypeError(f"{_WHERE}: state must be the MasterWeightsState its init returned, "
                       f"got {type(state).__name__}.")
     params = base.require_params(params, _WHERE)
     mask = _select(params, remainders)
     masters = _masters(mask, state.master, params, remainders)
-    grads = base.map_selected(_upcast, mask, grads, otherwise=_keep)
-    inner_updates, inner_state = inner.update(grads, state.inner_state, masters, **extra_args)
+    updates = base.map_selected(_upcast, mask, updates, otherwise=_keep)
+    inner_updates, inner_state = inner.update(updates, state.inner_state, masters, **extra_args)
     # Exactly what optax.apply_updates does to float32 params.
     new_masters = optax.apply_updates(masters, inner_updates)
     if remainders:
@@ -204,7 +205,7 @@ def _masters(mask: Any, stored: Any, params: Any, remainders: bool) -> Any:
   return base.map_selected(_keep, mask, stored, params, otherwise=lambda r, p: p)
 
 
-def master_params(opt_state: Any, params: Any) -> Any:
+def master_params(opt_state: optax.OptState, params: optax.Params) -> optax.Params:
   """The float32 masters held by the :func:`master_weights` state in ``opt_state``.
 
   The masters are matched to the params leaf by leaf, by key path: the state of an

@@ -49,21 +49,22 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxmp._src import checks
 from jaxmp._src import dtypes as dtypes_lib
 from jaxmp._src import tree as tree_lib
-from jaxmp._src import checks
 from jaxmp._src.optim import base
 
 _WHERE = "state_dtypes"
 STORAGE_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
-DTypeChoice = Callable[[str, jax.ShapeDtypeStruct], Optional[dtypes_lib.DTypeLike]]
+DTypeChoice = Callable[[str, jax.ShapeDtypeStruct], dtypes_lib.DTypeLike | None]
 _F16 = np.dtype(jnp.float16)
 
 SQUARED_FIELDS: dict[str, tuple[str, ...]] = {
@@ -106,14 +107,14 @@ def _storage_dtype(value: Any, where: str) -> np.dtype:
   except TypeError as e:
     raise TypeError(f"{where}: a storage dtype must be a dtype or its name ({accepted}), "
                     f"got {value!r} of type {type(value).__name__}.") from e
-  if dtype not in STORAGE_DTYPES:
+  if dtype is None or dtype not in STORAGE_DTYPES:
     shown = value if isinstance(value, str) else getattr(np.dtype(value), "name", value)
     raise ValueError(f"{where}: storage dtype {shown!r} is not accepted: a state is stored "
                      f"in a floating dtype, one of {accepted}.")
   return dtype
 
 
-def _choice(dtype: Union[dtypes_lib.DTypeLike, DTypeChoice]) -> DTypeChoice:
+def _choice(dtype: dtypes_lib.DTypeLike | DTypeChoice) -> DTypeChoice:
   """``dtype`` as a function of (path, leaf); a plain dtype is checked right away."""
   if callable(dtype) and not isinstance(dtype, type) and not hasattr(dtype, "dtype"):
     return dtype
@@ -182,7 +183,7 @@ def _natural_dtypes(natural: Any) -> Any:
 
 
 def state_dtypes(inner: optax.GradientTransformation,
-                 dtype: Union[dtypes_lib.DTypeLike, DTypeChoice]
+                 dtype: dtypes_lib.DTypeLike | DTypeChoice
                  ) -> optax.GradientTransformationExtraArgs:
   """Stores ``inner``'s state in narrower dtypes and computes its update in float32.
 
@@ -223,11 +224,11 @@ def state_dtypes(inner: optax.GradientTransformation,
     params32 = _upcast(params)
     return _cast(inner.init(params32), _storage(choose, natural_state(params32)))
 
-  def update_fn(grads, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, **extra_args):
     params32 = None if params is None else _upcast(params)
-    natural = natural_state(params32 if params is not None else _upcast(grads))
+    natural = natural_state(params32 if params is not None else _upcast(updates))
     state = _cast(state, _natural_dtypes(natural))
-    updates, state = inner.update(_upcast(grads), state, params32, **extra_args)
+    updates, state = inner.update(_upcast(updates), state, params32, **extra_args)
     return updates, _cast(state, _storage(choose, natural))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

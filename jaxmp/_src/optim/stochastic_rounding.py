@@ -19,9 +19,9 @@ left alone (cast, not rounded: a NaN's payload may sit in the low bits only).
 bfloat16 param ``p`` into the one that ``optax.apply_updates`` turns ``p`` into
 ``stochastic_round(p + u)`` by (see :mod:`jaxmp._src.optim.base`, and there why it
 wraps rather than chains). Its state holds the key, a step count and ``inner``'s
-state; the random bits of a step come from ``fold_in(fold_in(key, count), leaf index)``, so a restored
-checkpoint continues with the same bits and a sharded param gets the same bits as on
-one device (JAX's partitionable threefry, the default).
+state; the random bits of a step come from ``fold_in(fold_in(key, count), leaf index)``,
+so a restored checkpoint continues with the same bits and a sharded param gets the
+same bits as on one device (JAX's partitionable threefry, the default).
 
 Put it outside loss scaling: ``stochastic_rounding(jaxmp.loss_scaling(inner, scale),
 key)``. A skipped step's zero updates (``-0.0``) then round to the params exactly (their
@@ -42,12 +42,14 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.typing import DTypeLike
 
 from jaxmp._src import checks
 from jaxmp._src.optim import base
@@ -82,7 +84,8 @@ def _key_data(key: Any, where: str) -> tuple[jax.Array, Any]:
                   f"uint32[2] jax.random.PRNGKey(0)), got {shown}.")
 
 
-def stochastic_round(x: jax.Array, key: Any, dtype: Any = jnp.bfloat16) -> jax.Array:
+def stochastic_round(x: jax.Array, key: jax.Array,
+                     dtype: DTypeLike = jnp.bfloat16) -> jax.Array:
   """Rounds float32 values to bfloat16 up or down at random, unbiased.
 
   See the module docstring for the algorithm.
@@ -155,7 +158,7 @@ def _is_key(value: Any) -> bool:
 
 
 def stochastic_rounding(inner: optax.GradientTransformation,
-                        key: Any = None) -> optax.GradientTransformationExtraArgs:
+                        key: jax.Array | None = None) -> optax.GradientTransformationExtraArgs:
   """Runs ``inner`` and writes its updates into bfloat16 params with stochastic rounding.
 
   Each ``update`` runs ``inner`` on the gradients and the bfloat16 params as they
@@ -229,7 +232,9 @@ def stochastic_rounding(inner: optax.GradientTransformation,
                                     jax.random.fold_in(step_key, i))) if m else u
            for i, (m, p, u) in enumerate(zip(flat_mask, flat_params, flat_updates))]
     return (jax.tree_util.tree_unflatten(treedef, new),
-            StochasticRoundingState(key=state.key, count=optax.safe_increment(state.count),
+            # optax types safe_increment's result as any ArrayLike; it is an array.
+            StochasticRoundingState(key=state.key,
+                                    count=optax.safe_increment(state.count),  # pyright: ignore[reportArgumentType]
                                     inner_state=inner_state))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -48,7 +48,9 @@ Example:
   >>> modules = {"": object, "block": object, "block/attention": object}
   >>> change = jaxmp.tools.propose_change(rules, steps, modules, culprit_steps=3, bfloat16=False)
   >>> print(change)
-  step 2: proposed block/attention in float32: forward output of block/attention was the first non-finite value in 3 of the last 3 steps (0, 1, 2): block/attention computes in float32 (was float16)
+  step 2: proposed block/attention in float32: forward output of block/attention was the
+  first non-finite value in 3 of the last 3 steps (0, 1, 2): block/attention computes in
+  float32 (was float16)
   >>> print(change.rules.resolve("block/attention", object).policy)
   params=float32,compute=float32,output=float32
 """
@@ -59,8 +61,10 @@ import collections
 import dataclasses
 import logging
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, Optional
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -124,7 +128,7 @@ class PrecisionChange(NamedTuple):
 
   step: int
   kind: str
-  module: Optional[str]
+  module: str | None
   reason: str
   previous: rules_lib.PolicyRules
   rules: rules_lib.PolicyRules
@@ -223,7 +227,7 @@ def _check_propose_args(rules, evidence, modules, culprit_steps, bfloat16):
 
 def propose_change(rules: rules_lib.PolicyRules, evidence: Sequence[monitor_lib.StepRecord],
                    modules: Mapping[str, type], *, culprit_steps: int,
-                   bfloat16: bool) -> Optional[PrecisionChange]:
+                   bfloat16: bool) -> PrecisionChange | None:
   """The precision change the evidence calls for, or ``None``; pure.
 
   The decision of the module docstring, in its order: non-finite model inputs, a
@@ -416,7 +420,8 @@ class PrecisionController:
     ...   state, change = controller.update(state)
     ...   print(i, bool(metrics["last_step_finite"]), change)
     0 False None
-    1 False step 1: applied <root> in float32: forward output of <root> was the first non-finite value in 2 of the last 2 steps (0, 1): <root> computes in float32 (was float16)
+    1 False step 1: applied <root> in float32: forward output of <root> was the first
+    non-finite value in 2 of the last 2 steps (0, 1): <root> computes in float32 (was float16)
     2 True None
   """
 
@@ -446,7 +451,7 @@ class PrecisionController:
     self._rules = wrapper.rules
     self._modules: dict[str, type] = {}
     self._steps: collections.deque = collections.deque(maxlen=self.window)
-    self._last_step: Optional[int] = None
+    self._last_step: int | None = None
     self._changes: list[PrecisionChange] = []
 
   @property
@@ -459,7 +464,7 @@ class PrecisionController:
     """Every change proposed or applied so far, in order: the run's precision log."""
     return tuple(self._changes)
 
-  def update(self, model: Any) -> tuple[Any, Optional[PrecisionChange]]:
+  def update(self, model: Any) -> tuple[Any, PrecisionChange | None]:
     """Reads the monitor's latest step; returns the model (new rules if applied) and the change.
 
     Args:

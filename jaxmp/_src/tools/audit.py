@@ -45,7 +45,9 @@ import contextlib
 import dataclasses
 import math
 import warnings
-from typing import Any, Mapping, Optional
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -112,9 +114,9 @@ class Gemm:
   shape: str
   flops: int
   bytes: int
-  rate: Optional[str] = None
-  seconds: Optional[float] = None
-  cycles: Optional[int] = None
+  rate: str | None = None
+  seconds: float | None = None
+  cycles: int | None = None
   count: int = 1
 
   @property
@@ -145,9 +147,9 @@ class Kernel:
   kind: str
   output: str
   bytes: int
-  unfused: Optional[str] = None
-  seconds: Optional[float] = None
-  cycles: Optional[int] = None
+  unfused: str | None = None
+  seconds: float | None = None
+  cycles: int | None = None
   count: int = 1
 
 
@@ -174,10 +176,10 @@ class AuditReport:
   compiler_options: Mapping[str, Any]
   gemms: tuple[Gemm, ...]
   kernels: tuple[Kernel, ...]
-  spec: Optional[targets_lib.GpuSpec]
-  estimated_seconds: Optional[float]
+  spec: targets_lib.GpuSpec | None
+  estimated_seconds: float | None
   hlo: str = dataclasses.field(repr=False)
-  memory: Optional[memory_lib.CompiledMemory] = None
+  memory: memory_lib.CompiledMemory | None = None
 
   @property
   def gemm_flops(self) -> int:
@@ -194,11 +196,11 @@ class AuditReport:
     return tuple(k for k in self.kernels if k.unfused)
 
   @property
-  def gemm_seconds(self) -> Optional[float]:
+  def gemm_seconds(self) -> float | None:
     return _total(g.seconds for g in self.gemms for _ in range(g.count))
 
   @property
-  def non_gemm_seconds(self) -> Optional[float]:
+  def non_gemm_seconds(self) -> float | None:
     return _total(k.seconds for k in self.kernels for _ in range(k.count))
 
   @property
@@ -206,7 +208,7 @@ class AuditReport:
     """Kernels launched per call: every GEMM and every other kernel, a loop's per trip."""
     return sum(g.count for g in self.gemms) + sum(k.count for k in self.kernels)
 
-  def estimated_seconds_with_launches(self, per_launch: float) -> Optional[float]:
+  def estimated_seconds_with_launches(self, per_launch: float) -> float | None:
     """The roofline estimate plus a fixed overhead for each of the :attr:`launches`.
 
     The roofline ignores launch overheads, which dominate a step of many small
@@ -252,23 +254,25 @@ class AuditReport:
       lines += [f"  {k.name}: {k.unfused} -> {k.output}" for k in unfused]
     if self.estimated_seconds is not None:
       if self.spec is not None:
+        gemm, other = self.gemm_seconds, self.non_gemm_seconds
+        assert gemm is not None and other is not None  # the roofline estimate is their sum
         lines.append(
             f"roofline estimate: {self.estimated_seconds * 1e3:.3f} ms (GEMMs "
-            f"{self.gemm_seconds * 1e3:.3f} ms, other kernels {self.non_gemm_seconds * 1e3:.3f} "
+            f"{gemm * 1e3:.3f} ms, other kernels {other * 1e3:.3f} "
             f"ms; peaks {_peaks(self.spec)}, HBM {self.spec.hbm_bytes_per_second / 1e12:.2f} TB/s)")
       else:
         lines.append(f"TPU cost-model estimate: {self.estimated_seconds * 1e3:.3f} ms")
     return "\n".join(lines)
 
 
-def _total(values) -> Optional[float]:
+def _total(values) -> float | None:
   values = list(values)
   if any(v is None for v in values):
     return None
   return float(sum(values))
 
 
-def _fmt_time(seconds: Optional[float], cycles: Optional[int]) -> str:
+def _fmt_time(seconds: float | None, cycles: int | None) -> str:
   if seconds is not None:
     return f"{seconds * 1e6:.1f} us"
   return f"{cycles} cyc" if cycles is not None else "-"
@@ -282,7 +286,7 @@ def _peaks(spec: targets_lib.GpuSpec) -> str:
 
 
 def _held_dtype(module: hlo_lib.Module, instruction: hlo_lib.Instruction,
-                caller: Optional[hlo_lib.Instruction]) -> str:
+                caller: hlo_lib.Instruction | None) -> str:
   """The dtype whose values ``instruction`` carries, through exact conversions."""
   for _ in range(64):  # a chain of moves is short; the bound only guards cycles
     op = instruction.opcode
@@ -327,12 +331,12 @@ def _rate(compute: tuple[str, ...], precision: str) -> str:
   return "bf16"
 
 
-def _cycles(instruction: hlo_lib.Instruction) -> Optional[int]:
+def _cycles(instruction: hlo_lib.Instruction) -> int | None:
   found = instruction.attribute(r'"estimated_cycles":"(\d+)"')
   return int(found) if found else None
 
 
-def _cublas_gemm(module, ins, platform: str) -> Gemm:
+def _cublas_gemm(module: hlo_lib.Module, ins: hlo_lib.Instruction, platform: str) -> Gemm:
   a, b = (module.instruction(o) for o in ins.operands[:2])
   held = tuple(_dtype_name(_held_dtype(module, x, None)) for x in (a, b))
   compute = tuple(_dtype_name(x.first_array[0]) for x in (a, b))
@@ -346,7 +350,9 @@ def _cublas_gemm(module, ins, platform: str) -> Gemm:
   nbytes = sum(hlo_lib.nbytes(x.type) for x in (a, b)) + hlo_lib.nbytes(
       f"{out_dtype}[{','.join(map(str, out_dims))}]")
   precision = ins.attribute(r'"operand_precision":\[([^\]]*)\]') or ""
-  return Gemm(ins.name, _CUBLAS.get(ins.custom_call_target, ins.custom_call_target), held,
+  target = ins.custom_call_target
+  assert target is not None  # only cuBLAS custom calls come here
+  return Gemm(ins.name, _CUBLAS.get(target, target), held,
               compute, _dtype_name(out_dtype), _shape(lhs_dims, out_dims, contracting, n_batch),
               flops, nbytes, _rate(compute, precision) if platform == "gpu" else None)
 
@@ -427,7 +433,7 @@ def _fused_gemm(module, ins, dots, platform: str) -> Gemm:
               cycles=_cycles(ins))
 
 
-def _unfused(module, ins) -> Optional[str]:
+def _unfused(module, ins) -> str | None:
   body = module.body(ins.called[0]) if ins.opcode == "fusion" else [ins]
   ops = [o for o in body if o.opcode not in _PLUMBING]
   if not ops or any(o.opcode not in ("convert", "transpose", "copy") for o in ops):
@@ -452,6 +458,7 @@ def _kernels(module: hlo_lib.Module, computation: str, count: int, platform: str
     if op == "while":
       trips = ins.attribute(r'"known_trip_count":\{"n":"(\d+)"\}')
       body = ins.attribute(r"\bbody=%?([\w.\-]+)")
+      assert body is not None  # every HLO while names its body
       _kernels(module, body, count * int(trips or 1), platform, gemms, kernels)
       continue
     if op in ("call", "async-start"):
@@ -492,10 +499,10 @@ def _kernels(module: hlo_lib.Module, computation: str, count: int, platform: str
                           nbytes, _unfused(module, ins), cycles=_cycles(ins), count=count))
 
 
-def analyze(text: str, platform: str, spec: Optional[targets_lib.GpuSpec] = None,
+def analyze(text: str, platform: str, spec: targets_lib.GpuSpec | None = None,
             target: str = "", device_kind: str = "",
-            compiler_options: Optional[Mapping[str, Any]] = None,
-            tpu_seconds: Optional[float] = None) -> AuditReport:
+            compiler_options: Mapping[str, Any] | None = None,
+            tpu_seconds: float | None = None) -> AuditReport:
   """An :class:`AuditReport` from optimized HLO text (what :func:`audit` compiles).
 
   Args:
@@ -546,8 +553,8 @@ def _abstract(tree: Any, device: Any) -> Any:
   return jax.tree_util.tree_map(leaf, tree)
 
 
-def audit(fn: Any, *args: Any, target: Optional[str] = None,
-          compiler_options: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> AuditReport:
+def audit(fn: Callable[..., Any], *args: Any, target: str | None = None,
+          compiler_options: Mapping[str, Any] | None = None, **kwargs: Any) -> AuditReport:
   """Compiles ``fn(*args, **kwargs)`` and reports what runs: GEMMs, bytes, time.
 
   ``fn`` is jitted unless it already is (a ``jax.jit`` function keeps its static
@@ -621,8 +628,9 @@ def audit(fn: Any, *args: Any, target: Optional[str] = None,
     tpu_seconds = cost.get("optimal_seconds")
     if tpu_seconds is not None and tpu_seconds < 0:  # the cost model's "unknown"
       tpu_seconds = None
-  report = analyze(compiled.as_text(), platform, spec, name, kind, compiler_options or {},
-                   tpu_seconds)
+  text = compiled.as_text()
+  assert text is not None  # JAX types it Optional; a compiled executable has its HLO
+  report = analyze(text, platform, spec, name, kind, compiler_options or {}, tpu_seconds)
   return dataclasses.replace(report, memory=memory_lib.compiled_memory(compiled))
 
 

@@ -50,9 +50,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
-import jax
 import numpy as np
 
 from jaxmp._src import dtypes as dtypes_lib
@@ -94,7 +93,7 @@ class DeviceCapabilities:
 
   platform: str
   device_kind: str
-  compute_capability: Optional[tuple[int, int]]
+  compute_capability: tuple[int, int] | None
   supports_bf16: bool
   supports_fp16: bool
   supports_fp8: bool
@@ -158,7 +157,7 @@ def device_capabilities(device: Any = None) -> DeviceCapabilities:
     bf16, fp16, fp8 = True, True, False
     why = ("A GPU without a CUDA compute capability (ROCm): taken to compute bfloat16 and "
            "float16 natively, as jaxmp.half_dtype does; fp8 support unknown.")
-  elif platform == "gpu":
+  elif platform == "gpu" and capability is not None:
     cc = ".".join(map(str, capability))
     bf16 = capability >= BF16_MIN_COMPUTE_CAPABILITY
     fp16 = capability >= FP16_MIN_COMPUTE_CAPABILITY

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Optional
 
 # Bytes per element of the HLO primitive types (pred is stored as a byte).
 _DTYPE_BYTES = {
@@ -114,7 +113,7 @@ class Instruction:
   raw_operands: str = ""
 
   @classmethod
-  def parse(cls, line: str, computation: str) -> Optional["Instruction"]:
+  def parse(cls, line: str, computation: str) -> Instruction | None:
     body = line.strip()
     if body.startswith("ROOT "):
       body = body[5:]
@@ -135,7 +134,7 @@ class Instruction:
     return cls(name.lstrip("%"), type_str, match.group(1), operands,
                rest[close_paren + 1:], computation, rest[open_paren + 1:close_paren])
 
-  def attribute(self, pattern: str) -> Optional[str]:
+  def attribute(self, pattern: str) -> str | None:
     """The first group of ``pattern`` searched in the attributes, or None."""
     match = re.search(pattern, self.attributes)
     return match.group(1) if match else None
@@ -149,16 +148,16 @@ class Instruction:
     return tuple(names)
 
   @property
-  def custom_call_target(self) -> Optional[str]:
+  def custom_call_target(self) -> str | None:
     return self.attribute(r'custom_call_target="([^"]+)"')
 
   @property
-  def fusion_kind(self) -> Optional[str]:
+  def fusion_kind(self) -> str | None:
     """``kLoop``, ``kInput``, ``kOutput`` or ``kCustom`` for a fusion."""
     return self.attribute(r"\bkind=(k\w+)")
 
   @property
-  def backend_kind(self) -> Optional[str]:
+  def backend_kind(self) -> str | None:
     """The backend's name for a custom fusion, e.g. ``__triton_gemm``."""
     return self.attribute(r'"(?:fusion_backend_config|fusion_config)":\{"kind":"([^"]+)"')
 
@@ -175,7 +174,7 @@ class Module:
   def __init__(self, text: str):
     self.text = text
     self.computations: dict[str, list[Instruction]] = {}
-    self.entry: Optional[str] = None
+    entry = None
     current = None
     for line in text.splitlines():
       if current is None:
@@ -184,7 +183,7 @@ class Module:
           current = match.group(2)
           self.computations[current] = []
           if match.group(1):
-            self.entry = current
+            entry = current
         continue
       if line.startswith("}"):
         current = None
@@ -192,8 +191,9 @@ class Module:
       instruction = Instruction.parse(line, current)
       if instruction is not None:
         self.computations[current].append(instruction)
-    if self.entry is None:
+    if entry is None:
       raise ValueError("Not an HLO module: no ENTRY computation found in the text.")
+    self.entry: str = entry
     self._by_name = {i.name: i for body in self.computations.values() for i in body}
 
   def instruction(self, name: str) -> Instruction:

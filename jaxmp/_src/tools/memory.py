@@ -27,11 +27,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jaxmp._src.optim import base as optim_base
 from jaxmp._src.optim import master_weights as master_weights_lib
@@ -82,10 +83,10 @@ class MemoryReport:
   master_bytes: int
   opt_state_bytes: int
   grad_bytes: int
-  argument_bytes: Optional[int] = None
-  output_bytes: Optional[int] = None
-  temp_bytes: Optional[int] = None
-  alias_bytes: Optional[int] = None
+  argument_bytes: int | None = None
+  output_bytes: int | None = None
+  temp_bytes: int | None = None
+  alias_bytes: int | None = None
 
   @property
   def state_bytes(self) -> int:
@@ -93,11 +94,15 @@ class MemoryReport:
     return self.param_bytes + self.master_bytes + self.opt_state_bytes
 
   @property
-  def peak_bytes(self) -> Optional[int]:
+  def peak_bytes(self) -> int | None:
     """The compiled step's arguments + outputs + temporaries - aliased, or ``None``."""
-    if self.argument_bytes is None:
+    # The four are set together, from one compiled step's memory analysis.
+    arguments, outputs, temps, aliased = (self.argument_bytes, self.output_bytes,
+                                          self.temp_bytes, self.alias_bytes)
+    if arguments is None:
       return None
-    return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+    assert outputs is not None and temps is not None and aliased is not None
+    return arguments + outputs + temps - aliased
 
   def bytes_per_param(self) -> dict[str, float]:
     """Bytes per param value of each role: params, master, optimizer state, gradients."""
@@ -113,11 +118,14 @@ class MemoryReport:
                  f"{self.state_bytes / n:.2f}"))
     text = (f"{self.num_params:,} params\n"
             + table.text_table(("", "MiB", "bytes/param"), rows, (False, True, True)))
-    if self.peak_bytes is not None:
-      text += (f"\ncompiled step (memory_analysis): arguments {self.argument_bytes / _MIB:.2f} "
-               f"MiB, outputs {self.output_bytes / _MIB:.2f} MiB, temporaries "
-               f"{self.temp_bytes / _MIB:.2f} MiB, aliased {self.alias_bytes / _MIB:.2f} MiB, "
-               f"peak {self.peak_bytes / _MIB:.2f} MiB")
+    peak = self.peak_bytes
+    if peak is not None:
+      compiled = (self.argument_bytes, self.output_bytes, self.temp_bytes, self.alias_bytes)
+      arguments, outputs, temps, aliased = (x or 0 for x in compiled)  # all set with peak
+      text += (f"\ncompiled step (memory_analysis): arguments {arguments / _MIB:.2f} "
+               f"MiB, outputs {outputs / _MIB:.2f} MiB, temporaries "
+               f"{temps / _MIB:.2f} MiB, aliased {aliased / _MIB:.2f} MiB, "
+               f"peak {peak / _MIB:.2f} MiB")
     return text
 
 
@@ -143,7 +151,7 @@ class CompiledMemory:
     return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
 
 
-def compiled_memory(compiled: jax.stages.Compiled) -> Optional[CompiledMemory]:
+def compiled_memory(compiled: jax.stages.Compiled) -> CompiledMemory | None:
   """``compiled.memory_analysis()`` as a :class:`CompiledMemory`, or None where absent."""
   stats = compiled.memory_analysis()
   if stats is None:
@@ -152,7 +160,7 @@ def compiled_memory(compiled: jax.stages.Compiled) -> Optional[CompiledMemory]:
                         int(stats.temp_size_in_bytes), int(stats.alias_size_in_bytes))
 
 
-def _compiled_bytes(compiled: Any) -> dict[str, Optional[int]]:
+def _compiled_bytes(compiled: Any) -> dict[str, int | None]:
   if compiled is None:
     return {}
   if not isinstance(compiled, jax.stages.Compiled):
@@ -164,8 +172,9 @@ def _compiled_bytes(compiled: Any) -> dict[str, Optional[int]]:
   return {} if memory is None else dataclasses.asdict(memory)
 
 
-def memory_report(params: Any, opt_state: Any = None, *, grads: Any = None,
-                  compiled: Optional[jax.stages.Compiled] = None) -> MemoryReport:
+def memory_report(params: optax.Params, opt_state: optax.OptState | None = None, *,
+                  grads: optax.Updates | None = None,
+                  compiled: jax.stages.Compiled | None = None) -> MemoryReport:
   """Counts the bytes of params, master weights, optimizer state and gradients.
 
   See the module docstring for what each role counts.

@@ -54,11 +54,14 @@ import collections
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, NamedTuple, Optional
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from jax.typing import ArrayLike
 
 from jaxmp._src import dtypes as dtypes_lib
 from jaxmp._src import loss_scale as loss_scale_lib
@@ -76,8 +79,10 @@ def _inverse_scale(loss_scale: Any) -> Any:
   return 1.0 / loss_scale_lib.loss_scale_array(loss_scale, where="training_metrics")
 
 
-def training_metrics(grads: Any, opt_state: Any = None, *, loss_scale: Any = None,
-                     nonfinite_trace: Any = None) -> dict[str, Any]:
+def training_metrics(grads: optax.Updates, opt_state: optax.OptState | None = None, *,
+                     loss_scale: loss_scale_lib.LossScale | ArrayLike | None = None,
+                     nonfinite_trace: nonfinite_lib.NonfiniteTrace | None = None
+                     ) -> dict[str, Any]:
   """Scalars that say whether a mixed-precision step was healthy; pure and jit-able.
 
   Args:
@@ -120,7 +125,8 @@ def training_metrics(grads: Any, opt_state: Any = None, *, loss_scale: Any = Non
     ...                                   "b": jnp.array([8.0])}, loss_scale=2.0)
     >>> {k: int(v) for k, v in metrics["nonfinite"].items()}
     {'a': 1, 'b': 0}
-    >>> float(jaxmp.tools.training_metrics({"w": jnp.array([6.0, 8.0])}, loss_scale=2.0)["grad_norm"])
+    >>> metrics = jaxmp.tools.training_metrics({"w": jnp.array([6.0, 8.0])}, loss_scale=2.0)
+    >>> float(metrics["grad_norm"])
     5.0
   """
   inverse = _inverse_scale(loss_scale)
@@ -191,10 +197,10 @@ class StepRecord(NamedTuple):
   """
 
   step: int
-  loss: Optional[float]
-  skipped: Optional[bool]
-  loss_scale: Optional[float]
-  origin: Optional[report_lib.Origin]
+  loss: float | None
+  skipped: bool | None
+  loss_scale: float | None
+  origin: report_lib.Origin | None
   traced: bool
   active: frozenset
 
@@ -313,9 +319,9 @@ class Monitor:
     self._recent_losses: collections.deque = collections.deque(maxlen=self.spike_window)
     # (step, trace) of the latest step that carried a trace, and of the latest whose
     # trace recorded a non-finite value or that was skipped.
-    self._latest_trace: Optional[tuple[int, nonfinite_lib.NonfiniteTrace]] = None
-    self._overflow_trace: Optional[tuple[int, nonfinite_lib.NonfiniteTrace]] = None
-    self._latest: Optional[StepRecord] = None
+    self._latest_trace: tuple[int, nonfinite_lib.NonfiniteTrace] | None = None
+    self._overflow_trace: tuple[int, nonfinite_lib.NonfiniteTrace] | None = None
+    self._latest: StepRecord | None = None
 
   # -- history ---------------------------------------------------------------------------
 
@@ -330,7 +336,7 @@ class Monitor:
     return tuple(self._anomalies)
 
   @property
-  def latest(self) -> Optional[StepRecord]:
+  def latest(self) -> StepRecord | None:
     """The :class:`StepRecord` of the latest update, or ``None`` before the first."""
     return self._latest
 
@@ -357,7 +363,7 @@ class Monitor:
   # -- update ----------------------------------------------------------------------------
 
   def update(self, metrics: Mapping[str, Any], loss: Any = None, *,
-             step: Optional[int] = None) -> tuple[Anomaly, ...]:
+             step: int | None = None) -> tuple[Anomaly, ...]:
     """Records one step and returns the anomalies that start at it.
 
     Args:
@@ -426,7 +432,7 @@ class Monitor:
                               trace is not None, frozenset(self._active))
     return tuple(new)
 
-  def _loss(self, loss: Any) -> Optional[float]:
+  def _loss(self, loss: Any) -> float | None:
     if loss is None:
       return None
     if isinstance(loss, (bool, np.bool_, str)) or not (
@@ -438,7 +444,7 @@ class Monitor:
       raise TypeError(f"Monitor.update: loss must be a real scalar, got {loss!r}.")
     return float(value)
 
-  def _step(self, step: Optional[int]) -> int:
+  def _step(self, step: int | None) -> int:
     previous = self._series.steps[-1] if self._series.steps else None
     if step is None:
       return 0 if previous is None else previous + 1
@@ -448,7 +454,7 @@ class Monitor:
       raise ValueError(f"Monitor.update: step must increase, got {step} after {previous}.")
     return int(step)
 
-  def _scale_collapse(self, scale: Optional[float]) -> Optional[str]:
+  def _scale_collapse(self, scale: float | None) -> str | None:
     if scale is None:
       return None
     self._max_scale = max(self._max_scale, scale)
@@ -458,7 +464,7 @@ class Monitor:
               f"(down from {self._max_scale:g}): gradients overflow at almost any scale")
     return None
 
-  def _skip_rate(self) -> Optional[str]:
+  def _skip_rate(self) -> str | None:
     window = self._series.skipped[-self.skip_window:]
     if len(window) < self.skip_window or -1 in window:
       return None
@@ -477,8 +483,8 @@ class Monitor:
       message += "; non-finite gradients in " + ", ".join(f"{k} ({v:,})" for k, v in ranked)
     return message
 
-  def _skip_streak(self, streak: Optional[int], scale: Optional[float],
-                   step: int) -> Optional[str]:
+  def _skip_streak(self, streak: int | None, scale: float | None,
+                   step: int) -> str | None:
     if streak is None or streak < self.max_consecutive_skips:
       return None
     at_scale = "" if scale is None else f" at loss scale {scale:g}"
@@ -488,8 +494,8 @@ class Monitor:
             f"{self.max_consecutive_skips}){at_scale}: no step has been applied since "
             f"{since}")
 
-  def _keep_trace(self, trace: Optional[nonfinite_lib.NonfiniteTrace], finite: Optional[bool],
-                  step: int) -> Optional[report_lib.Origin]:
+  def _keep_trace(self, trace: nonfinite_lib.NonfiniteTrace | None, finite: bool | None,
+                  step: int) -> report_lib.Origin | None:
     """Keeps the step's trace for :meth:`nonfinite_report`; returns its first non-finite value."""
     if trace is None:
       return None
@@ -499,9 +505,9 @@ class Monitor:
       self._overflow_trace = (step, trace)
     return origin
 
-  def _nonfinite_origin(self, trace: Optional[nonfinite_lib.NonfiniteTrace],
-                        origin: Optional[report_lib.Origin], finite: Optional[bool],
-                        step: int) -> Optional[str]:
+  def _nonfinite_origin(self, trace: nonfinite_lib.NonfiniteTrace | None,
+                        origin: report_lib.Origin | None, finite: bool | None,
+                        step: int) -> str | None:
     if trace is None or finite is not False:
       return None
     if origin is None:
@@ -509,7 +515,7 @@ class Monitor:
               f"outside the wrapped model's calls: in the loss function, say)")
     return f"skipped step {step}: first non-finite value: {origin} (amax {origin.amax:g})"
 
-  def nonfinite_report(self) -> Optional[report_lib.NonfiniteReport]:
+  def nonfinite_report(self) -> report_lib.NonfiniteReport | None:
     """The per-module amax table of the latest step that overflowed, saying which step.
 
     The step is the latest whose trace recorded a non-finite value, or that was
@@ -538,7 +544,7 @@ class Monitor:
     step, trace = chosen
     return report_lib.nonfinite_report(trace)._replace(step=step)
 
-  def _loss_spike(self, loss: Optional[float]) -> Optional[str]:
+  def _loss_spike(self, loss: float | None) -> str | None:
     if loss is None or not math.isfinite(loss):
       return None
     previous = list(self._recent_losses)

@@ -48,10 +48,11 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import nonfinite as nonfinite_lib
@@ -93,7 +94,8 @@ class Origin(NamedTuple):
   amax: float
 
   def __str__(self) -> str:
-    return f"{self.direction} {VALUE_NAMES[self.value]} of {nonfinite_lib.describe_call(self.path, self.method)}"
+    call = nonfinite_lib.describe_call(self.path, self.method)
+    return f"{self.direction} {VALUE_NAMES[self.value]} of {call}"
 
 
 def _bad(column: np.ndarray) -> np.ndarray:
@@ -101,7 +103,7 @@ def _bad(column: np.ndarray) -> np.ndarray:
   return ~np.isfinite(column) & (column != -np.inf)
 
 
-def first_nonfinite(trace: nonfinite_lib.NonfiniteTrace) -> Optional[Origin]:
+def first_nonfinite(trace: nonfinite_lib.NonfiniteTrace) -> Origin | None:
   """The first non-finite value of the step a trace records, or ``None``.
 
   The events, in the order they are checked, are those of the module docstring.
@@ -129,7 +131,8 @@ def first_nonfinite(trace: nonfinite_lib.NonfiniteTrace) -> Optional[Origin]:
   # The model's own call, not every row of the root's path: the root's other methods
   # it calls (self.embed, self.decode) are calls inside it.
   model = recorded & nonfinite_lib.model_calls(values)
-  bad = {name: _bad(values[:, i]) for i, name in enumerate(nonfinite_lib.COLUMNS[:nonfinite_lib.PARAM_GRAD + 1])}
+  bad = {name: _bad(values[:, i])
+         for i, name in enumerate(nonfinite_lib.COLUMNS[:nonfinite_lib.PARAM_GRAD + 1])}
   made_forward = recorded & (values[:, nonfinite_lib.MADE_FORWARD] > 0)
   made_input_grad = recorded & (values[:, nonfinite_lib.MADE_BACKWARD] > 0)
   # A module's parameter gradients are the sum over all its calls (every method, every
@@ -157,11 +160,12 @@ def first_nonfinite(trace: nonfinite_lib.NonfiniteTrace) -> Optional[Origin]:
     if i is not None:
       value = value(i) if callable(value) else value
       path, method = trace.calls[i]
-      return Origin(path, method, direction, value, float(values[i, nonfinite_lib.COLUMNS.index(value)]))
+      return Origin(path, method, direction, value,
+                    float(values[i, nonfinite_lib.COLUMNS.index(value)]))
   return None
 
 
-def _first(rows: np.ndarray, position: np.ndarray, smallest: bool) -> Optional[int]:
+def _first(rows: np.ndarray, position: np.ndarray, smallest: bool) -> int | None:
   """The row among ``rows`` that comes first by ``position`` (unknown positions last)."""
   candidates = np.flatnonzero(rows)
   if not candidates.size:
@@ -186,19 +190,19 @@ class ModuleAmax(NamedTuple):
 
   path: str
   method: str
-  input: Optional[float]
-  output: Optional[float]
-  output_grad: Optional[float]
-  input_grad: Optional[float]
-  param_grad: Optional[float]
-  forward: Optional[int]
+  input: float | None
+  output: float | None
+  output_grad: float | None
+  input_grad: float | None
+  param_grad: float | None
+  forward: int | None
 
 
-def _amax(value: float) -> Optional[float]:
+def _amax(value: float) -> float | None:
   return None if value == -math.inf else float(value)
 
 
-def _cell(value: Optional[float]) -> str:
+def _cell(value: float | None) -> str:
   return "-" if value is None else f"{value:.3g}"
 
 
@@ -215,10 +219,10 @@ class NonfiniteReport(NamedTuple):
       <jaxmp.tools.Monitor.nonfinite_report>` says which step it reports).
   """
 
-  origin: Optional[Origin]
+  origin: Origin | None
   modules: tuple[ModuleAmax, ...]
-  loss_scale: Optional[float]
-  step: Optional[int] = None
+  loss_scale: float | None
+  step: int | None = None
 
   def largest(self, value: str = "output", n: int = 5) -> tuple[ModuleAmax, ...]:
     """The ``n`` call sites with the largest ``value`` amax (non-finite first): outliers.
@@ -251,13 +255,16 @@ class NonfiniteReport(NamedTuple):
             + table.text_table(header, body, (False,) + (True,) * 5 + (False,)))
 
 
-def nonfinite_report(trace: Any, *, loss_scale: Any = None) -> NonfiniteReport:
+def nonfinite_report(trace: nonfinite_lib.NonfiniteTrace, *,
+                     loss_scale: loss_scale_lib.LossScale | ArrayLike | None = None
+                     ) -> NonfiniteReport:
   """Reads a step's non-finite trace: the first non-finite value and the amax table.
 
-  The "first" non-finite value is :func:`first_nonfinite`'s: the model's inputs, else the first call (in the order calls finish) whose output is non-finite
-  while its inputs were finite, else the model's output gradient, else the first call
-  the backward pass finishes whose output gradient was finite while the gradients it
-  produced (for its inputs or its parameters) were not.
+  The "first" non-finite value is :func:`first_nonfinite`'s: the model's inputs, else
+  the first call (in the order calls finish) whose output is non-finite while its inputs
+  were finite, else the model's output gradient, else the first call the backward pass
+  finishes whose output gradient was finite while the gradients it produced (for its
+  inputs or its parameters) were not.
 
   Args:
     trace: ``Gradients.nonfinite`` (or ``metrics["nonfinite_trace"]`` of
@@ -296,8 +303,8 @@ def nonfinite_report(trace: Any, *, loss_scale: Any = None) -> NonfiniteReport:
     if row[nonfinite_lib.COUNT] <= 0:
       continue
     forward = row[nonfinite_lib.FORWARD]
-    rows.append(ModuleAmax(path, method, *(_amax(row[i]) for i in range(len(_AMAXES))),
-                           int(forward) if np.isfinite(forward) else None))
+    rows.append(ModuleAmax._make((path, method, *(_amax(row[i]) for i in range(len(_AMAXES))),
+                                  int(forward) if np.isfinite(forward) else None)))
   rows.sort(key=lambda m: math.inf if m.forward is None else m.forward)
   return NonfiniteReport(first_nonfinite(trace), tuple(rows), scale)
 

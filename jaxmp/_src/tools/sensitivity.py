@@ -15,7 +15,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -121,11 +124,11 @@ class _Runner:
       return state, call
     wrapper = linen_lib.mixed_precision(self.model, rules)
 
-    def call(variables, arrays):
+    def call_linen(variables, arrays):
       args, kw = self._call_args(arrays)
       return tree_lib.cast_tree(wrapper.apply(variables, *args, **kw), jnp.float32)
 
-    return self.variables, call
+    return self.variables, call_linen
 
   def reference(self) -> Any:
     if self._reference is None:
@@ -235,7 +238,7 @@ class SensitivityReport:
       raise ValueError(f"{name!r} was not measured; the candidates are {self.candidates}.")
     return self.candidates.index(name)
 
-  def sensitive(self, threshold: float, low: Optional[dtypes_lib.DTypeLike] = None
+  def sensitive(self, threshold: float, low: dtypes_lib.DTypeLike | None = None
                 ) -> tuple[str, ...]:
     """Paths whose deviation in ``low`` exceeds ``threshold`` or is not finite."""
     threshold = _check_threshold(threshold)
@@ -244,7 +247,7 @@ class SensitivityReport:
                  if not math.isfinite(r.deviations[index]) or r.deviations[index] > threshold)
 
   def recommended_rules(self, threshold: float = 0.01,
-                        low: Optional[dtypes_lib.DTypeLike] = None, *,
+                        low: dtypes_lib.DTypeLike | None = None, *,
                         float32_normalization: bool = True) -> rules_lib.PolicyRules:
     """Rules computing in ``low`` except the modules whose deviation exceeds ``threshold``.
 
@@ -302,13 +305,13 @@ def _check_threshold(threshold: Any) -> float:
   return float(threshold)
 
 
-def _metric_name(metric: Optional[Metric]) -> str:
+def _metric_name(metric: Metric | None) -> str:
   if metric is None:
     return "relative L2 error"
   return getattr(metric, "__name__", type(metric).__name__)
 
 
-def _select_paths(paths: list[tuple[str, str]], modules: Optional[str]) -> list[tuple[str, str]]:
+def _select_paths(paths: list[tuple[str, str]], modules: str | None) -> list[tuple[str, str]]:
   if modules is None:
     return paths
   if not isinstance(modules, str):
@@ -327,7 +330,7 @@ def _select_paths(paths: list[tuple[str, str]], modules: Optional[str]) -> list[
 
 def sensitivity(model_or_wrapper: Any, variables: Any, *args,
                 candidates: Sequence[dtypes_lib.DTypeLike] = ("bfloat16", "float16"),
-                metric: Optional[Metric] = None, modules: Optional[str] = None,
+                metric: Metric | None = None, modules: str | None = None,
                 **kwargs) -> SensitivityReport:
   """Ranks modules by how much computing each alone in half precision moves the output.
 
@@ -409,8 +412,9 @@ def sensitivity(model_or_wrapper: Any, variables: Any, *args,
 
 
 def deviation(model_or_wrapper: Any, variables: Any, *args,
-              rules: Union[rules_lib.PolicyOrRules, Sequence[rules_lib.PolicyOrRules]],
-              metric: Optional[Metric] = None, **kwargs) -> Union[float, tuple[float, ...]]:
+              rules: (rules_lib.PolicyOrRules | list[rules_lib.PolicyOrRules]
+                     | tuple[rules_lib.PolicyOrRules, ...]),
+              metric: Metric | None = None, **kwargs) -> float | tuple[float, ...]:
   """How far the output under ``rules`` is from the all-float32 output.
 
   The measurement :func:`sensitivity` makes, for any rules: e.g. to check that its

@@ -29,7 +29,8 @@ import collections
 import dataclasses
 import re
 import warnings
-from typing import Any, NamedTuple, Optional
+from typing import Any
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -150,7 +151,7 @@ def sub_jaxprs_that_run(eqn: Any, platform: str):
   yield from _sub_jaxprs(eqn.params["branches"][index])
 
 
-def _owner_index(name_stack: str) -> Optional[int]:
+def _owner_index(name_stack: str) -> int | None:
   """The record index of the innermost annotated module call in a name stack."""
   found = list(_CALL.finditer(name_stack))
   if not found or engine.PARAM_ANNOTATION in name_stack[found[-1].end():]:
@@ -159,7 +160,7 @@ def _owner_index(name_stack: str) -> Optional[int]:
 
 
 def matmul_dtypes(jaxpr: Any, prefix: str = "",
-                  platform: Optional[str] = None) -> dict[int, collections.Counter]:
+                  platform: str | None = None) -> dict[int, collections.Counter]:
   """How many matmuls/convolutions of each operand dtype class each module call ran.
 
   Walks nested jaxprs (jit, scan, cond, remat, custom_vjp; a loop body counts once;
@@ -191,7 +192,7 @@ def matmul_dtypes(jaxpr: Any, prefix: str = "",
 
 
 def rows_from_records(rules: rules_lib.PolicyRules, records: list[engine.CallRecord],
-                      ran: Optional[dict[int, collections.Counter]] = None
+                      ran: dict[int, collections.Counter] | None = None
                       ) -> tuple[SummaryRow, ...]:
   """Summary rows for module calls, one per (path, method), in call order.
 
@@ -232,7 +233,7 @@ def _warn_mismatches(summary: PrecisionSummary) -> None:
       UserWarning, stacklevel=3)
 
 
-def summary(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRules] = None,
+def summary(model_or_wrapper: Any, rules: rules_lib.PolicyOrRules | None = None,
             *args, variables: Any = None, rngs: Any = None, **kwargs) -> PrecisionSummary:
   """Resolves the precision of every module for one call of the model.
 
@@ -278,7 +279,7 @@ def summary(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRules] = No
   return result
 
 
-def trace_calls(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRules] = None,
+def trace_calls(model_or_wrapper: Any, rules: rules_lib.PolicyOrRules | None = None,
                 *args, variables: Any = None, rngs: Any = None,
                 **kwargs) -> tuple[rules_lib.PolicyRules, list[engine.CallRecord], Any]:
   """Traces one call as :func:`summary` does; returns the rules, records and jaxpr.
@@ -302,5 +303,5 @@ def trace_calls(model_or_wrapper: Any, rules: Optional[rules_lib.PolicyOrRules] 
                                   rngs=rngs)
 
 
-__all__ = ("PrecisionSummary", "SummaryRow", "lowering_platform", "matmul_dtypes", "sub_jaxprs_that_run",
-           "summary", "trace_calls")
+__all__ = ("PrecisionSummary", "SummaryRow", "lowering_platform", "matmul_dtypes",
+           "sub_jaxprs_that_run", "summary", "trace_calls")

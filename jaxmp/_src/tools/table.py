@@ -11,11 +11,11 @@ Example:
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 
 def text_table(header: Sequence[str], body: Sequence[Sequence[str]],
-               right: Optional[Sequence[bool]] = None) -> str:
+               right: Sequence[bool] | None = None) -> str:
   """A plain-text table: the header, a rule of dashes, then the rows.
 
   Columns are two spaces apart and as wide as their widest cell; a column whose

@@ -18,7 +18,8 @@ versions the fp8 GEMM rewrite checks for.
 
 Example:
   >>> from jaxmp._src.tools import targets
-  >>> targets.GPU_TARGETS["h100"].peak_tflops["fp8"], targets.GPU_TARGETS["h100"].peak_tflops["bf16"]
+  >>> h100 = targets.GPU_TARGETS["h100"]
+  >>> h100.peak_tflops["fp8"], h100.peak_tflops["bf16"]
   (1978.9, 989.4)
   >>> targets.check_target("H100")
   'h100'
@@ -30,7 +31,8 @@ import dataclasses
 import functools
 import importlib.util
 import os
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 
@@ -185,7 +187,7 @@ def _require(module: str, extra: str, target: str) -> None:
         "builds one (.venv-cuda, which also holds libtpu).")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def compile_device(target: str) -> Any:
   """A compile-only ``jax.Device`` for ``target`` (built once per process).
 
@@ -222,7 +224,7 @@ def compile_device(target: str) -> Any:
   return topology.devices[0]
 
 
-def gpu_spec_for(device_kind: str) -> Optional[GpuSpec]:
+def gpu_spec_for(device_kind: str) -> GpuSpec | None:
   """The :class:`GpuSpec` whose GPU has this ``device_kind``, if any (H100, A100, B200)."""
   kind = device_kind.lower()
   for name, spec in GPU_TARGETS.items():

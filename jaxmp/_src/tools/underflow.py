@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxmp._src import checks
 from jaxmp._src import dtypes as dtypes_lib
@@ -112,7 +115,8 @@ def _leaf_stats(x: jax.Array, bounds: _Boundaries, target: np.dtype, scale: Any)
 
 
 def underflow_stats(tree: Any, dtype: dtypes_lib.DTypeLike,
-                    loss_scale: Any = 1.0) -> dict[str, LeafStats]:
+                    loss_scale: loss_scale_lib.LossScale | ArrayLike = 1.0
+                    ) -> dict[str, LeafStats]:
   """Per-leaf counts of values ``dtype`` would flush, make subnormal or overflow; jit-able.
 
   Each nonzero finite value ``x`` of every floating-point leaf is multiplied by
@@ -261,8 +265,8 @@ class UnderflowReport:
   loss_scale: float
   rows: tuple[UnderflowRow, ...]
   total: UnderflowRow
-  suggested_scale: Optional[float]
-  at_suggested: Optional[UnderflowRow]
+  suggested_scale: float | None
+  at_suggested: UnderflowRow | None
 
   @property
   def underflow_fraction(self) -> float:
@@ -305,6 +309,7 @@ class UnderflowReport:
       lines.append("no suggested loss scale: no nonzero finite values")
     else:
       s = self.at_suggested
+      assert s is not None  # set with suggested_scale
       need, cap = _power_of_two_bounds(t.max_abs, t.min_abs, dtypes_lib.float_format(self.dtype))
       if need > cap:
         why = ("the largest with max |x| x scale <= max / 2: the values span more than "
@@ -343,7 +348,7 @@ def _power_of_two_bounds(max_abs: float, min_abs: float,
 
 
 def suggest_scale(max_abs: float, min_abs: float,
-                  dtype: dtypes_lib.DTypeLike) -> Optional[float]:
+                  dtype: dtypes_lib.DTypeLike) -> float | None:
   """A power-of-two loss scale that brings values in ``[min_abs, max_abs]`` into range.
 
   The smallest power of two that makes ``min_abs`` a normal number of ``dtype`` (1 if
@@ -375,7 +380,8 @@ def suggest_scale(max_abs: float, min_abs: float,
 
 
 def underflow_report(grads_or_tree: Any, dtype: dtypes_lib.DTypeLike,
-                     loss_scale: Any = 1.0) -> UnderflowReport:
+                     loss_scale: loss_scale_lib.LossScale | ArrayLike = 1.0
+                     ) -> UnderflowReport:
   """Reports, per leaf and overall, the values ``dtype`` would lose at a loss scale.
 
   For gradients computed in float32 (say from a float32 run of the model), it answers
@@ -404,8 +410,8 @@ def underflow_report(grads_or_tree: Any, dtype: dtypes_lib.DTypeLike,
     TypeError: for a ``loss_scale`` that is not a real scalar.
 
   Example:
-    >>> report = jaxmp.tools.underflow_report({"w": jnp.array([1e-8, 1e-3]), "b": jnp.array([70000.0])},
-    ...                                 "float16")
+    >>> report = jaxmp.tools.underflow_report(
+    ...     {"w": jnp.array([1e-8, 1e-3]), "b": jnp.array([70000.0])}, "float16")
     >>> report.row("w").underflow, report.row("b").overflow
     (1, 1)
     >>> report.suggested_scale, report.at_suggested.overflow
