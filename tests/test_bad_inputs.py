@@ -347,6 +347,13 @@ CASES = [
     ("apply_gradients collections of another structure", lambda: _batch_stats_state(
         ).apply_gradients(_grads_of(_batch_stats_state()), collections={"batch_stats": {}}),
      ValueError, "missing ['batch_stats']['mean']"),
+    ("linen.apply_gradients collections without state_before", lambda: jaxmp.linen.apply_gradients(
+        optax.sgd(1.0), PARAMS, {}, optax.sgd(1.0).init(PARAMS), _grads_of(_sgd_state()),
+        collections={"batch_stats": {}}), ValueError, "state_before=None"),
+    ("linen.apply_gradients collections of another structure", lambda: jaxmp.linen.apply_gradients(
+        optax.sgd(1.0), PARAMS, {}, optax.sgd(1.0).init(PARAMS),
+        _grads_of(_sgd_state())._replace(state_before={"batch_stats": {"mean": jnp.ones(2)}}),
+        collections={"batch_stats": {}}), ValueError, "missing ['batch_stats']['mean']"),
     ("TrainState.create with Flax's params=", lambda: jaxmp.linen.TrainState.create(
         apply_fn=lambda v, x: x, params=PARAMS, tx=optax.sgd(1.0)), TypeError, "params="),
     ("TrainState.create variables without params", lambda: jaxmp.linen.TrainState.create(
