@@ -316,6 +316,12 @@ CASES = [
     ("fp8_dot_general bfloat16 state", lambda: fp8.fp8_dot_general(
         X, W, DIMS, state=jax.tree.map(lambda a: a.astype(jnp.bfloat16), STATE), recipe=RECIPE),
      TypeError, "input_scale of dtype bfloat16"),
+    ("fp8_einsum out_sharding", lambda: fp8.fp8_einsum(
+        "ij,jk->ik", X, W, recipe=fp8.CurrentScaling(), out_sharding=jax.sharding.PartitionSpec()),
+     ValueError, "out_sharding, got P()"),
+    ("linen Fp8Einsum out_sharding", lambda: jaxmp.linen.Fp8Einsum(recipe=fp8.CurrentScaling()).apply(
+        {}, "ij,jk->ik", X, W, out_sharding=jax.sharding.PartitionSpec()), ValueError,
+     "out_sharding, got P()"),
     ("fp8_einsum three operands", lambda: fp8.fp8_einsum(
         "ij,jk,kl->il", X, W, recipe=fp8.CurrentScaling()), ValueError, "'ij,jk,kl->il'"),
     ("merge vector flag", lambda: fp8.state.merge(STATE, STATE, jnp.array([True])), ValueError,

@@ -56,8 +56,9 @@ LAYERS = (
                    "_src/paths.py", "_src/policy.py", "_src/pytree.py", "_src/sharding.py",
                    "_src/tree.py"), among=True),
     Layer("fp8 core, optim", ("_src/fp8/", "_src/optim/"), among=False),
-    Layer("engine", ("_src/attention.py", "_src/engine.py", "_src/float32_ops.py",
-                     "_src/nonfinite.py", "_src/rules.py", "_src/step.py"), among=True),
+    Layer("engine", ("_src/adapter.py", "_src/attention.py", "_src/engine.py",
+                     "_src/float32_ops.py", "_src/nonfinite.py", "_src/rules.py",
+                     "_src/step.py"), among=True),
     Layer("adapters", ("_src/linen/", "_src/nnx/"), among=False),
     Layer("tools", ("_src/tools/",), among=True),
     Layer("faces", ("__init__.py", "fp8/", "linen.py", "nnx.py", "optim.py", "tools.py"),
@@ -250,6 +251,50 @@ def check(package: pathlib.Path, layers=LAYERS) -> list[str]:
     more = f"; {', '.join(others)} are in the same circle" if others else ""
     problems.append(f"import cycle: {names} ({lines}){more}")
   return problems
+
+
+FRAMEWORK_FREE = ("core", "fp8 core, optim", "engine")
+"""The layers that import nothing of Flax: what they know of a framework, the adapters
+tell them (``jaxmp._src.adapter.Adapter``)."""
+
+FRAMEWORKS = ("flax",)
+
+
+def framework_imports(package: pathlib.Path, layers=LAYERS) -> list[str]:
+  """Every import of a framework (Flax) by a module of a :data:`FRAMEWORK_FREE` layer."""
+  placed, _ = placement(package, layers)
+  found = []
+  for name, path in modules(package).items():
+    if name not in placed or layers[placed[name][0]].name not in FRAMEWORK_FREE:
+      continue
+    tree = ast.parse(path.read_text(), str(path))
+    for node, lazy in _import_nodes(tree):
+      names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+               else [node.module or ""] if not node.level else [])
+      for imported in names:
+        if imported.split(".")[0] in FRAMEWORKS:
+          how = " (inside a function)" if lazy else ""
+          found.append(f"{path.relative_to(package.parent)}:{node.lineno}: {name} "
+                       f"({layers[placed[name][0]].name}) imports {imported}{how}; only the "
+                       f"adapters and above import a framework")
+  return found
+
+
+def test_the_layers_below_the_adapters_import_no_framework():
+  problems = framework_imports(PACKAGE)
+  assert not problems, "\n".join(problems)
+
+
+def test_a_planted_framework_import_is_reported(tmp_path):
+  package = tmp_path / "jaxmp"
+  shutil.copytree(PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__"))
+  assert framework_imports(package) == []
+  path = package / "_src" / "rules.py"
+  lines = len(path.read_text().splitlines())
+  path.write_text(path.read_text() + "\ndef _later():\n  from flax import nnx\n")
+  assert framework_imports(package) == [
+      f"jaxmp/_src/rules.py:{lines + 3}: jaxmp._src.rules (engine) imports flax (inside a "
+      f"function); only the adapters and above import a framework"]
 
 
 def test_the_imports_keep_the_contract():

@@ -432,7 +432,7 @@ def _parse_einsum(eqn: str, lhs_ndim: int, rhs_ndim: int) -> tuple:
 
 def fp8_einsum(eqn: str, lhs: jax.Array, rhs: jax.Array, *, state: Any = None,
                recipe: Optional[recipes_lib.Recipe] = None, preferred_element_type: Any = None,
-               precision: Any = None) -> jax.Array:
+               precision: Any = None, out_sharding: Any = None) -> jax.Array:
   """A two-operand ``jnp.einsum`` computed as one :func:`fp8_dot_general`.
 
   ``lhs`` is the input and ``rhs`` the kernel, as in ``nn.Einsum`` (whose kernel is
@@ -449,13 +449,17 @@ def fp8_einsum(eqn: str, lhs: jax.Array, rhs: jax.Array, *, state: Any = None,
     recipe: as for :func:`fp8_dot_general`.
     preferred_element_type: as for :func:`fp8_dot_general`.
     precision: accepted and ignored, as for :func:`fp8_dot_general`.
+    out_sharding: accepted, as ``jnp.einsum`` takes it (Flax's einsum layers pass it
+      on), and must be ``None``: the fp8 einsum lays its output out from the operands'
+      shardings.
 
   Returns:
     The einsum, as ``jnp.einsum(eqn, lhs, rhs)`` lays it out.
 
   Raises:
     ValueError: for an equation without exactly two operands, repeated subscripts
-      within an operand, or operands whose sizes disagree on a shared subscript.
+      within an operand, operands whose sizes disagree on a shared subscript, or an
+      ``out_sharding``.
     TypeError: as for :func:`fp8_dot_general`.
 
   Example:
@@ -464,6 +468,9 @@ def fp8_einsum(eqn: str, lhs: jax.Array, rhs: jax.Array, *, state: Any = None,
     >>> fp8.fp8_einsum("btd,dh->bth", x, w, recipe=fp8.CurrentScaling()).shape
     (2, 3, 5)
   """
+  if out_sharding is not None:
+    raise ValueError(f"fp8_einsum does not take out_sharding, got {out_sharding!r}; shard the "
+                     f"einsum's inputs instead.")
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   lhs_spec, rhs_spec, out = _parse_einsum(eqn, lhs.ndim, rhs.ndim)
   for c in set(lhs_spec) & set(rhs_spec):
