@@ -268,16 +268,38 @@ def framework_imports(package: pathlib.Path, layers=LAYERS) -> list[str]:
     if name not in placed or layers[placed[name][0]].name not in FRAMEWORK_FREE:
       continue
     tree = ast.parse(path.read_text(), str(path))
+    where = lambda node: (f"{path.relative_to(package.parent)}:{node.lineno}: {name} "
+                          f"({layers[placed[name][0]].name})")
     for node, lazy in _import_nodes(tree):
       names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
                else [node.module or ""] if not node.level else [])
       for imported in names:
         if imported.split(".")[0] in FRAMEWORKS:
           how = " (inside a function)" if lazy else ""
-          found.append(f"{path.relative_to(package.parent)}:{node.lineno}: {name} "
-                       f"({layers[placed[name][0]].name}) imports {imported}{how}; only the "
-                       f"adapters and above import a framework")
+          found.append(f"{where(node)} imports {imported}{how}; only the adapters and above "
+                       f"import a framework")
+    for node in ast.walk(tree):
+      looked_up = _sys_modules_key(node)
+      if looked_up is not None and looked_up.split(".")[0] in FRAMEWORKS:
+        found.append(f"{where(node)} looks {looked_up} up in sys.modules; only the adapters "
+                     f"and above know a framework")
   return found
+
+
+def _sys_modules_key(node: ast.AST) -> Optional[str]:
+  """The constant key of a ``sys.modules.get(key)`` or ``sys.modules[key]``, else None."""
+  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+    target, key = node.func.value if node.func.attr == "get" else None, (
+        node.args[0] if node.args else None)
+  elif isinstance(node, ast.Subscript):
+    target, key = node.value, node.slice
+  else:
+    return None
+  if (isinstance(target, ast.Attribute) and target.attr == "modules"
+      and isinstance(target.value, ast.Name) and target.value.id == "sys"
+      and isinstance(key, ast.Constant) and isinstance(key.value, str)):
+    return key.value
+  return None
 
 
 def test_the_layers_below_the_adapters_import_no_framework():
@@ -291,10 +313,13 @@ def test_a_planted_framework_import_is_reported(tmp_path):
   assert framework_imports(package) == []
   path = package / "_src" / "rules.py"
   lines = len(path.read_text().splitlines())
-  path.write_text(path.read_text() + "\ndef _later():\n  from flax import nnx\n")
+  path.write_text(path.read_text() + "\ndef _later():\n  from flax import nnx\n"
+                  "  return sys.modules.get('flax.nnx')\n")
   assert framework_imports(package) == [
       f"jaxmp/_src/rules.py:{lines + 3}: jaxmp._src.rules (engine) imports flax (inside a "
-      f"function); only the adapters and above import a framework"]
+      f"function); only the adapters and above import a framework",
+      f"jaxmp/_src/rules.py:{lines + 4}: jaxmp._src.rules (engine) looks flax.nnx up in "
+      f"sys.modules; only the adapters and above know a framework"]
 
 
 def test_the_imports_keep_the_contract():
