@@ -325,6 +325,12 @@ CASES = [
     ("fp8_dot_general bfloat16 state", lambda: fp8.fp8_dot_general(
         X, W, DIMS, state=jax.tree.map(lambda a: a.astype(jnp.bfloat16), STATE), recipe=RECIPE),
      TypeError, "input_scale of dtype bfloat16"),
+    ("fp8_einsum out_sharding", lambda: fp8.fp8_einsum(
+        "ij,jk->ik", X, W, recipe=fp8.CurrentScaling(), out_sharding=jax.sharding.PartitionSpec()),
+     ValueError, "out_sharding, got P()"),
+    ("linen Fp8Einsum out_sharding", lambda: jaxmp.linen.Fp8Einsum(recipe=fp8.CurrentScaling()).apply(
+        {}, "ij,jk->ik", X, W, out_sharding=jax.sharding.PartitionSpec()), ValueError,
+     "out_sharding, got P()"),
     ("fp8_einsum three operands", lambda: fp8.fp8_einsum(
         "ij,jk,kl->il", X, W, recipe=fp8.CurrentScaling()), ValueError, "'ij,jk,kl->il'"),
     ("merge vector flag", lambda: fp8.state.merge(STATE, STATE, jnp.array([True])), ValueError,
@@ -356,6 +362,13 @@ CASES = [
     ("apply_gradients collections of another structure", lambda: _batch_stats_state(
         ).apply_gradients(_grads_of(_batch_stats_state()), collections={"batch_stats": {}}),
      ValueError, "missing ['batch_stats']['mean']"),
+    ("linen.apply_gradients collections without state_before", lambda: jaxmp.linen.apply_gradients(
+        optax.sgd(1.0), PARAMS, {}, optax.sgd(1.0).init(PARAMS), _grads_of(_sgd_state()),
+        collections={"batch_stats": {}}), ValueError, "state_before=None"),
+    ("linen.apply_gradients collections of another structure", lambda: jaxmp.linen.apply_gradients(
+        optax.sgd(1.0), PARAMS, {}, optax.sgd(1.0).init(PARAMS),
+        _grads_of(_sgd_state())._replace(state_before={"batch_stats": {"mean": jnp.ones(2)}}),
+        collections={"batch_stats": {}}), ValueError, "missing ['batch_stats']['mean']"),
     ("TrainState.create with Flax's params=", lambda: jaxmp.linen.TrainState.create(
         apply_fn=lambda v, x: x, params=PARAMS, tx=optax.sgd(1.0)), TypeError, "params="),
     ("TrainState.create variables without params", lambda: jaxmp.linen.TrainState.create(

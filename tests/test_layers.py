@@ -56,8 +56,9 @@ LAYERS = (
                    "_src/paths.py", "_src/policy.py", "_src/pytree.py", "_src/sharding.py",
                    "_src/tree.py"), among=True),
     Layer("fp8 core, optim", ("_src/fp8/", "_src/optim/"), among=False),
-    Layer("engine", ("_src/attention.py", "_src/engine.py", "_src/float32_ops.py",
-                     "_src/nonfinite.py", "_src/rules.py", "_src/step.py"), among=True),
+    Layer("engine", ("_src/adapter.py", "_src/attention.py", "_src/engine.py",
+                     "_src/float32_ops.py", "_src/nonfinite.py", "_src/rules.py",
+                     "_src/step.py"), among=True),
     Layer("adapters", ("_src/linen/", "_src/nnx/"), among=False),
     Layer("tools", ("_src/tools/",), among=True),
     Layer("faces", ("__init__.py", "fp8/", "linen.py", "nnx.py", "optim.py", "tools.py"),
@@ -250,6 +251,75 @@ def check(package: pathlib.Path, layers=LAYERS) -> list[str]:
     more = f"; {', '.join(others)} are in the same circle" if others else ""
     problems.append(f"import cycle: {names} ({lines}){more}")
   return problems
+
+
+FRAMEWORK_FREE = ("core", "fp8 core, optim", "engine")
+"""The layers that import nothing of Flax: what they know of a framework, the adapters
+tell them (``jaxmp._src.adapter.Adapter``)."""
+
+FRAMEWORKS = ("flax",)
+
+
+def framework_imports(package: pathlib.Path, layers=LAYERS) -> list[str]:
+  """Every import of a framework (Flax) by a module of a :data:`FRAMEWORK_FREE` layer."""
+  placed, _ = placement(package, layers)
+  found = []
+  for name, path in modules(package).items():
+    if name not in placed or layers[placed[name][0]].name not in FRAMEWORK_FREE:
+      continue
+    tree = ast.parse(path.read_text(), str(path))
+    where = lambda node: (f"{path.relative_to(package.parent)}:{node.lineno}: {name} "
+                          f"({layers[placed[name][0]].name})")
+    for node, lazy in _import_nodes(tree):
+      names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+               else [node.module or ""] if not node.level else [])
+      for imported in names:
+        if imported.split(".")[0] in FRAMEWORKS:
+          how = " (inside a function)" if lazy else ""
+          found.append(f"{where(node)} imports {imported}{how}; only the adapters and above "
+                       f"import a framework")
+    for node in ast.walk(tree):
+      looked_up = _sys_modules_key(node)
+      if looked_up is not None and looked_up.split(".")[0] in FRAMEWORKS:
+        found.append(f"{where(node)} looks {looked_up} up in sys.modules; only the adapters "
+                     f"and above know a framework")
+  return found
+
+
+def _sys_modules_key(node: ast.AST) -> Optional[str]:
+  """The constant key of a ``sys.modules.get(key)`` or ``sys.modules[key]``, else None."""
+  if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+    target, key = node.func.value if node.func.attr == "get" else None, (
+        node.args[0] if node.args else None)
+  elif isinstance(node, ast.Subscript):
+    target, key = node.value, node.slice
+  else:
+    return None
+  if (isinstance(target, ast.Attribute) and target.attr == "modules"
+      and isinstance(target.value, ast.Name) and target.value.id == "sys"
+      and isinstance(key, ast.Constant) and isinstance(key.value, str)):
+    return key.value
+  return None
+
+
+def test_the_layers_below_the_adapters_import_no_framework():
+  problems = framework_imports(PACKAGE)
+  assert not problems, "\n".join(problems)
+
+
+def test_a_planted_framework_import_is_reported(tmp_path):
+  package = tmp_path / "jaxmp"
+  shutil.copytree(PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__"))
+  assert framework_imports(package) == []
+  path = package / "_src" / "rules.py"
+  lines = len(path.read_text().splitlines())
+  path.write_text(path.read_text() + "\ndef _later():\n  from flax import nnx\n"
+                  "  return sys.modules.get('flax.nnx')\n")
+  assert framework_imports(package) == [
+      f"jaxmp/_src/rules.py:{lines + 3}: jaxmp._src.rules (engine) imports flax (inside a "
+      f"function); only the adapters and above import a framework",
+      f"jaxmp/_src/rules.py:{lines + 4}: jaxmp._src.rules (engine) looks flax.nnx up in "
+      f"sys.modules; only the adapters and above know a framework"]
 
 
 def test_the_imports_keep_the_contract():

@@ -6,6 +6,7 @@ exactly what they were, or evaluation, which reads them, is NaN from then on.
 """
 
 import copy
+import dataclasses
 import pickle
 
 import flax.linen as nn
@@ -198,3 +199,108 @@ def test_gradients_and_train_state_copy_and_pickle():
       _assert_bit_equal(clone, tree)
   for tree in (grads, state.opt_state):
     _assert_bit_equal(pickle.loads(pickle.dumps(tree)), tree)
+
+
+# --------------------------------------------------------------------------------------
+# One skip behaviour for every train-step entry point: on a skipped (non-finite) step
+# every collection stays as it was (params, fp8 state, the inner optimizer state, batch
+# statistics and any other collection the forward pass writes), on published models
+# with BatchNorm. What advances on a skipped step is what counts steps: the loss
+# scaling's own bookkeeping (the scale backs off, skipped_steps counts), the step
+# counters (TrainState.step, nnx.Optimizer.step) and NNX RNG streams (none here: the
+# published CNN takes its dropout rngs as an argument).
+
+_FP8_F16 = jaxmp.PolicyRules(F16, [jaxmp.Rule((nn.Dense, nnx.Linear),
+                                              fp8=jaxmp.fp8.DelayedScaling(amax_history_length=4))])
+
+
+def _published(name):
+  from tests.published import models as published  # pylint: disable=g-import-not-at-top
+  entry = next(e for e in published.MODELS if e.name == name)
+  return entry, entry.batch(jax.random.key(1))
+
+
+def _non_finite(images):
+  return images.at[0, 0, 0, 0].set(jnp.inf)
+
+
+def _kept(opt_state):
+  # The loss scaling's inner state: what the skipped step must not touch.
+  return opt_state.inner_state
+
+
+def _linen_everything(entry_point):
+  """(state after a finite step, after a further non-finite one) of ``entry_point``."""
+  entry, batch = _published("imagenet_resnet18")
+  model = jaxmp.linen.mixed_precision(entry.module("train"), _FP8_F16)
+  tx = jaxmp.loss_scaling(optax.adam(1e-3))
+  variables = entry.init(model, jax.random.key(0), batch)
+
+  def loss_fn(variables, images):
+    batch_of = dataclasses.replace(batch, inputs=(images,))
+    logits, updates = entry.forward(model, variables, batch_of, "train", None)
+    return entry.loss(logits, batch.targets), updates
+
+  if entry_point == "TrainState.apply_gradients":
+    @jax.jit
+    def step(state, images):
+      (_, updates), grads = state.value_and_grad(loss_fn, has_aux=True)(images)
+      return state.apply_gradients(grads, collections={**state.collections, **updates})
+
+    state = jaxmp.linen.TrainState.create(apply_fn=model.apply, variables=variables, tx=tx)
+    view = lambda s: {"params": s.params, "fp8": s.fp8, "collections": s.collections,
+                      "opt_state": _kept(s.opt_state)}
+  else:
+    @jax.jit
+    def step(state, images):
+      params, fp8, opt_state, collections = state
+      (_, updates), grads = jaxmp.linen.value_and_grad(loss_fn, has_aux=True)(
+          jaxmp.linen.join_variables(params, fp8, collections), images,
+          loss_scale=jaxmp.get_loss_scale(opt_state))
+      return jaxmp.linen.apply_gradients(tx, params, fp8, opt_state, grads,
+                                         collections={**collections, **updates})
+
+    params, fp8, collections = jaxmp.linen.split_variables(variables)
+    state = (params, fp8, tx.init(params), collections)
+    view = lambda s: {"params": s[0], "fp8": s[1], "collections": s[3],
+                      "opt_state": _kept(s[2])}
+  (images,) = batch.inputs
+  applied = step(state, images)
+  skipped = step(applied, _non_finite(images))
+  opt_state = skipped.opt_state if entry_point == "TrainState.apply_gradients" else skipped[2]
+  return view(applied), view(skipped), opt_state
+
+
+@pytest.mark.parametrize("entry_point", ["TrainState.apply_gradients", "apply_gradients"])
+def test_linen_entry_points_keep_every_collection_on_a_skipped_step(entry_point):
+  before, after, opt_state = _linen_everything(entry_point)
+  assert not bool(jaxmp.loss_scaling_metrics(opt_state)["last_step_finite"])
+  assert jax.tree.leaves(before["fp8"]) and jax.tree.leaves(before["collections"])
+  _assert_bit_equal(after, before)
+
+
+def test_nnx_apply_gradients_keeps_every_collection_on_a_skipped_step():
+  entry, batch = _published("mnist_cnn")
+  model = jaxmp.nnx.mixed_precision(entry.module(nnx.Rngs(0)), _FP8_F16)
+  optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(optax.adam(1e-3)), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, images):
+    batch_of = dataclasses.replace(batch, inputs=(images,))
+    loss_fn = lambda model: entry.loss(entry.forward(model, batch_of, "train",
+                                                     jax.random.key(2)), batch.targets)
+    _, grads = jaxmp.nnx.value_and_grad(loss_fn)(
+        model, loss_scale=jaxmp.get_loss_scale(optimizer.opt_state))
+    jaxmp.nnx.apply_gradients(optimizer, model, grads)
+
+  def everything():
+    return {"model": nnx.as_pure(nnx.clone(nnx.state(model))),
+            "opt_state": nnx.as_pure(nnx.clone(_kept(optimizer.opt_state)))}
+
+  (images,) = batch.inputs
+  step(model, optimizer, images)
+  before = everything()
+  assert len(nnx.state(model, jaxmp.nnx.Fp8State)) and len(nnx.state(model, nnx.BatchStat))
+  step(model, optimizer, _non_finite(images))
+  assert not bool(jaxmp.loss_scaling_metrics(optimizer.opt_state)["last_step_finite"])
+  _assert_bit_equal(everything(), before)

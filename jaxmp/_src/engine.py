@@ -122,6 +122,10 @@ class Wrapper:
   __slots__ = ()
   model: Any  # the wrapped model; each adapter's wrapper sets it
 
+  def module_types(self) -> dict[str, type]:
+    """The class of every module of the wrapped model, by '/'-joined path."""
+    raise NotImplementedError(f"{type(self).__name__} does not list its modules.")
+
 
 NOT_A_DTYPE_FIELD = object()
 """Returned by :meth:`Call.dtype_field` and :meth:`Call.attention_field` for a field

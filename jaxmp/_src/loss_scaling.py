@@ -56,7 +56,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Hashable
 from typing import Any
 from typing import NamedTuple
@@ -318,16 +317,6 @@ def loss_scaling(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
-def _unwrap_nnx_variables(tree: Any) -> Any:
-  # flax.nnx.Optimizer keeps its opt_state with every array leaf wrapped in an NNX
-  # variable (OptArray / OptVariable); the loss scale's users want plain arrays. If
-  # flax.nnx was never imported, no such variables can exist.
-  nnx = sys.modules.get("flax.nnx")
-  if nnx is None or not hasattr(nnx, "as_pure"):
-    return tree
-  return nnx.as_pure(tree)
-
-
 _WRONG_NESTING = (
     "{caller}: optax.MultiSteps wraps jaxmp.loss_scaling (MultiSteps(loss_scaling(opt), k)): "
     "MultiSteps would accumulate the *scaled* gradients before loss_scaling checks them, so "
@@ -353,7 +342,8 @@ def _find_states(tree: Any, found: list, caller: str) -> None:
 def find_state(opt_state: Any, caller: str) -> LossScalingState | None:
   """The one :class:`LossScalingState` in ``opt_state``, or ``None`` if there is none.
 
-  NNX variable wrappers (``nnx.Optimizer``'s ``opt_state``) are removed.
+  Boxes around its arrays (NNX variables: ``nnx.Optimizer``'s ``opt_state``) are
+  removed (:func:`jaxmp._src.tree.unboxed`).
 
   Raises:
     ValueError: if ``opt_state`` holds more than one (``caller`` names who asked), or
@@ -367,7 +357,9 @@ def find_state(opt_state: Any, caller: str) -> LossScalingState | None:
     raise ValueError(
         f"{caller}: the optimizer state holds {len(found)} LossScalingStates, expected "
         "exactly one; wrap the optimizer in jaxmp.loss_scaling once.")
-  return _unwrap_nnx_variables(found[0])
+  # flax.nnx.Optimizer keeps its opt_state with every array leaf in an NNX variable
+  # (OptArray), a box around an array; the loss scale's users want plain arrays.
+  return tree_lib.unboxed(found[0])
 
 
 def _require_state(opt_state: Any, caller: str) -> LossScalingState:

@@ -5,12 +5,12 @@ A :class:`PolicyRules` is a default :class:`~jaxmp.Policy` plus an ordered list 
 '/'-joined path (``"Block_0/Attention_0/query"``; the root module's path is ``""``):
 the first rule that matches wins, and a module no rule matches uses the default.
 
-Normalization layers (Flax's BatchNorm, LayerNorm, RMSNorm, GroupNorm, InstanceNorm,
-linen and NNX, and a model's own layers whose class name ends in ``Norm`` or
-``Normalization``, such as a published model's ``RMSNorm``) compute in float32 unless a
-rule says otherwise, because their mean and variance lose too much in half precision.
-They store params in the default param dtype and hand their output back in the
-caller's compute dtype.
+Normalization layers (a layer whose class, or a class it derives from, is named
+``...Norm`` or ``...Normalization``: Flax's BatchNorm, LayerNorm, RMSNorm, GroupNorm,
+InstanceNorm, linen and NNX, and a model's own, such as a published model's
+``RMSNorm``) compute in float32 unless a rule says otherwise, because their mean and
+variance lose too much in half precision. They store params in the default param dtype
+and hand their output back in the caller's compute dtype.
 
 Inside every module, the ops on the float32 op list (:mod:`jaxmp._src.float32_ops`:
 softmax, log-softmax, logsumexp by default) compute in float32; ``float32_ops=`` on
@@ -44,7 +44,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 from collections.abc import Collection
 from collections.abc import Sequence
@@ -57,26 +56,25 @@ from jaxmp._src import float32_ops as float32_ops_lib
 from jaxmp._src import policy as policy_lib
 from jaxmp._src.fp8 import recipes as recipes_lib
 
-
-@functools.cache
-def normalization_classes() -> tuple[type, ...]:
-  """The linen and NNX normalization layers, which compute in float32 by default.
-
-  Imported on first use, so that importing jaxmp does not import Flax.
-  """
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  return (nn.BatchNorm, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.InstanceNorm,
-          nnx.BatchNorm, nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, nnx.InstanceNorm)
-
-
 _NORMALIZATION_NAME = re.compile(r".*(Norm|Normalization)")
 
 
 def is_normalization(module_type: type) -> bool:
-  """Whether ``module_type`` is a normalization layer (see the module docstring)."""
-  return (issubclass(module_type, normalization_classes())
-          or _NORMALIZATION_NAME.fullmatch(module_type.__name__) is not None)
+  """Whether ``module_type`` is a normalization layer (see the module docstring).
+
+  By name, with no list of any framework's classes: the class or a class it derives
+  from is named ``...Norm`` or ``...Normalization``. Flax's own (``BatchNorm``,
+  ``LayerNorm``, ``RMSNorm``, ``GroupNorm``, ``InstanceNorm``, linen and NNX) are so
+  named, and so are their subclasses' bases.
+
+  Example:
+    >>> from jaxmp._src import rules
+    >>> class Scaled(type("RMSNorm", (), {})): pass
+    >>> rules.is_normalization(Scaled), rules.is_normalization(int)
+    (True, False)
+  """
+  return any(_NORMALIZATION_NAME.fullmatch(cls.__name__) is not None
+             for cls in module_type.__mro__)
 
 
 MODULE_DTYPES = ("policy", "model")
@@ -386,5 +384,4 @@ __all__ = (
     "as_rules",
     "check_rules",
     "is_normalization",
-    "normalization_classes",
 )

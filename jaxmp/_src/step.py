@@ -52,11 +52,12 @@ class Gradients(NamedTuple):
       with (what :func:`jaxmp.loss_scaling`'s ``update`` expects).
     fp8: the fp8 state's cotangent: the proposed new fp8 state, float32, to be
       merged by ``apply_gradients`` (empty for a model without fp8 layers).
-    state_before: NNX only: the model's other state (batch statistics, ...; not the
-      params, fp8 state or RNG streams) as it was before the forward pass wrote it,
-      which :func:`jaxmp.nnx.apply_gradients` puts back on a skipped step. ``None``
-      from linen, whose ``TrainState.apply_gradients(collections=...)`` keeps the old
-      collections itself.
+    state_before: the model's other state (batch statistics, caches, any mutable
+      collection; not the params, the fp8 state, the non-finite probe or NNX's RNG
+      streams) as it was before the forward pass wrote it: what a skipped step keeps
+      (:func:`keep_on_skip`). ``apply_gradients`` of either adapter uses it (linen's
+      ``TrainState.apply_gradients`` keeps its own ``collections``, the same value);
+      ``None`` in gradients built by hand.
     nonfinite: for a model wrapped with ``PolicyRules(trace_nonfinite=True)``, the
       step's per-module non-finite statistics (a
       :class:`~jaxmp._src.nonfinite.NonfiniteTrace`: read it with

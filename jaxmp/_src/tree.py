@@ -244,6 +244,41 @@ def select_tree(pred: ArrayLike, on_true: T, on_false: T) -> T:
                    names=("on_true", "on_false"))
 
 
+def is_box(x: Any) -> bool:
+  """Whether ``x`` is a box around one value: a pytree node that converts to an array.
+
+  JAX's array-like protocol (``__jax_array__``) says so; NNX's variables (``nnx.Param``,
+  the ``OptArray`` leaves of ``nnx.Optimizer``'s state) are such boxes. Arrays and
+  tracers are not.
+  """
+  # Tracers define the attribute as None.
+  return callable(getattr(type(x), "__jax_array__", None))
+
+
+def unbox(x: Any) -> Any:
+  """The value in a box (:func:`is_box`), or ``x`` itself."""
+  return x.__jax_array__() if is_box(x) else x
+
+
+def unboxed(tree: T) -> T:
+  """``tree`` with every box (:func:`is_box`) replaced by its value.
+
+  What ``nnx.as_pure`` does to NNX variables, without knowing NNX: the core reads an
+  ``nnx.Optimizer``'s state through it.
+
+  Example:
+    >>> from jaxmp._src import tree
+    >>> class Box:
+    ...   def __init__(self, value):
+    ...     self.value = value
+    ...   def __jax_array__(self):
+    ...     return self.value
+    >>> tree.unboxed({"a": Box(jnp.ones(1)), "b": 2})
+    {'a': Array([1.], dtype=float32), 'b': 2}
+  """
+  return jax.tree_util.tree_map(unbox, tree, is_leaf=is_box)
+
+
 def map_pairs(fn: Callable[[Any, jax.Array, jax.Array], Any], a: T, b: Any, *, where: str,
               names: tuple[str, str] = ("a", "b")) -> T:
   """``fn(path, a_leaf, b_leaf)`` over two trees of the same structure and leaf shapes.
@@ -284,6 +319,9 @@ __all__ = (
     "cast_tree",
     "float_leaf_dtype",
     "is_float_array",
+    "is_box",
     "is_float_leaf",
     "select_tree",
+    "unbox",
+    "unboxed",
 )

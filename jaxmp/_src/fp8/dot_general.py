@@ -440,7 +440,7 @@ def fp8_einsum(eqn: str, lhs: jax.Array, rhs: jax.Array, *,
                state: state_lib.DelayedScalingState | None = None,
                recipe: recipes_lib.Recipe | None = None,
                preferred_element_type: DTypeLike | None = None,
-               precision: jax.lax.PrecisionLike = None) -> jax.Array:
+               precision: jax.lax.PrecisionLike = None, out_sharding: Any = None) -> jax.Array:
   """A two-operand ``jnp.einsum`` computed as one :func:`fp8_dot_general`.
 
   ``lhs`` is the input and ``rhs`` the kernel, as in ``nn.Einsum`` (whose kernel is
@@ -457,13 +457,17 @@ def fp8_einsum(eqn: str, lhs: jax.Array, rhs: jax.Array, *,
     recipe: as for :func:`fp8_dot_general`.
     preferred_element_type: as for :func:`fp8_dot_general`.
     precision: accepted and ignored, as for :func:`fp8_dot_general`.
+    out_sharding: accepted, as ``jnp.einsum`` takes it (Flax's einsum layers pass it
+      on), and must be ``None``: the fp8 einsum lays its output out from the operands'
+      shardings.
 
   Returns:
     The einsum, as ``jnp.einsum(eqn, lhs, rhs)`` lays it out.
 
   Raises:
     ValueError: for an equation without exactly two operands, repeated subscripts
-      within an operand, or operands whose sizes disagree on a shared subscript.
+      within an operand, operands whose sizes disagree on a shared subscript, or an
+      ``out_sharding``.
     TypeError: as for :func:`fp8_dot_general`.
 
   Example:
@@ -472,6 +476,9 @@ def fp8_einsum(eqn: str, lhs: jax.Array, rhs: jax.Array, *,
     >>> fp8.fp8_einsum("btd,dh->bth", x, w, recipe=fp8.CurrentScaling()).shape
     (2, 3, 5)
   """
+  if out_sharding is not None:
+    raise ValueError(f"fp8_einsum does not take out_sharding, got {out_sharding!r}; shard the "
+                     f"einsum's inputs instead.")
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   lhs_spec, rhs_spec, out = _parse_einsum(eqn, lhs.ndim, rhs.ndim)
   for c in set(lhs_spec) & set(rhs_spec):

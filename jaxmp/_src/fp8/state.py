@@ -51,6 +51,7 @@ Example:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from collections.abc import Hashable
 from typing import Any
 from typing import NamedTuple
@@ -156,6 +157,39 @@ def init_state(recipe: recipes_lib.Recipe) -> DelayedScalingState | None:
   scale = jnp.ones((1,), F32)
   history = jnp.zeros((recipe.amax_history_length,), F32)
   return DelayedScalingState(scale, history, scale, history, scale, history)
+
+
+def read_state(recipe: recipes_lib.Recipe, read: Callable[[str, Callable[[], jax.Array]], Any]
+               ) -> DelayedScalingState | None:
+  """An fp8 op's state, each variable read through its framework; ``None`` without state.
+
+  The one place that says which variables an fp8 op keeps and what they start as, for
+  both adapters: for a :class:`~jaxmp.fp8.DelayedScaling` recipe, ``read(name,
+  initial)`` is called for each of the six variables (Flax's names, in
+  :class:`DelayedScalingState`'s order) with a function that builds its initial value
+  (:func:`init_state`'s), for a framework that creates the variable on first use (linen);
+  one whose variables exist already (NNX) ignores it.
+
+  Args:
+    recipe: the op's fp8 recipe.
+    read: ``read(name, initial) -> value``.
+
+  Returns:
+    The :class:`DelayedScalingState` read, or ``None`` for a recipe without state.
+
+  Example:
+    >>> from jaxmp._src.fp8 import state
+    >>> recipe = jaxmp.fp8.DelayedScaling(amax_history_length=2)
+    >>> state.read_state(recipe, lambda name, initial: initial()).kernel_amax_history
+    Array([0., 0.], dtype=float32)
+    >>> state.read_state(jaxmp.fp8.CurrentScaling(), lambda name, initial: initial()) is None
+    True
+  """
+  if not isinstance(recipe, recipes_lib.DelayedScaling):
+    return None
+  return DelayedScalingState(*(
+      read(name, lambda name=name: getattr(init_state(recipe), name))
+      for name in DelayedScalingState._fields))
 
 
 def for_grad(state: T) -> T:
@@ -459,5 +493,6 @@ __all__ = (
     "from_grad",
     "init_state",
     "merge",
+    "read_state",
     "require_state_gradient",
 )

@@ -34,7 +34,6 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from jaxmp._src.fp8 import dot_general as dot_general_lib
 from jaxmp._src.fp8 import recipes as recipes_lib
@@ -64,19 +63,11 @@ def _check_state_reachable(module: nn.Module) -> None:
 
 def _read_state(module: nn.Module, recipe: recipes_lib.Recipe
                 ) -> state_lib.DelayedScalingState | None:
-  if not isinstance(recipe, recipes_lib.DelayedScaling):
-    return None
-  _check_state_reachable(module)
-  length = recipe.amax_history_length
-  values = {}
-  for tensor in state_lib.TENSORS:
-    values[f"{tensor}_scale"] = module.variable(
-        state_lib.OVERWRITE_WITH_GRADIENT, f"{tensor}_scale",
-        lambda: jnp.ones((1,), jnp.float32)).value
-    values[f"{tensor}_amax_history"] = module.variable(
-        state_lib.OVERWRITE_WITH_GRADIENT, f"{tensor}_amax_history",
-        lambda: jnp.zeros((length,), jnp.float32)).value
-  return state_lib.DelayedScalingState.from_variables(values)
+  """The op's state from its collection, created there on ``init`` (fp8 core's rule)."""
+  if isinstance(recipe, recipes_lib.DelayedScaling):
+    _check_state_reachable(module)
+  return state_lib.read_state(recipe, lambda name, initial: module.variable(
+      state_lib.OVERWRITE_WITH_GRADIENT, name, initial).value)
 
 
 def _guarded(module: nn.Module, rhs: jax.Array,
@@ -169,13 +160,16 @@ class Fp8Einsum(nn.Module):
 
   @nn.compact
   def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array, precision: Any = None,
-               preferred_element_type: Any = None) -> jax.Array:
-    """``fp8_einsum(eqn, lhs, rhs)`` with this module's state."""
+               preferred_element_type: Any = None, out_sharding: Any = None) -> jax.Array:
+    """``fp8_einsum(eqn, lhs, rhs)`` with this module's state; the arguments of
+    :func:`~jaxmp.fp8.fp8_einsum` (an ``out_sharding`` other than ``None`` is refused
+    there)."""
     state = _read_state(self, self.recipe)
     rhs = _guarded(self, rhs, state)
     return dot_general_lib.fp8_einsum(
         eqn, lhs, rhs, state=state, recipe=self.recipe,
-        preferred_element_type=preferred_element_type, precision=precision)
+        preferred_element_type=preferred_element_type, precision=precision,
+        out_sharding=out_sharding)
 
 
 __all__ = (

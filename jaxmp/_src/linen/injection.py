@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax.core import scope as flax_scope
 from flax.linen import module as linen_module
 
+from jaxmp._src import adapter as adapter_lib
 from jaxmp._src.fp8 import recipes as recipes_lib
 from jaxmp._src.fp8 import state as state_lib
 from jaxmp._src.linen import fp8 as fp8_linen
@@ -95,11 +96,8 @@ def _check_no_custom_dot_general(module: nn.Module, cls_field: str, fn_field: st
   if cls is not None and _is_jaxmp_fp8(cls):
     return False
   if cls is not None or fn is not None:
-    path = "/".join(module.path) or "<root>"
-    raise ValueError(
-        f"An fp8 rule matches {type(module).__name__} at {path!r}, which already has a "
-        f"custom {cls_field if cls is not None else fn_field}={cls or fn!r}; remove one "
-        f"of the two (exclude the layer with an earlier Rule({path!r}) without fp8).")
+    adapter_lib.refuse_custom_product(type(module), "/".join(module.path),
+                                      cls_field if cls is not None else fn_field, cls or fn)
   return True
 
 

@@ -111,7 +111,9 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callabl
   (``None``: no scaling); ``args`` and ``kwargs`` go to ``fun`` undifferentiated. It
   calls ``fun`` with the fp8 state converted so that repeated uses of a layer
   accumulate their state cotangents by max (:func:`jaxmp.fp8.state.for_grad`), and
-  differentiates ``loss * loss_scale``. When ``variables`` holds a non-finite probe
+  differentiates ``loss * loss_scale``. The variables' other collections (batch
+  statistics, ...) are returned as ``Gradients.state_before``, what a skipped step
+  keeps (:func:`apply_gradients`). When ``variables`` holds a non-finite probe
   (the ``jaxmp_nonfinite`` collection of a wrapper built with
   ``PolicyRules(trace_nonfinite=True)``), it is differentiated too, and
   ``Gradients.nonfinite`` is the step's per-module statistics, with each module's
@@ -162,14 +164,14 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callabl
       out, (g_params, g_fp8) = loss_scale.value_and_grad(
           differentiable, has_aux=has_aux, argnums=(0, 1))(params, fp8, collections, *args,
                                                            **kwargs)
-      return out, Gradients(g_params, g_fp8)
+      return out, Gradients(g_params, g_fp8, collections)
     probe = collections.pop(NONFINITE)
     out, (g_params, g_fp8, g_probe) = loss_scale.value_and_grad(
         traced, has_aux=has_aux, argnums=(0, 1, 2))(params, fp8, probe, collections, *args,
                                                     **kwargs)
     trace = nonfinite.with_param_grads(nonfinite.check_trace(g_probe, NONFINITE),
                                        _named_leaves(g_params))
-    return out, Gradients(g_params, g_fp8, None, trace)
+    return out, Gradients(g_params, g_fp8, collections, trace)
 
   return value_and_grads
 
@@ -181,14 +183,19 @@ def _named_leaves(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
 
 
 def apply_gradients(tx: optax.GradientTransformation, params: Any, fp8: Any, opt_state: Any,
-                    grads: Gradients, **extra_args) -> tuple[Any, Any, Any]:
-  """One optimizer step for params and fp8 state together.
+                    grads: Gradients, *, collections: Any = None,
+                    **extra_args) -> tuple[Any, ...]:
+  """One optimizer step for params, fp8 state and the other collections together.
 
   The params go through ``tx`` (which, wrapped in :func:`jaxmp.loss_scaling`, unscales
   and skips a non-finite step). The fp8 state is merged with
   :func:`jaxmp.fp8.state.merge`: it keeps its old value on a skipped step (the loss
   scaling state's ``last_step_finite``, or the finiteness of the gradients when
-  ``tx`` has no loss scaling), and wherever a layer got no cotangent.
+  ``tx`` has no loss scaling), and wherever a layer got no cotangent. The other
+  collections the forward pass wrote, given as ``collections=``, are kept as they
+  were before the step (``grads.state_before``, recorded by :func:`value_and_grad`)
+  on a skipped step, bit for bit (:func:`jaxmp._src.step.keep_on_skip`), as
+  :meth:`TrainState.apply_gradients` keeps them.
 
   Args:
     tx: the optimizer.
@@ -196,10 +203,18 @@ def apply_gradients(tx: optax.GradientTransformation, params: Any, fp8: Any, opt
     fp8: the fp8 state (``{}`` for none).
     opt_state: ``tx``'s state.
     grads: from :func:`value_and_grad`.
+    collections: the collections after the forward pass (``{**collections,
+      **updates}`` with the ``updates`` that ``apply(..., mutable=[...])`` returned),
+      with the structure of ``grads.state_before``; ``None`` (the default) for none.
     **extra_args: passed on to ``tx.update`` (optax ExtraArgs).
 
   Returns:
-    ``(new_params, new_fp8, new_opt_state)``.
+    ``(new_params, new_fp8, new_opt_state)``, and the new collections as a fourth
+    element when ``collections`` is given.
+
+  Raises:
+    ValueError: if ``collections`` is given and ``grads.state_before`` is ``None``
+      (gradients not from :func:`value_and_grad`) or differs from it in structure.
 
   Example:
     >>> import flax.linen as nn, optax
@@ -214,8 +229,16 @@ def apply_gradients(tx: optax.GradientTransformation, params: Any, fp8: Any, opt
     >>> params["bias"]  # -0.1 * the unscaled gradient 0.5
     Array([-0.05, -0.05], dtype=float32)
   """
-  params, fp8, opt_state, _ = _step(tx, params, fp8, opt_state, grads, extra_args)
-  return params, fp8, opt_state
+  params, fp8, opt_state, finite = _step(tx, params, fp8, opt_state, grads, extra_args)
+  if collections is None:
+    return params, fp8, opt_state
+  where = "jaxmp.linen.apply_gradients: collections="
+  if grads.state_before is None:
+    raise ValueError(f"{where} needs the collections before the step, which a skipped step "
+                     f"keeps: pass gradients from jaxmp.linen.value_and_grad (their "
+                     f"state_before), got Gradients with state_before=None.")
+  return (params, fp8, opt_state,
+          step_lib.keep_on_skip(grads.state_before, collections, finite, what=where))
 
 
 def _step(tx, params, fp8, opt_state, grads, extra_args):

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmp._src import adapter as adapter_lib
 from jaxmp._src.fp8 import dot_general as dot_general_lib
 from jaxmp._src.fp8 import recipes as recipes_lib
 from jaxmp._src.fp8 import state as state_lib
@@ -86,10 +87,9 @@ _TRAIN_HINT = ("Train NNX fp8 models with jaxmp.nnx.value_and_grad (it different
 
 
 def _read_state(module: Fp8Module) -> state_lib.DelayedScalingState | None:
-  if not isinstance(module.recipe, recipes_lib.DelayedScaling):
-    return None
-  return state_lib.DelayedScalingState(
-      *(getattr(module, name).get_value() for name in state_lib.DelayedScalingState._fields))
+  """The op's state from its variables, which ``_init_variables`` created (fp8 core's rule)."""
+  return state_lib.read_state(module.recipe,
+                              lambda name, _: getattr(module, name).get_value())
 
 
 def _guarded(rhs: jax.Array, state: state_lib.DelayedScalingState | None) -> jax.Array:
@@ -174,16 +174,14 @@ class Fp8Einsum(nnx.Module):
     """``fp8_einsum(eqn, lhs, rhs)`` with this module's state.
 
     Raises:
-      ValueError: for an ``out_sharding`` (the fp8 einsum lays its output out itself),
-        and while the kernel is differentiated and the state is not.
+      ValueError: for an ``out_sharding`` (:func:`~jaxmp.fp8.fp8_einsum` lays its output
+        out itself), and while the kernel is differentiated and the state is not.
     """
-    if out_sharding is not None:
-      raise ValueError(f"Fp8Einsum does not take out_sharding, got {out_sharding!r}; "
-                       "shard the einsum's inputs instead.")
     state = _read_state(self)
     return dot_general_lib.fp8_einsum(
         eqn, lhs, _guarded(rhs, state), state=state, recipe=self.recipe,
-        preferred_element_type=preferred_element_type, precision=precision)
+        preferred_element_type=preferred_element_type, precision=precision,
+        out_sharding=out_sharding)
 
 
 FP8_LAYER_TYPES: tuple[type, ...] = (
@@ -251,11 +249,7 @@ def fp8_layers(path: str, module: nnx.Module) -> list[tuple[str, nnx.Module]]:
     if isinstance(value, FP8_MODULE_TYPES):
       continue
     if not _is_default(layer, value):
-      shown = layer_path or "<root>"
-      raise ValueError(
-          f"An fp8 rule matches {type(layer).__name__} at {shown!r}, which already has a "
-          f"custom {attribute}={value!r}; remove one of the two (exclude the layer with an "
-          f"earlier Rule({layer_path!r}) without fp8).")
+      adapter_lib.refuse_custom_product(type(layer), layer_path, attribute, value)
     layers.append((layer_path, layer))
   return layers
 

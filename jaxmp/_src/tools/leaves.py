@@ -8,7 +8,6 @@ Example:
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import jax
@@ -26,24 +25,18 @@ def _key_name(key: Any) -> str:
   return str(key)
 
 
-def _is_variable(x: Any) -> bool:
-  # An nnx.Variable can only exist once flax.nnx is imported; no import here.
-  nnx = sys.modules.get("flax.nnx")
-  return nnx is not None and isinstance(x, nnx.Variable)
-
-
 def float_leaves(tree: Any) -> list[tuple[tuple[str, ...], jax.Array]]:
   """The floating-point array leaves of ``tree`` with their paths as name tuples.
 
-  An ``nnx.Variable`` counts as one leaf (its value), so an ``nnx.State`` of
-  gradients gives paths such as ``("linear", "kernel")``, not ``(..., "value")``.
-  Integer, bool, PRNG-key and non-array leaves are left out.
+  A box around one value (:func:`jaxmp._src.tree.is_box`: an ``nnx.Variable``) counts
+  as one leaf (its value), so an ``nnx.State`` of gradients gives paths such as
+  ``("linear", "kernel")``, not ``(..., "value")``. Integer, bool, PRNG-key and
+  non-array leaves are left out.
   """
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_variable)
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=tree_lib.is_box)
   leaves = []
   for path, leaf in flat:
-    if _is_variable(leaf):
-      leaf = leaf.get_raw_value()
+    leaf = tree_lib.unbox(leaf)
     if tree_lib.is_float_array(leaf):
       leaves.append((tuple(_key_name(k) for k in path), leaf))
   return leaves

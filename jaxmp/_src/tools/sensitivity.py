@@ -20,18 +20,16 @@ from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
+from jaxmp._src import adapter as adapter_lib
 from jaxmp._src import dtypes as dtypes_lib
 from jaxmp._src import engine
 from jaxmp._src import policy as policy_lib
 from jaxmp._src import rules as rules_lib
 from jaxmp._src import tree as tree_lib
-from jaxmp._src.linen import wrapper as linen_lib
 from jaxmp._src.tools import leaves as leaves_lib
 from jaxmp._src.tools import summary as summary_lib
 from jaxmp._src.tools import table
@@ -64,12 +62,6 @@ def relative_error(reference: Any, output: Any) -> jax.Array:
   return jnp.where(finite, error, jnp.inf)
 
 
-def _nnx_adapter() -> Any:
-  # Imported on first use, so that importing jaxmp.tools registers nothing with NNX.
-  from jaxmp._src.nnx import wrapper  # pylint: disable=g-import-not-at-top
-  return wrapper
-
-
 class _Runner:
   """Runs one model under different rules, each configuration jitted once."""
 
@@ -78,17 +70,14 @@ class _Runner:
     self.where = where
     if isinstance(model_or_wrapper, engine.Wrapper):  # either adapter's
       model_or_wrapper = model_or_wrapper.model
-    self.is_nnx = isinstance(model_or_wrapper, nnx.Module)
-    if not self.is_nnx and not isinstance(model_or_wrapper, nn.Module):
-      raise TypeError(f"{where} expects a flax linen Module, an NNX Module or a jaxmp "
-                      f"mixed_precision wrapper, got {model_or_wrapper!r} of type "
-                      f"{type(model_or_wrapper).__name__}.")
-    if self.is_nnx and variables is not None:
-      raise TypeError(f"{where}: an NNX model holds its own variables; pass variables=None, "
-                      f"got {type(variables).__name__}.")
-    if not self.is_nnx and variables is None:
-      raise TypeError(f"{where}: a linen model needs its variables (what init returned), "
-                      f"got None.")
+    # The tools' summary module imports both adapters, which registers them.
+    self.adapter = adapter_lib.for_model(model_or_wrapper, where)
+    kind = self.adapter.model_kind
+    if self.adapter.holds_variables and variables is not None:
+      raise TypeError(f"{where}: {kind} holds its own variables; pass variables=None, got "
+                      f"{type(variables).__name__}.")
+    if not self.adapter.holds_variables and variables is None:
+      raise TypeError(f"{where}: {kind} needs its variables (what init returned), got None.")
     if not callable(metric):
       raise TypeError(f"{where}: metric must be a callable (reference, output) -> scalar, got "
                       f"{metric!r} of type {type(metric).__name__}.")
@@ -110,25 +99,13 @@ class _Runner:
 
   def _state_and_call(self, rules: rules_lib.PolicyRules):
     """(state, f(state, arrays) -> output in float32) for ``rules``."""
-    if self.is_nnx:
-      wrapped = _nnx_adapter().mixed_precision(nnx.clone(self.model), rules)
-      graphdef, state = nnx.split(wrapped)
+    state, apply = self.adapter.functional(self.model, rules, self.variables)
 
-      def call(state, arrays):
-        args, kwargs = self._call_args(arrays)
-        method = kwargs.pop("method", "__call__")
-        model = nnx.merge(graphdef, state)
-        fun = model if method == "__call__" else getattr(model, method)
-        return tree_lib.cast_tree(fun(*args, **kwargs), jnp.float32)
+    def call(state, arrays):
+      args, kwargs = self._call_args(arrays)
+      return tree_lib.cast_tree(apply(state, *args, **kwargs), jnp.float32)
 
-      return state, call
-    wrapper = linen_lib.mixed_precision(self.model, rules)
-
-    def call_linen(variables, arrays):
-      args, kw = self._call_args(arrays)
-      return tree_lib.cast_tree(wrapper.apply(variables, *args, **kw), jnp.float32)
-
-    return self.variables, call_linen
+    return state, call
 
   def reference(self) -> Any:
     if self._reference is None:
@@ -150,7 +127,7 @@ class _Runner:
     """(path, class name) of every module a real call reaches, in call order."""
     kwargs = dict(self.kwargs)
     rngs = kwargs.pop("rngs", None)
-    if self.is_nnx:
+    if self.adapter.holds_variables:
       _, records, _ = summary_lib.trace_calls(self.model, "float32", *self.args, **kwargs)
     else:
       _, records, _ = summary_lib.trace_calls(self.model, "float32", *self.args,

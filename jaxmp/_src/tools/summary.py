@@ -32,15 +32,16 @@ import warnings
 from typing import Any
 from typing import NamedTuple
 
-import flax.linen as nn
 import jax
 import numpy as np
-from flax import nnx
 
+from jaxmp._src import adapter as adapter_lib
 from jaxmp._src import engine
 from jaxmp._src import paths as paths_lib
 from jaxmp._src import rules as rules_lib
-from jaxmp._src.linen import wrapper as linen_lib
+
+# Imported to register the adapters that trace_calls (and the tools built on it) pick
+# from; the NNX adapter defines no NNX module until given an NNX model.
 from jaxmp._src.tools import table
 
 _COLUMNS = ("path", "module", "params", "compute", "output", "fp8", "rule", "ran")
@@ -286,21 +287,9 @@ def trace_calls(model_or_wrapper: Any, rules: rules_lib.PolicyOrRules | None = N
 
   Takes what :func:`summary` takes.
   """
-  if isinstance(model_or_wrapper, nnx.Module):
-    if variables is not None or rngs is not None:
-      raise TypeError("jaxmp.tools.summary: an NNX model holds its own variables and RNGs; "
-                      "variables= and rngs= are for linen models.")
-    method = kwargs.pop("method", "__call__")
-    # The NNX adapter is imported on first use, so importing jaxmp.tools registers
-    # nothing with NNX.
-    from jaxmp._src.nnx import wrapper as nnx_lib  # pylint: disable=g-import-not-at-top
-    return nnx_lib.trace_abstract(model_or_wrapper, rules, method, args, kwargs)
-  if not isinstance(model_or_wrapper, (nn.Module, linen_lib.MixedPrecision)):
-    raise TypeError(f"jaxmp.tools.summary expects a flax linen Module, an NNX Module or a "
-                    f"jaxmp wrapper, got {model_or_wrapper!r} of type "
-                    f"{type(model_or_wrapper).__name__}.")
-  return linen_lib.trace_abstract(model_or_wrapper, rules, args, kwargs, variables=variables,
-                                  rngs=rngs)
+  adapter = adapter_lib.for_model(model_or_wrapper, "jaxmp.tools.summary")
+  return adapter.trace_abstract(model_or_wrapper, rules, args, kwargs, variables=variables,
+                                rngs=rngs)
 
 
 __all__ = ("PrecisionSummary", "SummaryRow", "lowering_platform", "matmul_dtypes",
