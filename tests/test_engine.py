@@ -373,11 +373,12 @@ class _OutputDtypes:
     self.entered, self.left = [], []
 
   def enter(self, site, xs):
-    self.entered.append((site.start, site.path, site.method))
+    self.entered.append((site.start, site.record.path, site.record.method))
     return xs, site.start
 
   def leave(self, site, xs, token):
     assert token == site.start  # the token of this call, not of a nested one
+    assert {x.dtype for x in xs} <= {site.record.output_dtype}
     self.left.append((site.start, {x.dtype.name for x in xs}))
     return xs
 

@@ -99,18 +99,13 @@ class CallSite:
   """What a :class:`CallHook` is told about the module call it surrounds.
 
   Attributes:
-    path: the module's '/'-joined path (``""`` for the root).
-    module_type: the module's class.
-    method: the method called (``"__call__"``, ``"attend"``, ...).
-    precision: the resolved :class:`~jaxmp._src.rules.ModulePrecision`.
+    record: the call's :class:`CallRecord` (path, module class, method, precision,
+      output dtype).
     start: the call's position among the calls of this :class:`Call` in the order
       they start, from 1 (call 1 is the one the model's caller made).
   """
 
-  path: str
-  module_type: type
-  method: str
-  precision: rules_lib.ModulePrecision
+  record: CallRecord
   start: int
 
 
@@ -377,9 +372,10 @@ class Call:
       whatever a hook raises (the non-finite hook: a ValueError if its probe has no
       row for this call site).
     """
+    record = CallRecord(path, module_type, method, precision, self.output_dtype(precision))
     if not self.hooks:
-      return self._run(path, module_type, method, precision, fn, args, kwargs)
-    site = CallSite(path, module_type, method, precision, len(self.records) + 1)
+      return self._run(record, fn, args, kwargs)
+    site = CallSite(record, len(self.records) + 1)
     tokens = []
     args, kwargs = tuple(args), dict(kwargs)
     for hook in self.hooks:
@@ -392,7 +388,7 @@ class Call:
 
       args, kwargs = self._through((args, kwargs), enter)
       tokens.append(token[0])
-    out = self._run(path, module_type, method, precision, fn, args, kwargs)
+    out = self._run(record, fn, args, kwargs)
     for hook, token in zip(reversed(self.hooks), reversed(tokens)):
       out = self._through(out, lambda xs, hook=hook, token=token: hook.leave(site, xs, token))
     return out
@@ -424,14 +420,13 @@ class Call:
       leaves[i] = y
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
-  def _run(self, path: str, module_type: type, method: str,
-           precision: rules_lib.ModulePrecision, fn: Callable[..., Any],
-           args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+  def _run(self, record: CallRecord, fn: Callable[..., Any], args: Sequence[Any],
+           kwargs: Mapping[str, Any]) -> Any:
     """:meth:`run` without the hooks."""
+    precision, output_dtype = record.precision, record.output_dtype
     compute = precision.policy.compute_dtype
-    output_dtype = self.output_dtype(precision)
     index = len(self.records)
-    self.records.append(CallRecord(path, module_type, method, precision, output_dtype))
+    self.records.append(record)
     args, kwargs = tuple(args), dict(kwargs)
     cast_args, cast_kwargs = self.cast((args, kwargs), compute)
     self._callers.append(compute)

@@ -412,7 +412,7 @@ class NonfiniteHook:
     Raises:
       ValueError: if the probe has no row for the call site.
     """
-    slot = self.tracer.slot(site.path, site.method)
+    slot = self.tracer.slot(site.record.path, site.record.method)
     if not xs:
       return xs, (slot, None)
     xs, amax = enter(xs, slot, backward=site.start)
