@@ -382,3 +382,80 @@ def test_importing_jaxmp_changes_nothing_in_jax_or_flax():
                           timeout=300)
   assert result.returncode == 0, result.stderr
   assert result.stdout.strip() == "unchanged"
+
+
+# ---- per-call hooks ------------------------------------------------------------------------
+
+
+class _OutputDtypes:
+  """A hook the engine does not know: records each call and its output dtypes.
+
+  Defined here, against engine.CallHook alone, to show that a per-call feature plugs
+  in without a change to the engine or the adapters.
+  """
+
+  def __init__(self):
+    self.entered, self.left = [], []
+
+  def enter(self, site, xs):
+    self.entered.append((site.start, site.record.path, site.record.method))
+    return xs, site.start
+
+  def leave(self, site, xs, token):
+    assert token == site.start  # the token of this call, not of a nested one
+    assert {x.dtype for x in xs} <= {site.record.output_dtype}
+    self.left.append((site.start, {x.dtype.name for x in xs}))
+    return xs
+
+
+def _check_hook_saw(hook, records):
+  assert hook.entered == [(i + 1, r.path, r.method) for i, r in enumerate(records)]
+  # Calls finish inside out: the model's own call (start 1) last.
+  assert hook.left[-1][0] == 1 and sorted(s for s, _ in hook.left) == list(
+      range(1, len(records) + 1))
+  dtypes = dict(hook.left)
+  for i, r in enumerate(records):
+    assert dtypes[i + 1] <= {r.output_dtype.name}, (r.path, dtypes[i + 1])
+
+
+def test_a_hook_defined_outside_the_engine_sees_every_call_of_a_published_linen_model():
+  from jaxmp._src import nonfinite  # pylint: disable=g-import-not-at-top
+  from tests.published import models as registry  # pylint: disable=g-import-not-at-top
+  entry = registry.BY_NAME["lm1b_transformer_lm"]
+  rules = jaxmp.PolicyRules(BF16, trace_nonfinite=True)
+  wrapped = jaxmp.linen.mixed_precision(entry.module("eval"), rules)
+  batch = entry.batch(jax.random.key(1))
+  variables = entry.init(wrapped, jax.random.key(0), batch)
+  params = {k: v for k, v in variables.items() if k != jaxmp.linen.NONFINITE_COLLECTION}
+
+  def probe_grad(hooks, probe):
+    def loss(probe):
+      out, records = wrapped.trace(lambda: wrapped.model.apply(params, *batch.inputs),
+                                   hooks=(*hooks, *nonfinite.hooks(rules, probe)))
+      loss.records = records
+      return jnp.sum(out.astype(jnp.float32)), out
+    (_, out), grad = jax.value_and_grad(loss, has_aux=True)(probe)
+    return out, grad, loss.records
+
+  probe = variables[jaxmp.linen.NONFINITE_COLLECTION]
+  hook = _OutputDtypes()
+  out, grad, records = probe_grad((hook,), probe)
+  _check_hook_saw(hook, records)
+  assert len(records) > 10 and {"bfloat16", "float32"} <= {d for _, s in hook.left for d in s}
+  # Beside the non-finite hook, it changes nothing: the output and the trace are the same.
+  plain_out, plain_grad, _ = probe_grad((), probe)
+  np.testing.assert_array_equal(out, plain_out)
+  np.testing.assert_array_equal(grad.values, plain_grad.values)
+
+
+def test_a_hook_defined_outside_the_engine_sees_every_call_of_a_published_nnx_model():
+  from tests.published import models as registry  # pylint: disable=g-import-not-at-top
+  entry = registry.BY_NAME["mnist_cnn"]
+  wrapped = jaxmp.nnx.mixed_precision(entry.module(nnx.Rngs(0)), BF16)
+  wrapped.eval()
+  x = entry.batch(jax.random.key(1)).inputs[0]
+  hook = _OutputDtypes()
+  out, records = wrapped._trace("__call__", (x,), {}, hooks=(hook,))  # pylint: disable=protected-access
+  _check_hook_saw(hook, records)
+  assert {r.path for r in records} >= {"", "conv1", "linear2"}
+  np.testing.assert_array_equal(out, wrapped(x))

@@ -622,3 +622,26 @@ def test_loss_scaling_skips_a_nan_python_float_gradient():
   updates, state = tx.update({"w": math.nan}, state)
   assert float(updates["w"]) == 0.0
   assert not bool(state.last_step_finite) and int(state.skipped_steps) == 1
+
+
+# ---- None: one meaning everywhere ---------------------------------------------------------
+
+
+def test_none_means_no_loss_scaling_at_every_entry_point():
+  import optax  # pylint: disable=g-import-not-at-top
+  params = {"w": jnp.array([1.0, -2.0])}
+  noop = jaxmp.NoOpLossScale()
+  # loss_scaling: left out, DynamicLossScale(); None, as everywhere, no scaling.
+  assert isinstance(jaxmp.get_loss_scale(jaxmp.loss_scaling(optax.sgd(1.0)).init(params)),
+                    jaxmp.DynamicLossScale)
+  assert jaxmp.get_loss_scale(jaxmp.loss_scaling(optax.sgd(1.0), None).init(params)) == noop
+  # value_and_grad: None is NoOpLossScale(), gradients unscaled.
+  loss = lambda v: jnp.sum(v["params"]["w"] ** 2)
+  _, grads = jaxmp.linen.value_and_grad(loss)({"params": params}, loss_scale=None)
+  np.testing.assert_array_equal(grads.params["w"], [2.0, -4.0])
+  # The tools: None is a scale of 1.
+  tiny = {"w": jnp.array([1e-8, 3.0])}
+  assert (jaxmp.tools.underflow_stats(tiny, "float16", loss_scale=None)
+          == jaxmp.tools.underflow_stats(tiny, "float16", loss_scale=noop))
+  metrics = [jaxmp.tools.training_metrics(params, loss_scale=s)["grad_norm"] for s in (None, noop)]
+  np.testing.assert_array_equal(*metrics)

@@ -275,4 +275,5 @@ def test_tracing_off_touches_none_of_the_tracing_code(framework, monkeypatch):
 def test_engine_refuses_a_probe_under_rules_that_do_not_trace():
   with pytest.raises(ValueError, match="trace_nonfinite=True"):
     engine.Call(jaxmp.PolicyRules("float32"), lambda t: False,
-                nonfinite=nonfinite.probe((("", "__call__"),)))
+                hooks=nonfinite.hooks(jaxmp.PolicyRules("float32"),
+                                      nonfinite.probe((("", "__call__"),))))

@@ -32,11 +32,13 @@ for every module the adapter hands it:
 7. **record**: a :class:`CallRecord` per module call, for the unused-rule report and
    :func:`jaxmp.tools.summary` (which, with ``annotate=True``, attributes every
    traced matmul to the module call it ran in).
-8. **non-finite tracing** (only when the adapter hands the call a probe, which it does
-   for ``PolicyRules(trace_nonfinite=True)``): the call runs between the identities of
-   :mod:`jaxmp._src.nonfinite`, one on the arguments as the caller passed them and one
-   on the output as the caller gets it back, which record the amaxes of both and of
-   their gradients. Without a probe, the call is exactly what it was without tracing.
+8. **hooks**: per-call features (:class:`CallHook`) the adapter hands the call, run
+   generically around every module call: each sees the call's floating-point
+   arguments as the caller passed them, before the input casts, and its output as the
+   caller gets it back, after the output cast, and may pass them on through
+   identities of its own (custom VJPs that measure the gradient path). Non-finite
+   tracing (:class:`jaxmp._src.nonfinite.NonfiniteHook`) is one. Without hooks, the
+   call is exactly what it was before hooks existed.
 
 The adapters only find modules, give them their params in the compute dtype, set the
 dtype field the engine chose, and install fp8; every dtype decision is made here.
@@ -60,6 +62,7 @@ from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
+from typing import Protocol
 from typing import TypeVar
 
 import jax
@@ -68,7 +71,6 @@ import numpy as np
 from jaxmp._src import attention as attention_lib
 from jaxmp._src import dtypes as dtypes_lib
 from jaxmp._src import float32_ops as float32_ops_lib
-from jaxmp._src import nonfinite as nonfinite_lib
 from jaxmp._src import paths as paths_lib
 from jaxmp._src import rules as rules_lib
 from jaxmp._src import tree as tree_lib
@@ -95,6 +97,80 @@ class CallRecord:
   method: str
   precision: rules_lib.ModulePrecision
   output_dtype: np.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSite:
+  """What a :class:`CallHook` is told about the module call it surrounds.
+
+  Attributes:
+    record: the call's :class:`CallRecord` (path, module class, method, precision,
+      output dtype).
+    start: the call's position among the calls of this :class:`Call` in the order
+      they start, from 1 (call 1 is the one the model's caller made).
+  """
+
+  record: CallRecord
+  start: int
+
+
+class CallHook(Protocol):
+  """A per-call feature of the engine: code run around every module call.
+
+  :meth:`Call.run` runs its hooks around each module call, the first hook outermost:
+  ``enter`` of each hook in order, the call (input casts, the module, output cast),
+  then ``leave`` of each hook in reverse order. A hook sees values, never the
+  engine's decisions: what it returns for a value stands for that value from then on
+  (a value the engine knows as rounded from a wider one stays known as such, so a
+  hook changes no cast). Anything it measures on the gradient path it measures with
+  identities that have custom derivatives, whose cotangents carry the measurements
+  out (as :mod:`jaxmp._src.nonfinite` does); anything it keeps between calls it
+  keeps itself. A hook is built per call of the model, by the adapter, from what the
+  adapter is given (:func:`jaxmp._src.nonfinite.hooks`).
+
+  Non-finite tracing is :class:`jaxmp._src.nonfinite.NonfiniteHook`.
+  """
+
+  def enter(self, site: CallSite, xs: tuple[jax.Array, ...]) -> tuple[Sequence[jax.Array], Any]:
+    """Before the call: the arguments as the caller passed them.
+
+    Args:
+      site: the call.
+      xs: the call's non-empty floating-point JAX array arguments (positional, then
+        keyword, in tree-flatten order), before the input casts; may be empty.
+
+    Returns:
+      What the call receives instead of ``xs`` (as many arrays, the same shapes and
+      dtypes), and a token handed to this hook's :meth:`leave` of the same call.
+    """
+    ...
+
+  def leave(self, site: CallSite, xs: tuple[jax.Array, ...], token: Any) -> Sequence[jax.Array]:
+    """After the call: the output as the caller gets it back.
+
+    Args:
+      site: the call.
+      xs: the output's non-empty floating-point JAX arrays, after the output cast;
+        may be empty.
+      token: what :meth:`enter` returned for this call.
+
+    Returns:
+      What the caller receives instead of ``xs``.
+    """
+    ...
+
+
+def check_hooks(hooks: Any) -> tuple[CallHook, ...]:
+  """``hooks`` as a tuple of :class:`CallHook`; a TypeError for anything else."""
+  if isinstance(hooks, (str, bytes)) or not isinstance(hooks, Sequence):
+    raise TypeError(f"Call: hooks must be a sequence of CallHook (objects with enter and "
+                    f"leave methods), got {hooks!r} of type {type(hooks).__name__}.")
+  for hook in hooks:
+    if not (callable(getattr(hook, "enter", None)) and callable(getattr(hook, "leave", None))):
+      raise TypeError(f"Call: each hook must be a CallHook (an object with enter(site, xs) "
+                      f"and leave(site, xs, token) methods), got {hook!r} of type "
+                      f"{type(hook).__name__}.")
+  return tuple(hooks)
 
 
 def resolve(rules: rules_lib.PolicyRules, path: str, module_type: type,
@@ -152,27 +228,21 @@ class Call:
       ``None`` casts every floating-point array leaf.
     annotate: run each module call in a named scope (:data:`ANNOTATION`), so that a
       traced jaxpr says which module each operation belongs to.
-    nonfinite: the non-finite probe (a :class:`~jaxmp._src.nonfinite.NonfiniteTrace`)
-      when ``rules.trace_nonfinite`` is on and the caller differentiates it; ``None``
-      (the default) traces nothing.
+    hooks: the per-call features run around every module call (:class:`CallHook`),
+      the first outermost; ``()`` (the default) runs none.
 
   Raises:
-    ValueError: for a probe under rules that do not trace.
+    TypeError: for hooks that are not a sequence of :class:`CallHook`.
   """
 
   def __init__(self, rules: rules_lib.PolicyRules, supports_fp8: Callable[[type], bool], *,
                is_node: Callable[[Any], bool] | None = None, annotate: bool = False,
-               nonfinite: Any = None):
+               hooks: Sequence[CallHook] = ()):
     self.rules = rules
     self.supports_fp8 = supports_fp8
     self.annotate = annotate
     self.records: list[CallRecord] = []
-    self._nonfinite = None
-    if nonfinite is not None:
-      if not rules.trace_nonfinite:
-        raise ValueError("jaxmp: a non-finite probe was given to a model whose rules do not "
-                         "trace (PolicyRules(..., trace_nonfinite=True) turns tracing on).")
-      self._nonfinite = nonfinite_lib.Tracer(nonfinite)
+    self.hooks = check_hooks(hooks)
     self._is_node = is_node
     self._callers: list[np.dtype] = []
     # id(narrowed value) -> (narrowed value, the wider value it was cast from). Holding
@@ -308,60 +378,70 @@ class Call:
 
     Casts the floating-point inputs to the compute dtype, records the call, puts the
     module's float32 ops in effect, and casts the output to :meth:`output_dtype`
-    (threaded state back to the dtype it came in). With a non-finite probe, the
-    arguments pass through the probe's *enter* identity before all that and the
-    output through its *leave* identity after (step 8 of the module docstring). Calls
-    are numbered in the order they start, from 1: call 1 is the one the model's caller
-    made, which :func:`jaxmp._src.nonfinite.model_calls` reads as the model's own call.
+    (threaded state back to the dtype it came in). The call's hooks run around all
+    that (:class:`CallHook`; step 8 of the module docstring). Calls are numbered in
+    the order they start, from 1 (:attr:`CallSite.start`): call 1 is the one the
+    model's caller made.
 
     Raises:
-      ValueError: if the probe has no row for this call site.
+      whatever a hook raises (the non-finite hook: a ValueError if its probe has no
+      row for this call site).
     """
-    if self._nonfinite is None:
-      return self._run(path, module_type, method, precision, fn, args, kwargs)
-    tracer = self._nonfinite
-    slot = tracer.slot(path, method)
-    start = len(self.records) + 1
-    token = []  # what enter hands to leave: the inputs' amax, for this call only
+    record = CallRecord(path, module_type, method, precision, self.output_dtype(precision))
+    if not self.hooks:
+      return self._run(record, fn, args, kwargs)
+    site = CallSite(record, len(self.records) + 1)
+    tokens = []
+    args, kwargs = tuple(args), dict(kwargs)
+    for hook in self.hooks:
+      token = []
 
-    def enter(xs):
-      xs, amax = nonfinite_lib.enter(xs, slot, backward=start)
-      token.append(amax)
-      return xs
+      def enter(xs, hook=hook, token=token):
+        xs, token_value = hook.enter(site, xs)
+        token.append(token_value)
+        return xs
 
-    args, kwargs = self._through((tuple(args), dict(kwargs)), enter)
-    out = self._run(path, module_type, method, precision, fn, args, kwargs)
-    finish = tracer.finished()
-    return self._through(out, lambda xs: nonfinite_lib.leave(
-        xs, slot, token[0] if token else None, forward=finish, backward=start))
+      args, kwargs = self._through((args, kwargs), enter)
+      tokens.append(token[0])
+    out = self._run(record, fn, args, kwargs)
+    for hook, token in zip(reversed(self.hooks), reversed(tokens)):
+      out = self._through(out, lambda xs, hook=hook, token=token: hook.leave(site, xs, token))
+    return out
 
-  def _through(self, tree: T, identity: Callable[[list], tuple]) -> T:
-    """``tree`` with its non-empty float JAX arrays passed through ``identity``.
+  def _through(self, tree: T, hook: Callable[[tuple], Sequence]) -> T:
+    """``tree`` with its non-empty float JAX arrays passed through ``hook``.
 
-    A value rounded from a wider one (see :meth:`cast`) stays known as such on the
-    other side, so tracing changes no cast.
+    ``hook`` is called even when there are none (with an empty tuple), so that a hook
+    sees every call. A value rounded from a wider one (see :meth:`cast`) stays known
+    as such on the other side, so a hook changes no cast.
+
+    Raises:
+      ValueError: if ``hook`` returns a different number of arrays.
     """
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=self._is_node)
     at = [i for i, x in enumerate(leaves)
           if isinstance(x, jax.Array) and tree_lib.is_float_array(x) and x.size
           and not (self._is_node is not None and self._is_node(x))]
+    out = tuple(hook(tuple(leaves[i] for i in at)))
+    if len(out) != len(at):
+      raise ValueError(f"jaxmp: a call hook returned {len(out)} arrays for {len(at)}: a hook "
+                       f"returns what stands for each array it was given.")
     if not at:
       return tree
-    for i, y in zip(at, identity([leaves[i] for i in at])):
+    for i, y in zip(at, out):
       narrowed = self._narrowed.get(id(leaves[i]))
       if narrowed is not None and narrowed[0] is leaves[i]:
         self._narrowed[id(y)] = (y, narrowed[1])
       leaves[i] = y
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
-  def _run(self, path: str, module_type: type, method: str,
-           precision: rules_lib.ModulePrecision, fn: Callable[..., Any],
-           args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-    """:meth:`run` without non-finite tracing."""
+  def _run(self, record: CallRecord, fn: Callable[..., Any], args: Sequence[Any],
+           kwargs: Mapping[str, Any]) -> Any:
+    """:meth:`run` without the hooks."""
+    precision, output_dtype = record.precision, record.output_dtype
     compute = precision.policy.compute_dtype
-    output_dtype = self.output_dtype(precision)
     index = len(self.records)
-    self.records.append(CallRecord(path, module_type, method, precision, output_dtype))
+    self.records.append(record)
     args, kwargs = tuple(args), dict(kwargs)
     cast_args, cast_kwargs = self.cast((args, kwargs), compute)
     self._callers.append(compute)
@@ -530,8 +610,11 @@ __all__ = (
     "NOT_A_DTYPE_FIELD",
     "PARAM_ANNOTATION",
     "Call",
+    "CallHook",
     "CallRecord",
+    "CallSite",
     "Wrapper",
+    "check_hooks",
     "describe_paths",
     "resolve",
     "unused_rules",

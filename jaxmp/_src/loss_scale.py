@@ -100,22 +100,32 @@ def poison_unless(valid: jax.Array, scale: jax.Array) -> jax.Array:
   return jnp.where(valid, scale, jnp.float32(jnp.nan))
 
 
-def as_loss_scale(loss_scale: Any, *, where: str, default: LossScale,
-                  none_means: str) -> LossScale:
-  """``loss_scale`` if it is a jaxmp loss scale, ``default`` for ``None``.
+def as_loss_scale(loss_scale: Any, *, where: str) -> LossScale:
+  """``loss_scale`` if it is a jaxmp loss scale; ``None`` means no loss scaling.
+
+  The one check of a loss-scale argument. ``None`` has one meaning wherever jaxmp
+  takes a loss scale: no scaling, :class:`NoOpLossScale` (a scale of 1). The only
+  default that is not ``None``, ``loss_scaling``'s (``DynamicLossScale()``), is
+  spelled out in its signature.
 
   Args:
     loss_scale: the argument.
     where: the function taking it, for the message.
-    default: what ``None`` stands for there.
-    none_means: ``default`` in words, for the message.
+
+  Returns:
+    ``loss_scale``, or ``NoOpLossScale()`` for ``None``.
 
   Raises:
     TypeError: for anything else (a plain number: the message names the
       ``StaticLossScale`` meant).
+
+  Example:
+    >>> from jaxmp._src import loss_scale
+    >>> loss_scale.as_loss_scale(None, where="example")
+    NoOpLossScale()
   """
   if loss_scale is None:
-    return default
+    return NoOpLossScale()
   if isinstance(loss_scale, LossScale):
     return loss_scale
   hint = ""
@@ -123,20 +133,23 @@ def as_loss_scale(loss_scale: Any, *, where: str, default: LossScale,
     hint = f"; for a fixed scale pass jaxmp.StaticLossScale({loss_scale!r})"
   raise TypeError(
       f"{where}: loss_scale must be a jaxmp loss scale (NoOpLossScale, StaticLossScale, "
-      f"DynamicLossScale, or jaxmp.get_loss_scale(opt_state)) or None for {none_means}, "
+      f"DynamicLossScale, or jaxmp.get_loss_scale(opt_state)) or None for no scaling, "
       f"got {loss_scale!r} of type {type(loss_scale).__name__}{hint}.")
 
 
 def loss_scale_array(loss_scale: Any, *, where: str, allow_traced: bool = True) -> jax.Array:
   """A :class:`LossScale`'s scale, or a number or scalar array checked as one.
 
+  For the tools, which take a scale as a number too; ``None`` is no scaling (scale 1),
+  as for :func:`as_loss_scale`.
+
   Raises:
-    TypeError: for anything that is not a loss scale or a real scalar, or a traced
-      value where ``allow_traced`` is False.
+    TypeError: for anything that is not a loss scale, ``None`` or a real scalar, or a
+      traced value where ``allow_traced`` is False.
     ValueError: as :func:`check_scale`.
   """
-  if isinstance(loss_scale, LossScale):
-    return loss_scale.loss_scale
+  if loss_scale is None or isinstance(loss_scale, LossScale):
+    return as_loss_scale(loss_scale, where=where).loss_scale
   checks.real_scalar_array(loss_scale, "loss_scale", where=where)
   if checks.is_traced(loss_scale) and not allow_traced:
     raise TypeError(f"{where}: loss_scale must be concrete here (call it outside jit), got a "

@@ -185,9 +185,23 @@ def _check_skip_cap(count: jax.Array, scale: jax.Array, cap: int) -> None:
       lambda: None)
 
 
+class _DynamicByDefault:
+  """``loss_scaling``'s default loss scale: a fresh ``DynamicLossScale()`` per call.
+
+  A sentinel, not an instance: building one at import would create JAX arrays, and
+  ``None`` means no scaling (``loss_scale.as_loss_scale``).
+  """
+
+  def __repr__(self) -> str:
+    return "DynamicLossScale()"
+
+
+_DYNAMIC_BY_DEFAULT = _DynamicByDefault()
+
+
 def loss_scaling(
     inner: optax.GradientTransformation,
-    loss_scale: loss_scale_lib.LossScale | None = None,
+    loss_scale: loss_scale_lib.LossScale | _DynamicByDefault | None = _DYNAMIC_BY_DEFAULT,
     *,
     axis_name: Hashable | None = None,
     max_consecutive_skips: int | None = None,
@@ -210,8 +224,9 @@ def loss_scaling(
   Args:
     inner: the optimizer to wrap: any ``optax.GradientTransformation`` (with or
       without extra-args support) or an ``optax.MultiSteps``.
-    loss_scale: the initial loss scale; ``None`` means ``jaxmp.DynamicLossScale()``.
-      Use ``jaxmp.NoOpLossScale()`` to only skip non-finite steps (bfloat16 / fp8).
+    loss_scale: the initial loss scale; ``jaxmp.DynamicLossScale()`` when left out.
+      ``None`` (as everywhere in jaxmp) or ``jaxmp.NoOpLossScale()`` means no
+      scaling: only skip non-finite steps (bfloat16 / fp8).
     axis_name: the mapped axis name(s) (``shard_map``, ``pmap``, ``vmap``) over which
       gradients are sharded or replicated: the finite check is all-reduced over them
       so that every member skips or updates together and their scales stay equal.
@@ -242,9 +257,9 @@ def loss_scaling(
     Array(32768., dtype=float32)
   """
   inner = checks.gradient_transformation(inner, "inner", where="loss_scaling")
-  initial_loss_scale = loss_scale_lib.as_loss_scale(
-      loss_scale, where="loss_scaling", default=dynamic_loss_scale.DynamicLossScale(),
-      none_means="DynamicLossScale()")
+  initial_loss_scale = (
+      dynamic_loss_scale.DynamicLossScale() if loss_scale is _DYNAMIC_BY_DEFAULT
+      else loss_scale_lib.as_loss_scale(loss_scale, where="loss_scaling"))
   axis_name = _check_axis_name(axis_name)
   max_consecutive_skips = _check_max_skips(max_consecutive_skips)
 

@@ -1,7 +1,9 @@
 """Where did the inf come from? Per-module non-finite tracing inside the compiled step.
 
 With ``PolicyRules(..., trace_nonfinite=True)``, the engine runs every module call of a
-wrapped model (linen or NNX) between two identity functions with custom derivatives:
+wrapped model (linen or NNX) through :class:`NonfiniteHook`, one of the engine's
+per-call hooks (:class:`jaxmp._src.engine.CallHook`), which puts the call between two
+identity functions with custom derivatives:
 *enter*, on the floating-point arguments as the caller passed them, and *leave*, on the
 output as the caller gets it back. Forward, they measure the absolute max (amax) of the
 inputs and of the output; backward, of the gradient arriving at the output and of the
@@ -389,6 +391,73 @@ class Tracer:
     return self._finished
 
 
+class NonfiniteHook:
+  """Non-finite tracing as a per-call hook of the engine (:class:`~jaxmp._src.engine.CallHook`).
+
+  Around each module call: :func:`enter` on the arguments as the caller passed them,
+  :func:`leave` on the output as the caller gets it back, both writing the call
+  site's row of the probe (see the module docstring). Built once per call of the
+  wrapped model, like its :class:`Tracer`.
+
+  Args:
+    trace: the probe (its values may be traced).
+
+  Raises:
+    TypeError: if ``trace`` is not a :class:`NonfiniteTrace`.
+  """
+
+  def __init__(self, trace: NonfiniteTrace):
+    self.tracer = Tracer(trace)
+
+  def enter(self, site: Any, xs: tuple) -> tuple[tuple, Any]:
+    """Measures the inputs; the token is the site's row and the inputs' amax.
+
+    Raises:
+      ValueError: if the probe has no row for the call site.
+    """
+    slot = self.tracer.slot(site.record.path, site.record.method)
+    if not xs:
+      return xs, (slot, None)
+    xs, amax = enter(xs, slot, backward=site.start)
+    return xs, (slot, amax)
+
+  def leave(self, site: Any, xs: tuple, token: Any) -> tuple:
+    """Counts the call finished and measures its output."""
+    finish = self.tracer.finished()
+    if not xs:
+      return xs
+    slot, amax = token
+    return leave(xs, slot, amax, forward=finish, backward=site.start)
+
+
+def hooks(rules: Any, trace: NonfiniteTrace | None) -> tuple[NonfiniteHook, ...]:
+  """The engine hooks of one call of a wrapped model: the adapters' one entry to tracing.
+
+  Args:
+    rules: the wrapper's :class:`~jaxmp._src.rules.PolicyRules`.
+    trace: the probe to differentiate, or ``None`` (this call traces nothing: tracing
+      is off, or the call is not differentiated, as for ``summary``).
+
+  Returns:
+    ``(NonfiniteHook(trace),)``, or ``()`` without a probe.
+
+  Raises:
+    ValueError: for a probe under rules that do not trace.
+    TypeError: for a probe that is not a :class:`NonfiniteTrace`.
+
+  Example:
+    >>> from jaxmp._src import nonfinite
+    >>> nonfinite.hooks(jaxmp.PolicyRules("float32"), None)
+    ()
+  """
+  if trace is None:
+    return ()
+  if not rules.trace_nonfinite:
+    raise ValueError("jaxmp: a non-finite probe was given to a model whose rules do not "
+                     "trace (PolicyRules(..., trace_nonfinite=True) turns tracing on).")
+  return (NonfiniteHook(trace),)
+
+
 # ---- reading a trace ------------------------------------------------------------------------
 
 
@@ -448,6 +517,7 @@ __all__ = (
     "COLUMNS",
     "COUNTED",
     "MODEL_CALL_START",
+    "NonfiniteHook",
     "NonfiniteTrace",
     "Tracer",
     "accumulate",
@@ -455,6 +525,7 @@ __all__ = (
     "check_trace",
     "describe_call",
     "enter",
+    "hooks",
     "leave",
     "model_calls",
     "probe",

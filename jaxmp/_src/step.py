@@ -32,7 +32,6 @@ from typing import TypeVar
 import jax
 import jax.numpy as jnp
 
-from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import loss_scaling as loss_scaling_lib
 from jaxmp._src import nonfinite
 from jaxmp._src import tree as tree_lib
@@ -82,17 +81,6 @@ class Gradients(NamedTuple):
 def _short_repr(x: Any, limit: int = 80) -> str:
   text = repr(x)
   return text if len(text) <= limit else text[:limit] + "..."
-
-
-def check_loss_scale(loss_scale: Any, where: str) -> loss_scale_lib.LossScale:
-  """``loss_scale`` if it is a jaxmp loss scale; ``None`` means no scaling.
-
-  Raises:
-    TypeError: for anything else, naming ``where``.
-  """
-  return loss_scale_lib.as_loss_scale(loss_scale, where=where,
-                                      default=loss_scale_lib.NoOpLossScale(),
-                                      none_means="no scaling")
 
 
 def accumulate_gradients(a: Gradients, b: Gradients) -> Gradients:
@@ -211,7 +199,6 @@ def keep_on_skip(old: T, new: T, finite: Any, *, what: str = "state") -> T:
 __all__ = (
     "Gradients",
     "accumulate_gradients",
-    "check_loss_scale",
     "keep_on_skip",
     "merge_fp8",
     "step_was_finite",

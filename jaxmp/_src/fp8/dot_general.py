@@ -356,6 +356,7 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array,
   del precision  # fp8 products have one precision.
   recipe = recipes_lib.DelayedScaling() if recipe is None else recipes_lib.check_recipe(
       recipe, "fp8_dot_general")
+  assert recipe is not None  # check_recipe returns a recipe here (None only for a GEMM field)
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   _check_operand("lhs", lhs)
   _check_operand("rhs", rhs)

@@ -368,15 +368,7 @@ class GemmRecipes:
 
   def __post_init__(self):
     for name in ("forward", "input_grad", "weight_grad"):
-      value = getattr(self, name)
-      if value is not None and not isinstance(value, GEMM_RECIPE_TYPES):
-        hint = (" DelayedScaling keeps one state per tensor, shared by the GEMMs that read "
-                "it: use it as the layer's whole recipe." if isinstance(
-                    value, DelayedScaling) else "")
-        raise TypeError(
-            f"GemmRecipes: {name} must be None (the compute dtype) or one of "
-            f"{', '.join(t.__name__ for t in GEMM_RECIPE_TYPES)}, got {value!r} of type "
-            f"{type(value).__name__}.{hint}")
+      check_recipe(getattr(self, name), f"GemmRecipes: {name}", gemm=True)
     if self.forward is None and self.input_grad is None and self.weight_grad is None:
       raise ValueError("GemmRecipes: every GEMM is None, so nothing would run in fp8; give "
                        "at least one GEMM a recipe, or drop the fp8 rule.")
@@ -394,34 +386,50 @@ RECIPE_TYPES = (DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MX
                 GemmRecipes)
 
 
-def check_recipe(recipe: Any, where: str = "fp8") -> Recipe:
+def check_recipe(recipe: Any, where: str = "fp8", *, gemm: bool = False) -> Any:
   """Returns ``recipe`` if it is a jaxmp fp8 recipe, else raises a TypeError naming it.
+
+  The one check of what a recipe is, for every entry point that takes one (rules,
+  both adapters' fp8 layers, ``fp8_dot_general`` / ``fp8_einsum``, ``init_state``)
+  and for a :class:`GemmRecipes` field.
 
   Args:
     recipe: the value to check.
     where: who is asking, for the error message.
+    gemm: check one GEMM's recipe (a :class:`GemmRecipes` field): ``None`` (the
+      compute dtype) or one of :data:`GEMM_RECIPE_TYPES`, not a layer's recipe.
 
   Returns:
     ``recipe``.
 
   Raises:
     TypeError: if ``recipe`` is not an instance of one of the recipe classes (a class
-      instead of an instance, a string, a Flax module, ...).
+      instead of an instance, a string, a Flax module, ...; for a GEMM, also
+      :class:`DelayedScaling` or :class:`GemmRecipes`).
 
   Example:
     >>> from jaxmp import fp8
     >>> jaxmp._src.fp8.recipes.check_recipe(fp8.CurrentScaling())
     CurrentScaling(margin=0, power_of_two=False)
   """
-  if isinstance(recipe, RECIPE_TYPES):
+  types = GEMM_RECIPE_TYPES if gemm else RECIPE_TYPES
+  if isinstance(recipe, types) or (gemm and recipe is None):
     return recipe
   hint = ""
   if isinstance(recipe, type) and issubclass(recipe, RECIPE_TYPES):
     hint = f" Pass an instance, e.g. {recipe.__name__}()."
-  raise TypeError(
-      f"{where}: recipe must be a jaxmp.fp8.DelayedScaling or another jaxmp.fp8 recipe "
-      f"instance (CurrentScaling, RowwiseScaling, BlockScaling, MXScaling, GemmRecipes), got "
-      f"{recipe!r} of type {type(recipe).__name__}.{hint}")
+  elif gemm and isinstance(recipe, DelayedScaling):
+    hint = (" DelayedScaling keeps one state per tensor, shared by the GEMMs that read it: "
+            "use it as the layer's whole recipe.")
+  if gemm:
+    accepted = (f"None (the compute dtype) or one of "
+                f"{', '.join(t.__name__ for t in GEMM_RECIPE_TYPES)}")
+  else:
+    accepted = ("a jaxmp.fp8.DelayedScaling or another jaxmp.fp8 recipe instance "
+                "(CurrentScaling, RowwiseScaling, BlockScaling, MXScaling, GemmRecipes)")
+  subject = where if gemm else f"{where}: recipe"
+  raise TypeError(f"{subject} must be {accepted}, got {recipe!r} of type "
+                  f"{type(recipe).__name__}.{hint}")
 
 
 def per_gemm(recipe: Recipe) -> DelayedScaling | CurrentScaling | GemmRecipes:

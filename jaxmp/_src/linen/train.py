@@ -158,7 +158,7 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callabl
 
   def value_and_grads(variables, *args, loss_scale: loss_scale_lib.LossScale | None = None,
                       **kwargs):
-    loss_scale = step_lib.check_loss_scale(loss_scale, "value_and_grad")
+    loss_scale = loss_scale_lib.as_loss_scale(loss_scale, where="value_and_grad")
     params, fp8, collections = split_variables(variables)
     if NONFINITE not in collections:
       out, (g_params, g_fp8) = loss_scale.value_and_grad(

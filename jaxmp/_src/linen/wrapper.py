@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -151,9 +152,9 @@ def _module_in(module: nn.Module, precision, call: engine.Call) -> contextlib.Ex
 class _Interceptor:
   """Hands every linen module call to the engine; keeps the engine's records."""
 
-  def __init__(self, rules: rules_lib.PolicyRules, annotate: bool = False, nonfinite: Any = None):
-    self.call = engine.Call(rules, injection.supports_fp8, annotate=annotate,
-                            nonfinite=nonfinite)
+  def __init__(self, rules: rules_lib.PolicyRules, annotate: bool = False,
+               hooks: Sequence[engine.CallHook] = ()):
+    self.call = engine.Call(rules, injection.supports_fp8, annotate=annotate, hooks=hooks)
 
   @property
   def records(self) -> list[CallRecord]:
@@ -248,15 +249,15 @@ class MixedPrecision(engine.Wrapper):
   # summary go through, so that with_rules and module_types need no example inputs.
   _module_types: dict = dataclasses.field(default_factory=dict, repr=False)
 
-  def trace(self, fun: Callable[[], Any], *, annotate: bool = False, nonfinite: Any = None
-            ) -> tuple[Any, list[CallRecord]]:
+  def trace(self, fun: Callable[[], Any], *, annotate: bool = False,
+            hooks: Sequence[engine.CallHook] = ()) -> tuple[Any, list[CallRecord]]:
     """Runs ``fun`` under this wrapper's interceptor; returns its result and the calls.
 
     With ``annotate``, each module call runs in a named scope naming its record (see
-    :data:`jaxmp._src.engine.ANNOTATION`); with a ``nonfinite`` probe, each call is
-    traced (:class:`jaxmp._src.engine.Call`).
+    :data:`jaxmp._src.engine.ANNOTATION`); ``hooks`` run around each module call
+    (:class:`jaxmp._src.engine.CallHook`).
     """
-    interceptor = _Interceptor(self.rules, annotate, nonfinite)
+    interceptor = _Interceptor(self.rules, annotate, hooks)
     with nn.intercept_methods(interceptor), interceptor.call:
       out = fun()
     self._warn_unused(interceptor.records)
@@ -329,7 +330,8 @@ class MixedPrecision(engine.Wrapper):
     probe = None
     if self.rules.trace_nonfinite:
       variables, probe = self._take_probe(variables)
-    out, _ = self.trace(lambda: self.model.apply(variables, *args, **kwargs), nonfinite=probe)
+    out, _ = self.trace(lambda: self.model.apply(variables, *args, **kwargs),
+                        hooks=nonfinite.hooks(self.rules, probe))
     return out
 
   def nonfinite_probe(self, variables, *args, **kwargs) -> Any:

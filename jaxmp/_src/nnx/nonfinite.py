@@ -44,6 +44,14 @@ def probe_trace(variable: NonfiniteProbe) -> Any:
   return nonfinite.NonfiniteTrace(variable.calls, variable.get_value())
 
 
+def hooks(rules: Any, variable: NonfiniteProbe | None) -> tuple:
+  """The engine hooks of one call of a wrapper holding ``variable`` (``None``: none).
+
+  :func:`jaxmp._src.nonfinite.hooks` of the probe the variable holds.
+  """
+  return nonfinite.hooks(rules, None if variable is None else probe_trace(variable))
+
+
 def differentiates(model: nnx.Module, wrt: Any) -> tuple[Any, bool]:
   """What ``value_and_grad`` differentiates: ``wrt``, the fp8 state, and any probe.
 
@@ -84,4 +92,5 @@ def trace_of(grads: nnx.State, wrt: Any) -> Any | None:
   return nonfinite.with_param_grads(trace, params)
 
 
-__all__ = ("NonfiniteProbe", "differentiates", "new_probe", "probe_trace", "trace_of")
+__all__ = ("NonfiniteProbe", "differentiates", "hooks", "new_probe", "probe_trace",
+           "trace_of")

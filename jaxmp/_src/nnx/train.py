@@ -37,6 +37,7 @@ import jax
 import optax
 from flax import nnx
 
+from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import step as step_lib
 from jaxmp._src.nnx import fp8 as fp8_nnx
 from jaxmp._src.nnx import nonfinite as nonfinite_nnx
@@ -98,7 +99,7 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False,
   if not callable(fun):
     raise TypeError(f"value_and_grad: fun must be callable, got {fun!r}.")
   def value_and_grads(model, *args, loss_scale=None, **kwargs):
-    scale = step_lib.check_loss_scale(loss_scale, "jaxmp.nnx.value_and_grad")
+    scale = loss_scale_lib.as_loss_scale(loss_scale, where="jaxmp.nnx.value_and_grad")
     differentiable, traced = nonfinite_nnx.differentiates(model, wrt)
 
     def with_fp8_for_grad(model, *args):

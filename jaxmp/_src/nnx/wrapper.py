@@ -78,6 +78,7 @@ import functools
 import inspect
 import types
 from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as linen
@@ -341,13 +342,14 @@ class MixedPrecision(nnx.Module, engine.Wrapper):
   def _call_method(self, name: str, *args, **kwargs) -> Any:
     return self._trace(name, args, kwargs)[0]
 
-  def _trace(self, method: str, args: tuple, kwargs: dict, *,
-             annotate: bool = False) -> tuple[Any, list[CallRecord]]:
+  def _trace(self, method: str, args: tuple, kwargs: dict, *, annotate: bool = False,
+             hooks: Sequence[engine.CallHook] = ()) -> tuple[Any, list[CallRecord]]:
     """Calls ``model.<method>(*args, **kwargs)`` under the rules.
 
     With ``annotate``, each module call runs in a named scope naming its record (see
     :data:`jaxmp._src.engine.ANNOTATION`); otherwise a tracing wrapper traces each
-    call with its probe.
+    call with its probe. ``hooks`` run around each module call, inside the wrapper's
+    own (:class:`jaxmp._src.engine.CallHook`).
 
     Returns:
       The output and the :class:`~jaxmp.linen.CallRecord` of every module call, in
@@ -361,7 +363,7 @@ class MixedPrecision(nnx.Module, engine.Wrapper):
       raise AttributeError(f"{type(self.model).__name__} has no public method {method!r}.")
     probe = None if annotate else vars(self).get("nonfinite")
     call = engine.Call(self.rules, fp8_nnx.supports_fp8, is_node=_is_node, annotate=annotate,
-                       nonfinite=None if probe is None else nonfinite_nnx.probe_trace(probe))
+                       hooks=(*nonfinite_nnx.hooks(self.rules, probe), *hooks))
     nodes = tuple(x for x in jax.tree_util.tree_leaves((args, kwargs), is_leaf=_is_node)
                   if _is_node(x))
     graph = (self.model, nodes)
