@@ -48,8 +48,10 @@ def test_the_demo_builds_a_run_from_a_policy_or_from_policy_rules():
   config = transformer.Config(context=8, width=16, depth=1, heads=2)
   run = train_lm.Run("rowwise", rules, jaxmp.NoOpLossScale)
   assert train_lm.make_model(run, config).rules == rules
+  # With fused attention the 16-bit runs also declare the blocks' attention causal.
   assert (train_lm.make_model(run, config, fused_attention=True).rules
-          == dataclasses.replace(rules, fused_attention=True))
+          == dataclasses.replace(rules, fused_attention=True,
+                                 rules=rules.rules + (train_lm.CAUSAL_ATTENTION,)))
   by_string = train_lm.make_model(train_lm.Run("bf16", BF16, jaxmp.NoOpLossScale), config)
   assert by_string.rules == jaxmp.PolicyRules(BF16)
   # The float32 run keeps Flax's attention even when the preset fuses it.
