@@ -195,6 +195,32 @@ LLAMA_TOKENS = {"gpu": (1, 4096), "smoke": (1, 16)}
 LLAMA_STACK = 2  # layers in the stack variant
 
 
+def _square_loss(y):
+  return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+
+def _llama(config, layers: int, dtype=None, dot_general_cls=None) -> nn.Module:
+  """One decoder layer, or a stack of ``layers``."""
+  if layers > 1:
+    return llama_layer.Stack(config, layers, dtype, dot_general_cls)
+  return llama_layer.DecoderLayer(config, dtype, dot_general_cls)
+
+
+def _wrapped_train_case(model, rules, x_shape, tx, donate: bool = False) -> Case:
+  """``model`` wrapped in ``rules``: a jaxmp TrainState step on a random input."""
+  wrapped = jaxmp.linen.mixed_precision(model, rules)
+
+  def make():
+    x = jax.random.normal(jax.random.key(1), x_shape)
+    return jaxmp.linen.TrainState.create(
+        apply_fn=wrapped.apply, variables=wrapped.init(jax.random.key(0), x), tx=tx), x
+
+  def step(state, x):
+    loss, grads = state.value_and_grad(lambda v: _square_loss(state.apply_fn(v, x)))()
+    return state.apply_gradients(grads), loss
+  return Case(jax.jit(step, donate_argnums=0) if donate else step, make)
+
+
 def llama_cases(preset_name: str = "gpu", layers: int = 1) -> dict[str, Case]:
   """A Llama-3-8B-shaped decoder layer (or stack), train step with SGD, eight ways.
 
@@ -203,39 +229,21 @@ def llama_cases(preset_name: str = "gpu", layers: int = 1) -> dict[str, Case]:
   """
   config = llama_layer.LLAMA3_8B if preset_name == "gpu" else llama_layer.SMOKE
   batch, context = LLAMA_TOKENS[preset_name]
-  make_x = lambda: jax.random.normal(jax.random.key(1), (batch, context, config.d_model))
+  x_shape = (batch, context, config.d_model)
   causal = jaxmp.Rule(llama_layer.Attention, causal_attention=True)
   fp8_rule = lambda recipe: jaxmp.Rule(nn.DenseGeneral, fp8=recipe)
   delayed, rowwise = fp8.DelayedScaling(), fp8.RowwiseScaling()
   bf16 = "params=float32,compute=bfloat16,output=float32"
-  model = (llama_layer.Stack(config, layers) if layers > 1
-           else llama_layer.DecoderLayer(config))
-  loss_of = lambda y: jnp.mean(jnp.square(y.astype(jnp.float32)))
-
-  def jaxmp_case(rules):
-    wrapped = jaxmp.linen.mixed_precision(model, rules)
-
-    def make():
-      x = make_x()
-      return jaxmp.linen.TrainState.create(
-          apply_fn=wrapped.apply, variables=wrapped.init(jax.random.key(0), x),
-          tx=optax.sgd(1e-3)), x
-
-    def step(state, x):
-      loss, grads = state.value_and_grad(lambda v: loss_of(state.apply_fn(v, x)))()
-      return state.apply_gradients(grads), loss
-    return Case(step, make)
-
-  flax_model = (llama_layer.Stack(config, layers, jnp.bfloat16, nn.Fp8DirectDotGeneralOp)
-                if layers > 1 else
-                llama_layer.DecoderLayer(config, jnp.bfloat16, nn.Fp8DirectDotGeneralOp))
+  model = _llama(config, layers)
+  jaxmp_case = lambda rules: _wrapped_train_case(model, rules, x_shape, optax.sgd(1e-3))
+  flax_model = _llama(config, layers, jnp.bfloat16, nn.Fp8DirectDotGeneralOp)
 
   def flax_make():
-    x = make_x()
+    x = jax.random.normal(jax.random.key(1), x_shape)
     return flax_model.init(jax.random.key(0), x), x
 
   def flax_step(variables, x):
-    loss = lambda p, owg: loss_of(flax_model.apply({"params": p, OWG: owg}, x))
+    loss = lambda p, owg: _square_loss(flax_model.apply({"params": p, OWG: owg}, x))
     value, (grads, new_owg) = jax.value_and_grad(loss, argnums=(0, 1))(
         variables["params"], variables[OWG])
     params = jax.tree_util.tree_map(lambda p, g: p - 1e-3 * g, variables["params"], grads)
@@ -266,23 +274,9 @@ def memory_cases(preset_name: str = "gpu", config: Any = None,
   config = config or (llama_layer.LLAMA3_8B if preset_name == "gpu" else llama_layer.SMOKE)
   batch, context = MEMORY_TOKENS[preset_name]
   model = llama_layer.DecoderLayer(config)
-  loss_of = lambda y: jnp.mean(jnp.square(y.astype(jnp.float32)))
-
-  def case(run):
-    wrapped = jaxmp.linen.mixed_precision(model, run.policy)
-
-    def make():
-      x = jax.random.normal(jax.random.key(1), (batch, context, config.d_model))
-      return jaxmp.linen.TrainState.create(
-          apply_fn=wrapped.apply, variables=wrapped.init(jax.random.key(0), x),
-          tx=train_lm.make_optimizer(run, 1e-4, 1000)), x
-
-    def step(state, x):
-      loss, grads = state.value_and_grad(lambda v: loss_of(state.apply_fn(v, x)))()
-      return state.apply_gradients(grads), loss
-    return Case(jax.jit(step, donate_argnums=0), make)
-
-  return {run.name: case(run) for run in (runs or train_memory.RUNS)}
+  return {run.name: _wrapped_train_case(model, run.policy, (batch, context, config.d_model),
+                                        train_lm.make_optimizer(run, 1e-4, 1000), donate=True)
+          for run in (runs or train_memory.RUNS)}
 
 
 def memory_table(preset_name: str = "gpu") -> None:
