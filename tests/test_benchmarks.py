@@ -9,6 +9,7 @@ for a GPU or TPU without one: those need JAX's CUDA plugin (``make gpu-report`` 
 without it.
 """
 
+import json
 import math
 import os
 import pathlib
@@ -233,3 +234,26 @@ def test_h100_train_step_memory_orders_as_the_memory_transforms_promise():
   extra = lambda name: (rows[name][1] - rows["(c) pure bf16, nearest"][1]) / params
   assert extra("(d) pure bf16, stochastic") <= 2, rows
   assert extra("inside") > 2, rows
+
+
+@pytest.mark.slow
+def test_gpu_measure_times_counts_and_weighs_every_variant_it_names(tmp_path, capsys):
+  # On the CPU: a check that the GPU-measuring script runs end to end (the figures of
+  # a tiny model on a CPU mean nothing; the kernel counts and XLA's peaks are real).
+  import gpu_measure  # pylint: disable=g-import-not-at-top
+  import gpu_report  # pylint: disable=g-import-not-at-top
+  gpu_measure.main(["--preset", "smoke", "--workloads", "llama", "--json",
+                    str(tmp_path / "m.json")])
+  out = capsys.readouterr().out
+  names = list(gpu_report.llama_cases("smoke"))
+  rows = _table_rows(out, names)
+  assert list(rows) == names, out
+  kernels = {name: int(cells[4]) for name, cells in rows.items()}
+  assert kernels["fp8 per-tensor"] > kernels["bf16"] > 0, out
+  figures = json.loads((tmp_path / "m.json").read_text())
+  table, = [v for k, v in figures.items() if k.startswith("llama")]
+  assert list(table) == names and all(r["ms"] > 0 for r in table.values())
+  # A memory run's state is zeros built leaf by leaf (a PRNG key included, which the
+  # stochastic-rounding run keeps in its optimizer state); XLA's peak is the step's.
+  row = gpu_measure.memory_run("(d) pure bf16, stochastic", "smoke")
+  assert row["xla_peak_bytes"] > 0 and row["peak_bytes_in_use"] is None  # no stats on XLA:CPU

@@ -1,0 +1,221 @@
+"""Measured on a real GPU: the ``gpu_report`` workloads timed, counted and weighed.
+
+``gpu_report.py`` estimates from HLO compiled deviceless for an H100; this script runs
+the same cases (its ``llama``, ``memory`` and ``demo`` workloads, built by the same
+functions) on the local GPU and prints what it **measured**:
+
+* time per step: every variant of a table compiled once (``jit(...).lower().compile()``,
+  XLA autotuning on the real chip), warmed up, then timed in interleaved rounds
+  (:func:`timing.interleaved`: medians of per-round means, ratios taken round by
+  round), each step fed the state the previous one returned;
+* what that real compile runs: kernels launched per step, GEMMs in fp8 / all, and the
+  GEMM TFLOP/s the measured time implies (FLOPs from the optimized HLO);
+* memory (``memory`` workload): each run's train step in a fresh process (the
+  allocator's peak counter only grows), its state built as zeros of the right shapes
+  and dtypes (so initialisation's temporaries do not count), the allocator's
+  ``peak_bytes_in_use`` after three donated steps, beside XLA's own accounting of the
+  compiled step;
+* first, a plain bf16 8192^3 matmul's TFLOP/s in the same process: the ceiling the
+  tables are read against (``--preset gpu``).
+
+Run on a machine with a GPU: ``python benchmarks/gpu_measure.py`` (all three workloads)
+or ``--workloads llama,memory``; ``--preset smoke`` runs tiny shapes (on a CPU too: a
+check that the script runs; its figures mean nothing). Output is Markdown on stdout,
+progress on stderr; ``--json PATH`` also writes every figure.
+
+Compile time on the chip: XLA autotunes each new GEMM shape; the first fp8 variant of
+the ``llama`` table took 160 s on an H200 (the next one 2 s).
+``XLA_FLAGS=--xla_gpu_autotune_level=0`` skips autotuning (and so times XLA's default
+GEMM configurations, not its tuned ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import time
+from typing import Any
+
+import jax
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+import gpu_report  # noqa: E402
+import timing  # noqa: E402
+
+import jaxmp  # noqa: E402
+from jaxmp._src.tools import audit as audit_lib  # noqa: E402
+from jaxmp._src.tools import memory as memory_lib  # noqa: E402
+from jaxmp._src.tools import targets as targets_lib  # noqa: E402
+
+WORKLOADS = ("llama", "memory", "demo")
+MEMORY_STEPS = 3
+
+
+def reference_gemm_tflops(size: int = 8192, calls: int = 20) -> float:
+  """A plain jitted bf16 ``size``-cubed matmul's TFLOP/s in this process.
+
+  The ceiling the tables' figures are read against: a chip throttled, shared or
+  misconfigured shows here first (an H100/H200 runs this at roughly 750-800).
+  """
+  a = jax.random.normal(jax.random.key(0), (size, size), jax.numpy.bfloat16)
+  matmul = jax.jit(lambda a: a @ a)
+  jax.block_until_ready(matmul(a))
+  start = time.perf_counter()
+  for _ in range(calls):
+    out = matmul(a)
+  jax.block_until_ready(out)
+  return 2 * size**3 * calls / (time.perf_counter() - start) / 1e12
+
+
+def _zeros_like_shapes(tree: Any) -> Any:
+  """Device arrays of zeros with ``tree``'s shapes and dtypes (PRNG keys: key 0).
+
+  Built leaf by leaf, so creating them allocates nothing but the result: a run's
+  allocator peak is then the step's, not its initialisation's (which computes float32
+  params before casting them).
+  """
+  def zeros(s):
+    if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
+      return jax.random.split(jax.random.key(0), s.shape) if s.shape else jax.random.key(0)
+    return jax.numpy.zeros(s.shape, s.dtype)
+  return jax.tree_util.tree_map(zeros, tree)
+
+
+def _compile(case: gpu_report.Case, zeros: bool = False) -> tuple[Any, tuple]:
+  """The case's step compiled for the local device, and its arguments (on the device)."""
+  args = _zeros_like_shapes(jax.eval_shape(case.make)) if zeros else case.make()
+  fn = case.fn if hasattr(case.fn, "trace") else jax.jit(case.fn)
+  return fn.trace(*args).lower().compile(), args
+
+
+def _runner(compiled: Any, args: tuple):
+  """A zero-argument step that feeds each call the state the previous call returned."""
+  box = list(args)
+
+  def run():
+    out = compiled(*box)
+    if jax.tree_util.tree_structure(out[0]) == jax.tree_util.tree_structure(box[0]):
+      box[0] = out[0]
+    jax.block_until_ready(out)
+  return run
+
+
+def _report(compiled: Any) -> jaxmp.tools.AuditReport:
+  device = jax.devices()[0]
+  return audit_lib.analyze(compiled.as_text(), device.platform,
+                             targets_lib.gpu_spec_for(device.device_kind), "",
+                             device.device_kind)
+
+
+def time_table(title: str, cases: dict[str, gpu_report.Case], results: dict) -> None:
+  """Compiles, counts and times every case of one table; prints it."""
+  runs, reports = {}, {}
+  for name, case in cases.items():
+    start = time.perf_counter()
+    compiled, args = _compile(case)
+    reports[name], runs[name] = _report(compiled), _runner(compiled, args)
+    gpu_report.progress(f"compiled {title}: {name} in {time.perf_counter() - start:.0f} s")
+  measured = timing.interleaved(runs, baseline=next(iter(runs)), rounds=7, calls=10, warmup=3)
+  base = {b: measured[b].ms for b in ("float32", "bf16") if b in measured}
+  print(f"\n### {title}\n\nmeasured on {timing.device_description()}, jax {jax.__version__}\n")
+  print("| variant | ms/step | vs float32 | vs bf16 | TFLOP/s (GEMMs) | kernels | "
+        "GEMMs fp8/all |\n|---|---:|---:|---:|---:|---:|---|")
+  table = results.setdefault(title, {})
+  for name, t in measured.items():
+    r = reports[name]
+    vs = lambda b: f"{base[b] / t.ms:.2f}x" if b in base else "-"
+    tflops = r.gemm_flops / (t.ms * 1e-3) / 1e12
+    fp8 = sum(g.fp8 * g.count for g in r.gemms)
+    print(f"| {name} | {t.ms:.3f} | {vs('float32')} | {vs('bf16')} | {tflops:.0f} | "
+          f"{r.launches} | {fp8}/{sum(g.count for g in r.gemms)} |")
+    table[name] = {"ms": t.ms, "tflops": tflops, "kernels": r.launches, "fp8_gemms": fp8}
+  sys.stdout.flush()
+
+
+def memory_run(name: str, preset: str) -> dict:
+  """One ``memory`` run in this (fresh) process: the allocator's peak and XLA's."""
+  compiled, args = _compile(gpu_report.memory_cases(preset)[name], zeros=True)
+  run = _runner(compiled, args)
+  for _ in range(MEMORY_STEPS):
+    run()
+  stats = jax.devices()[0].memory_stats() or {}
+  memory = memory_lib.compiled_memory(compiled)
+  return {"peak_bytes_in_use": stats.get("peak_bytes_in_use"),
+          "xla_peak_bytes": memory.peak_bytes if memory else None}
+
+
+def memory_table(preset: str, results: dict) -> None:
+  """Every ``memory`` run in its own process; prints measured and XLA peaks."""
+  names = list(gpu_report.memory_cases(preset))
+  rows = {}
+  for name in names:
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, __file__, "--memory-run", name, "--preset", preset],
+                         capture_output=True, text=True, check=False)
+    if out.returncode:
+      print(out.stderr[-3000:], file=sys.stderr)
+      rows[name] = None
+    else:
+      rows[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    gpu_report.progress(f"memory run {name} in {time.perf_counter() - start:.0f} s")
+  base = (rows.get("float32") or {}).get("peak_bytes_in_use")
+  print(f"\n### memory: one Llama-3-8B-shaped layer train step (clipped AdamW, state "
+        f"donated), measured\n\nmeasured on {timing.device_description()}, jax "
+        f"{jax.__version__}; peak = the allocator's peak_bytes_in_use after "
+        f"{MEMORY_STEPS} steps, in a fresh process per run\n")
+  print("| run | measured peak GiB | vs float32 | XLA's peak GiB |\n|---|---:|---:|---:|")
+  for name, row in rows.items():
+    if row is None:
+      print(f"| {name} | failed (stderr above) | - | - |")
+      continue
+    peak, xla = row["peak_bytes_in_use"], row["xla_peak_bytes"]
+    # No allocator statistics on some backends (XLA:CPU): XLA's figure only.
+    print(f"| {name} | {f'{peak / 2**30:.3f}' if peak else 'n/a'} | "
+          f"{f'{peak / base:.3f}x' if peak and base else '-'} | "
+          f"{f'{xla / 2**30:.3f}' if xla else '-'} |")
+  results["memory"] = rows
+  sys.stdout.flush()
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                      help=f"comma-separated, from: {', '.join(WORKLOADS)}")
+  parser.add_argument("--preset", choices=("gpu", "smoke"), default="gpu")
+  parser.add_argument("--json", help="also write every figure to this file")
+  parser.add_argument("--memory-run", help=argparse.SUPPRESS)  # one memory run (a child)
+  args = parser.parse_args(argv)
+  if args.memory_run:
+    print(json.dumps(memory_run(args.memory_run, args.preset)))
+    return
+  chosen = [w for w in args.workloads.split(",") if w]
+  unknown = [w for w in chosen if w not in WORKLOADS]
+  if unknown:
+    parser.error(f"unknown workload(s) {unknown}; accepted: {', '.join(WORKLOADS)}")
+  results: dict = {"device": timing.device_description(), "jax": jax.__version__}
+  if args.preset == "gpu":
+    results["reference_bf16_gemm_tflops"] = reference_gemm_tflops()
+    print(f"Reference: a jitted bf16 8192^3 matmul runs at "
+          f"{results['reference_bf16_gemm_tflops']:.0f} TFLOP/s in this process.")
+  batch, context = gpu_report.LLAMA_TOKENS[args.preset]
+  for workload in chosen:
+    gpu_report.progress(f"workload {workload}")
+    if workload == "llama":
+      time_table(f"llama: one decoder layer, batch {batch} x context {context}, train step "
+                 "(SGD)", gpu_report.llama_cases(args.preset), results)
+    elif workload == "memory":
+      memory_table(args.preset, results)
+    else:
+      time_table(f"demo train step, examples/train_lm.py --preset {args.preset} (AdamW)",
+                 gpu_report.demo_cases(args.preset), results)
+    if args.json:
+      pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+  main()
