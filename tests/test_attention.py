@@ -157,6 +157,32 @@ def test_causal_attention_decoding_with_a_cache_uses_the_mask():
   np.testing.assert_allclose(step(causal), step(plain), atol=1e-6)
 
 
+NO_ATTENTION_FN = "declares causal attention but matches no module with an attention_fn field"
+
+
+def test_causal_rule_that_reaches_no_attention_function_warns_on_published_models():
+  # A causal declaration on modules without an attention_fn computes nothing causally:
+  # Flax's lm1b with the rule on its Dense layers, and the published NNX Gemma, whose
+  # attention is written out with einsums (no attention_fn to replace).
+  from tests.published import models  # pylint: disable=import-outside-toplevel
+  from tests.published.flax_gemma import modules as gemma_modules  # pylint: disable=import-outside-toplevel
+  tokens = jax.random.randint(jax.random.key(2), (2, 8), 1, 64)
+  with pytest.warns(UserWarning, match=r"rule 0 \(.*Dense.*\) " + NO_ATTENTION_FN):
+    _published_lm1b(jaxmp.PolicyRules(F32, [jaxmp.Rule(nn.Dense, causal_attention=True)])
+                    ).init(jax.random.key(0), tokens)
+  with pytest.warns(UserWarning, match=r"rule 0 \(.*Attention.*\) " + NO_ATTENTION_FN):
+    jaxmp.nnx.mixed_precision(
+        models._gemma_module(nnx.Rngs(0)),  # pylint: disable=protected-access
+        jaxmp.PolicyRules(F32, [jaxmp.Rule(gemma_modules.Attention, causal_attention=True)]))
+  # Where the rule reaches an attention function, no such warning.
+  with warnings.catch_warnings():
+    warnings.filterwarnings("error", message=".*" + NO_ATTENTION_FN)
+    _published_lm1b(jaxmp.PolicyRules(F32, [CAUSAL])).init(jax.random.key(0), tokens)
+    jaxmp.nnx.mixed_precision(nnx.MultiHeadAttention(2, 16, decode=False, rngs=nnx.Rngs(0)),
+                              jaxmp.PolicyRules(F32, [jaxmp.Rule(nnx.MultiHeadAttention,
+                                                                 causal_attention=True)]))
+
+
 def test_bad_causal_attention_value():
   with pytest.raises(TypeError, match=r"causal_attention must be True or False, got 'yes'"):
     jaxmp.Rule(nn.MultiHeadDotProductAttention, causal_attention="yes")

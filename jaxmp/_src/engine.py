@@ -59,6 +59,7 @@ import contextlib
 import dataclasses
 import warnings
 from collections.abc import Callable
+from collections.abc import Collection
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
@@ -249,6 +250,9 @@ class Call:
     # both keeps the ids valid for the call's lifetime.
     self._narrowed: dict[int, tuple[Any, Any]] = {}
     self._float32_ops = contextlib.ExitStack()
+    # The rules whose causal_attention reached a module's attention function: a rule
+    # that declares causal attention and reaches none did nothing (unused_rules says so).
+    self.causal_rules_reached: set[int] = set()
 
   def __enter__(self) -> Call:
     self._float32_ops.enter_context(float32_ops_lib.installed())
@@ -288,6 +292,8 @@ class Call:
     field that is not a function, :data:`NOT_A_DTYPE_FIELD` (leave it alone).
     """
     causal = precision.causal_attention
+    if causal and callable(value):
+      self.causal_rules_reached.add(id(precision.rule))
     if (not (self.rules.fused_attention or causal) or not callable(value)
         or attention_lib.is_fused(value)):
       return NOT_A_DTYPE_FIELD
@@ -517,19 +523,24 @@ def written(value: T, stored: Any) -> T:
 
 
 def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
-                 fp8_layer_names: str) -> list[str]:
+                 fp8_layer_names: str, causal_rules_reached: Collection[int] | None = None
+                 ) -> list[str]:
   """Describes each rule that decided no module's precision in ``records``.
 
   Args:
     rules: the rules.
     records: the calls of one run of the model.
     fp8_layer_names: the adapter's fp8-capable layers, for the message.
+    causal_rules_reached: the ``id`` of each rule whose ``causal_attention`` reached a
+      module's ``attention_fn`` (:attr:`Call.causal_rules_reached`); ``None``: not
+      checked.
 
   Returns:
     One sentence per problem: a rule that matches no module, a rule shadowed by
-    earlier ones, an fp8 rule that matches no fp8-capable layer, a rule or the
-    model-wide ``PolicyRules(float32_ops=...)`` list that asks for float32 ops jaxmp
-    cannot intercept (with the paths of the modules it applies to).
+    earlier ones, an fp8 rule that matches no fp8-capable layer, a causal-attention
+    rule that matches no module with an ``attention_fn``, a rule or the model-wide
+    ``PolicyRules(float32_ops=...)`` list that asks for float32 ops jaxmp cannot
+    intercept (with the paths of the modules it applies to).
 
   Example:
     >>> from jaxmp._src import engine
@@ -549,6 +560,12 @@ def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
     if decided and rule.fp8 is not None and not any(r.precision.fp8 for r in decided):
       problems.append(f"rule {index} ({rule.describe()}) has an fp8 recipe but matches no "
                       f"layer fp8 applies to ({fp8_layer_names})")
+    if (decided and rule.causal_attention and causal_rules_reached is not None
+        and id(rule) not in causal_rules_reached):
+      problems.append(f"rule {index} ({rule.describe()}) declares causal attention but "
+                      "matches no module with an attention_fn field (Flax's "
+                      "MultiHeadDotProductAttention, or a layer with such a field): "
+                      "nothing computes causally")
     if decided:
       continue
     if any(rule.matches(r.path, r.module_type) for r in records):
@@ -583,6 +600,7 @@ def describe_paths(records: Sequence[CallRecord]) -> str:
 
 def warn_unused_rules(model_name: str, rules: rules_lib.PolicyRules,
                       records: Sequence[CallRecord], fp8_layer_names: str, *,
+                      causal_rules_reached: Collection[int] | None = None,
                       already_warned: set | None = None, stacklevel: int = 2) -> None:
   """Warns once per problem :func:`unused_rules` finds, listing the model's paths.
 
@@ -591,10 +609,11 @@ def warn_unused_rules(model_name: str, rules: rules_lib.PolicyRules,
     rules: the rules.
     records: the calls of one run of the model.
     fp8_layer_names: the adapter's fp8-capable layers.
+    causal_rules_reached: as for :func:`unused_rules`.
     already_warned: problems warned about before (updated); ``None`` warns every time.
     stacklevel: as for ``warnings.warn``, counted from the caller of this function.
   """
-  problems = unused_rules(rules, records, fp8_layer_names)
+  problems = unused_rules(rules, records, fp8_layer_names, causal_rules_reached)
   if already_warned is not None:
     problems = [p for p in problems if p not in already_warned]
     already_warned.update(problems)

@@ -1,5 +1,10 @@
 """jaxmp.tools.summary: the per-module precision table for a real call."""
 
+import pathlib
+import subprocess
+import sys
+import textwrap
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -142,3 +147,21 @@ def test_ran_counts_the_platform_branch_that_runs_here():
 
   assert list(operands(jaxpr, "cpu")) == [("float8_e4m3fn", "float8_e4m3fn")]
   assert list(operands(jaxpr, "cuda")) == [("bfloat16", "bfloat16")]
+
+
+def test_a_tool_is_the_first_thing_a_user_calls():
+  # A fresh process that imports jaxmp and calls a tool before anything has imported
+  # jaxmp.linen or jaxmp.nnx: the tool finds the model's adapter itself (it once raised
+  # "expects  or a jaxmp mixed_precision wrapper" with an empty list of kinds).
+  code = textwrap.dedent("""\
+      import flax.linen as nn, jax.numpy as jnp
+      from flax import nnx
+      import jaxmp
+      print(jaxmp.tools.summary(nn.Dense(2), "bfloat16", jnp.ones((1, 3))).rows[0].ran)
+      print(jaxmp.tools.summary(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), "bfloat16",
+                                jnp.ones((1, 3))).rows[0].ran)
+      """)
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, cwd=pathlib.Path(__file__).resolve().parents[2])
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.split() == ["bfloat16", "bfloat16"], out.stdout

@@ -547,7 +547,11 @@ def _warn_unused(model: nnx.Module, rules: rules_lib.PolicyRules,
   records = [CallRecord(r.path, type(r.module), "__call__", r.precision,
                         r.precision.output_dtype or rules.default.output_dtype)
              for r in modules.values()]
-  engine.warn_unused_rules(type(model).__name__, rules, records, _fp8_layer_names())
+  # As the call's fields are set (_set_fields): a callable attention_fn attribute.
+  reached = {id(r.precision.rule) for r in modules.values()
+             if callable(vars(r.module).get("attention_fn"))}
+  engine.warn_unused_rules(type(model).__name__, rules, records, _fp8_layer_names(),
+                           causal_rules_reached=reached)
 
 
 def trace_abstract(model_or_wrapper: nnx.Module, rules: rules_lib.PolicyOrRules | None,

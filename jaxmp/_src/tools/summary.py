@@ -41,7 +41,11 @@ from jaxmp._src import paths as paths_lib
 from jaxmp._src import rules as rules_lib
 
 # Imported to register the adapters that trace_calls (and the tools built on it) pick
-# from; the NNX adapter defines no NNX module until given an NNX model.
+# from: adapter.for_model knows only registered adapters, and a tool may be the first
+# thing a user calls. The NNX adapter defines no NNX module until given an NNX model.
+# (noqa: imported for that effect; an automatic fix once deleted them.)
+from jaxmp._src.linen import adapter as _linen_adapter  # noqa: F401
+from jaxmp._src.nnx import adapter as _nnx_adapter  # noqa: F401
 from jaxmp._src.tools import table
 
 _COLUMNS = ("path", "module", "params", "compute", "output", "fp8", "rule", "ran")
