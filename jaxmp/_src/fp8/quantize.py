@@ -240,7 +240,11 @@ def scale_from_amax(amax_value: jax.Array, previous_scale: jax.Array, fp8_dtype:
   amax_value = jnp.asarray(amax_value, F32)
   fallback = valid_scale(previous_scale)
   one = jnp.asarray(1.0, F32)
-  inverse = (jnp.asarray(fp8_max(fp8_dtype), F32) / amax_value) / jnp.asarray(2.0**margin, F32)
+  if isinstance(fp8_dtype, (tuple, list)):
+    largest = jnp.asarray([fp8_max(d) for d in fp8_dtype], F32)
+  else:
+    largest = jnp.asarray(fp8_max(fp8_dtype), F32)
+  inverse = (largest / amax_value) / jnp.asarray(2.0**margin, F32)
   ok = (amax_value > 0) & jnp.isfinite(amax_value) & (inverse > 0) & jnp.isfinite(inverse)
   if power_of_two:
     inverse = round_down_to_power_of_two(inverse)
@@ -273,9 +277,9 @@ def amax_from_history(history: jax.Array, amax_compute: str = "max") -> jax.Arra
   """
   history = valid_history(history)
   if amax_compute == "max":
-    return jnp.max(history)
+    return jnp.max(history, axis=-1)
   if amax_compute == "most_recent":
-    return history[0]
+    return history[..., 0]
   raise ValueError(
       f"Unknown amax_compute {amax_compute!r}; accepted values are 'max', 'most_recent'.")
 
