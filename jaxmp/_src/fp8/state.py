@@ -400,22 +400,24 @@ def merge(old_state: T, state_cotangent: T, grads_finite: ArrayLike = True) -> T
   # A few computations over all leaves, not two per leaf: a model's state is dozens
   # of tiny arrays, and merged leaf by leaf each became two kernels of its own on
   # GPUs (a reduction and a select), the largest share of the kernels fp8 added to a
-  # train step (seen in compiled H100 HLO). The leaves of one shape are stacked to
-  # decide all of them in one reduction; the selects run over leaves of one dtype
-  # laid end to end, in chunks of _CHUNK, which XLA writes back out with a few
-  # multi-output kernels (a stack of one-element scales would instead be sliced
-  # apart by one kernel per leaf). Stacking and concatenating move no value, and
-  # each leaf is decided alone, so the result is the leaf-by-leaf one.
+  # train step (seen in compiled H100 HLO). Leaves of one shape are stacked to be
+  # decided together; leaves of one dtype are laid end to end for the select, which
+  # XLA writes back out with a few multi-output kernels (a stack of one-element
+  # scales would instead be sliced apart by one kernel per leaf). Stacking and
+  # concatenating move no value, and each leaf is decided alone, so the result is
+  # the leaf-by-leaf one.
   take: list[Any] = [None] * len(leaves)
-  for members in _group(leaves, lambda pair: pair.old.shape):
-    decided = ok_step & _informative(
-        jnp.stack([leaves[i].cotangent.astype(F32).reshape(-1) for i in members]))
-    for row, i in enumerate(members):
-      take[i] = decided[row]
+  for group in _group(leaves, lambda pair: pair.old.shape):
+    for start in range(0, len(group), _LEAVES_PER_REDUCTION):
+      members = group[start:start + _LEAVES_PER_REDUCTION]
+      decided = ok_step & _informative(
+          jnp.stack([leaves[i].cotangent.astype(F32).reshape(-1) for i in members]))
+      for row, i in enumerate(members):
+        take[i] = decided[row]
   merged: list[Any] = [None] * len(leaves)
   for group in _group(leaves, lambda pair: pair.old.dtype):
-    for start in range(0, len(group), _CHUNK):
-      members = group[start:start + _CHUNK]
+    for start in range(0, len(group), _LEAVES_PER_SELECT):
+      members = group[start:start + _LEAVES_PER_SELECT]
       dtype = leaves[members[0]].old.dtype
       values = jnp.where(
           jnp.concatenate([jnp.broadcast_to(take[i], (leaves[i].old.size,)) for i in members]),
@@ -429,11 +431,15 @@ def merge(old_state: T, state_cotangent: T, grads_finite: ArrayLike = True) -> T
   return jax.tree_util.tree_unflatten(treedef, merged)
 
 
-# Leaves per select in merge. XLA fuses a select with the slices that cut it back into
-# leaves only while the fusion's operands and outputs stay within its limit (about 96
-# on GPUs): 16 leaves read 32 arrays and write 16. All 42 leaves of a Llama layer in
-# one select came out of compiled H100 HLO as 43 kernels, in chunks of 16 as 4.
-_CHUNK = 16
+# Leaves per reduction and per select in merge. XLA fuses a select with the slices
+# that cut it back into leaves, and the computation of each new history (the amax
+# pushed into the rolled old one) into the reduction and the select that read it, only
+# while a fusion's operands and outputs stay within its limit (about 96 on GPUs);
+# otherwise the slices, and each new history, become kernels of their own. The
+# sizes are those that gave the fewest kernels in compiled H100 HLO of a Llama layer
+# (42 state leaves: 6 kernels for merge) and of the demo's step (288 leaves).
+_LEAVES_PER_REDUCTION = 32
+_LEAVES_PER_SELECT = 16
 
 
 def _end_to_end(arrays: list, dtype: Any) -> jax.Array:
