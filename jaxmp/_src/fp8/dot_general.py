@@ -228,9 +228,10 @@ def _forward(lhs, rhs, state, cfg: _Config):
     # (seen in compiled H100 HLO).
     old = jax.lax.optimization_barrier(
         (st.input_amax_history, st.kernel_amax_history, st.output_grad_amax_history))
-    # The three scales as one computation over the stacked histories: one reduction
-    # and one small kernel on GPUs, where three separate ones became six kernels per
-    # matmul (seen in compiled H100 HLO). Each row is computed alone, as before.
+    # The three scales as one computation over the stacked histories: three kernels
+    # per matmul on GPUs (the reduction, the scales, their products), where three
+    # separate computations became six (seen in compiled H100 HLO). Each row is
+    # computed alone, so every scale is the one computed on its own.
     previous = jnp.stack([st.input_scale.reshape(()), st.kernel_scale.reshape(()),
                           st.output_grad_scale.reshape(())])
     scales = q.scale_from_amax(q.amax_from_history(jnp.stack(old), algo), previous,

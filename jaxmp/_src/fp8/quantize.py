@@ -223,7 +223,8 @@ def scale_from_amax(amax_value: jax.Array, previous_scale: jax.Array, fp8_dtype:
     amax_value: a float32 scalar or array.
     previous_scale: the scale to fall back on, a float32 scalar (or an array of the
       amaxes' shape).
-    fp8_dtype: the format the scale is for.
+    fp8_dtype: the format the scale is for, or a tuple of formats, one per element
+      of ``amax_value`` (the scales of several tensors in one computation).
     margin: headroom in powers of two.
     power_of_two: round the scale up to a power of two.
 
@@ -260,11 +261,12 @@ def amax_from_history(history: jax.Array, amax_compute: str = "max") -> jax.Arra
   """The amax a delayed-scaling step scales by: ``max(history)`` or ``history[0]``.
 
   Args:
-    history: a float32 amax history; inf, NaN and negative entries read as 0.
+    history: a float32 amax history, or several stacked (one per row, along the
+      last axis); inf, NaN and negative entries read as 0.
     amax_compute: ``"max"`` or ``"most_recent"``.
 
   Returns:
-    A float32 scalar.
+    A float32 scalar (one per stacked history).
 
   Raises:
     ValueError: for another ``amax_compute``.
