@@ -61,6 +61,30 @@ def test_amax_compute():
     q.amax_from_history(h, "mean")
 
 
+@pytest.mark.parametrize("power_of_two", [False, True])
+@pytest.mark.parametrize("margin", [0, 3])
+def test_scales_of_several_tensors_at_once_equal_each_alone_bit_for_bit(margin, power_of_two):
+  # A delayed-scaling op computes its three scales (E4M3, E4M3, E5M2) as one
+  # computation over its stacked histories; each must be the scale computed alone.
+  amaxes = [0.40124354, 10.0, 65504.0, 0.0, np.inf, np.nan, 1e-44, 3.0, 1e-3]
+  previous = [0.25, 0.0, np.nan, 0.5, 2.0, -1.0, 0.125, np.inf, 4.0]
+  fmts = (q.E4M3, q.E5M2, q.E4M3)
+  for i in range(0, len(amaxes), 3):
+    a, p = jnp.float32(amaxes[i:i + 3]), jnp.float32(previous[i:i + 3])
+    together = jax.jit(q.scale_from_amax, static_argnums=(2, 3, 4))(
+        a, p, fmts, margin, power_of_two)
+    alone = [jax.jit(q.scale_from_amax, static_argnums=(2, 3, 4))(
+        a[j], p[j], fmts[j], margin, power_of_two) for j in range(3)]
+    assert np.asarray(together).tobytes() == np.asarray(alone, np.float32).tobytes(), (
+        together, alone)
+
+
+def test_amax_from_stacked_histories_is_each_history_s():
+  h = jnp.array([[3.0, 9.0, 1.0], [np.inf, 2.0, 0.5], [-1.0, np.nan, 0.0]])
+  np.testing.assert_array_equal(q.amax_from_history(h, "max"), [9.0, 2.0, 0.0])
+  np.testing.assert_array_equal(q.amax_from_history(h, "most_recent"), [3.0, 0.0, 0.0])
+
+
 def test_quantize_saturates_finite_values_and_keeps_overflow_visible():
   scale = jnp.float32(0.5)
   # 3e38 / 0.5 overflows float32: E4M3 makes that NaN, like an inf; E5M2 saturates it.

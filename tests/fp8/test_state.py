@@ -71,6 +71,31 @@ class TestMerge:
     bf16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), old)
     assert fp8.state.merge(bf16, ct)["a"]["Fp8DotGeneral_0"]["input_scale"].dtype == jnp.bfloat16
 
+  def test_many_leaves_of_several_shapes_and_dtypes_merge_as_each_would_alone(self):
+    # merge decides stacked leaves and selects them in chunks; each leaf must come
+    # out as merging it on its own gives, whatever its neighbours (more leaves than
+    # one chunk holds, two dtypes, a scalar, an empty leaf).
+    rng = np.random.default_rng(0)
+    shapes = [(1,), (3,), (), (0,), (2, 2)]
+    fills = [None, 0.0, -np.inf, np.nan, -1.0]
+    old, ct = {}, {}
+    for i in range(41):
+      shape, dtype = shapes[i % 5], (jnp.float32, jnp.bfloat16)[i % 2]
+      old[f"leaf{i:02d}"] = jnp.asarray(rng.uniform(0.5, 2.0, shape), dtype)
+      fill = fills[(i // 5) % 5]
+      value = rng.uniform(0.5, 2.0, shape) if fill is None else np.full(shape, fill)
+      ct[f"leaf{i:02d}"] = jnp.asarray(value, jnp.float32)
+    ct["leaf01"] = ct["leaf01"].at[1].set(np.inf)  # one bad entry spoils a history
+    for finite in (True, False):
+      merged = jax.jit(fp8.state.merge)(old, ct, jnp.array(finite))
+      alone = {k: fp8.state.merge({k: old[k]}, {k: ct[k]}, jnp.array(finite))[k] for k in old}
+      chex.assert_trees_all_equal(merged, alone)
+      taken = [k for k in old if not np.array_equal(merged[k], old[k])]
+      # Informative cotangents replace (those of leaves 0-4 and 25-29, but not the
+      # empty leaf03 and leaf28, nor leaf01 with its inf); the rest keep the old state.
+      assert taken == (["leaf00", "leaf02", "leaf04", "leaf25", "leaf26", "leaf27",
+                        "leaf29"] if finite else []), taken
+
   def test_errors(self):
     old = _used_state()
     with pytest.raises(ValueError, match="same structure"):

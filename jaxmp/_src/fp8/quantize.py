@@ -223,7 +223,8 @@ def scale_from_amax(amax_value: jax.Array, previous_scale: jax.Array, fp8_dtype:
     amax_value: a float32 scalar or array.
     previous_scale: the scale to fall back on, a float32 scalar (or an array of the
       amaxes' shape).
-    fp8_dtype: the format the scale is for.
+    fp8_dtype: the format the scale is for, or a tuple of formats, one per element
+      of ``amax_value`` (the scales of several tensors in one computation).
     margin: headroom in powers of two.
     power_of_two: round the scale up to a power of two.
 
@@ -240,7 +241,11 @@ def scale_from_amax(amax_value: jax.Array, previous_scale: jax.Array, fp8_dtype:
   amax_value = jnp.asarray(amax_value, F32)
   fallback = valid_scale(previous_scale)
   one = jnp.asarray(1.0, F32)
-  inverse = (jnp.asarray(fp8_max(fp8_dtype), F32) / amax_value) / jnp.asarray(2.0**margin, F32)
+  if isinstance(fp8_dtype, (tuple, list)):
+    largest = jnp.asarray([fp8_max(d) for d in fp8_dtype], F32)
+  else:
+    largest = jnp.asarray(fp8_max(fp8_dtype), F32)
+  inverse = (largest / amax_value) / jnp.asarray(2.0**margin, F32)
   ok = (amax_value > 0) & jnp.isfinite(amax_value) & (inverse > 0) & jnp.isfinite(inverse)
   if power_of_two:
     inverse = round_down_to_power_of_two(inverse)
@@ -256,11 +261,12 @@ def amax_from_history(history: jax.Array, amax_compute: str = "max") -> jax.Arra
   """The amax a delayed-scaling step scales by: ``max(history)`` or ``history[0]``.
 
   Args:
-    history: a float32 amax history; inf, NaN and negative entries read as 0.
+    history: a float32 amax history, or several stacked (one per row, along the
+      last axis); inf, NaN and negative entries read as 0.
     amax_compute: ``"max"`` or ``"most_recent"``.
 
   Returns:
-    A float32 scalar.
+    A float32 scalar (one per stacked history).
 
   Raises:
     ValueError: for another ``amax_compute``.
@@ -273,9 +279,9 @@ def amax_from_history(history: jax.Array, amax_compute: str = "max") -> jax.Arra
   """
   history = valid_history(history)
   if amax_compute == "max":
-    return jnp.max(history)
+    return jnp.max(history, axis=-1)
   if amax_compute == "most_recent":
-    return history[0]
+    return history[..., 0]
   raise ValueError(
       f"Unknown amax_compute {amax_compute!r}; accepted values are 'max', 'most_recent'.")
 
