@@ -80,6 +80,12 @@ def test_dropout_and_sown_weights_run_the_layers_own_attention():
     fused_sown = sown(deterministic)
   np.testing.assert_array_equal(fused_sown[0], sown(plain_deterministic)[0])
   assert "attention_weights" in fused_sown[1]["intermediates"]
+  # Asked for by a causal rule alone, the warning names the rule.
+  causal = jaxmp.linen.mixed_precision(
+      nn.MultiHeadDotProductAttention(num_heads=2, dropout_rate=0.5, deterministic=False),
+      jaxmp.PolicyRules(BF16, [CAUSAL]))
+  with pytest.warns(UserWarning, match=r"^Rule\(causal_attention=True\): dropout on the "):
+    causal.apply(variables, X, mask=MASK, rngs=rngs)
 
 
 def test_no_fused_kernel_no_warning_without_cudnn():

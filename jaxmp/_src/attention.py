@@ -57,6 +57,11 @@ import jax.numpy as jnp
 _NOT_GIVEN = object()
 
 
+FUSED_ATTENTION = "PolicyRules(fused_attention=True)"
+CAUSAL_ATTENTION = "Rule(causal_attention=True)"
+"""The settings that ask for fused attention, as the fallback warnings name them."""
+
+
 def _cudnn_refusal(query, key, value, bias, mask, is_causal) -> str | None:
   """Why JAX's cuDNN attention refuses these arguments (traced abstractly), or None.
 
@@ -76,7 +81,7 @@ def _cudnn_refusal(query, key, value, bias, mask, is_causal) -> str | None:
 
 def attend(query: jax.Array, key: jax.Array, value: jax.Array,
            bias: jax.Array | None = None, mask: jax.Array | None = None,
-           is_causal: bool = False) -> jax.Array:
+           is_causal: bool = False, asked_by: str = FUSED_ATTENTION) -> jax.Array:
   """``softmax(q k^T / sqrt(d) + bias, masked) v``: cuDNN's fused kernel on GPUs, else XLA's.
 
   Args:
@@ -86,6 +91,8 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array,
     bias: added to the scores, broadcastable to ``[batch, heads, q_length, kv_length]``.
     mask: where the scores count (bool), broadcastable like ``bias``.
     is_causal: also mask every key after its query (cuDNN then skips those blocks).
+    asked_by: the setting that asked for the fused kernel, named by the warning when
+      cuDNN refuses it.
 
   Returns:
     ``[batch, q_length, heads, depth]`` in the inputs' dtype.
@@ -99,7 +106,7 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array,
         cuda=functools.partial(implementation, implementation="cudnn"), default=xla)
   if refusal:
     _warn(f"cuDNN's fused attention does not take query {query.dtype}{list(query.shape)} "
-          f"({refusal}): XLA's implementation of the same attention runs, unfused")
+          f"({refusal}): XLA's implementation of the same attention runs, unfused", asked_by)
   return xla(query, key, value, bias, mask)
 
 
@@ -119,10 +126,10 @@ def _fallback_reason(query, dropout_rate, deterministic, module, precision,
   return None
 
 
-def _warn(message: str) -> None:
+def _warn(message: str, asked_by: str) -> None:
   # At trace time, once per distinct message (Python's default filter): a jitted step
   # warns when it is traced, not on every step.
-  warnings.warn(f"PolicyRules(fused_attention=True): {message}.", UserWarning, stacklevel=4)
+  warnings.warn(f"{asked_by}: {message}.", UserWarning, stacklevel=4)
 
 
 def fused_attention_fn(original: Callable[..., Any], causal: bool = False
@@ -143,6 +150,7 @@ def fused_attention_fn(original: Callable[..., Any], causal: bool = False
     The function to set as the layer's ``attention_fn`` for the call.
   """
   accepted = inspect.signature(original).parameters
+  asked_by = CAUSAL_ATTENTION if causal else FUSED_ATTENTION
 
   def attention(query, key, value, bias=None, mask=None, broadcast_dropout=_NOT_GIVEN,
                 dropout_rng=_NOT_GIVEN, dropout_rate=0.0, deterministic=False, dtype=None,
@@ -157,7 +165,7 @@ def fused_attention_fn(original: Callable[..., Any], causal: bool = False
     einsums = (qk_attn_weights_einsum, attn_weights_value_einsum)
     reason = _fallback_reason(query, dropout_rate, deterministic, module, precision, einsums)
     if reason is not None:
-      _warn(f"{reason}: the layer's own attention runs, unfused")
+      _warn(f"{reason}: the layer's own attention runs, unfused", asked_by)
       kwargs = {k: v for k, v in given.items() if k in accepted and v is not _NOT_GIVEN}
       return original(query, key, value, **kwargs)
     dtype = jnp.result_type(query, key, value) if dtype is None else dtype
@@ -165,7 +173,7 @@ def fused_attention_fn(original: Callable[..., Any], causal: bool = False
     if causal and query.shape[-3] == key.shape[-3]:
       mask, is_causal = None, True  # the declared causal mask, as cuDNN's CAUSAL mode
     mask = None if mask is None else mask.astype(bool)
-    return attend(query, key, value, bias, mask, is_causal)
+    return attend(query, key, value, bias, mask, is_causal, asked_by)
 
   return attention
 
