@@ -18,6 +18,11 @@ A100 (sm_80) has no fp8 tensor cores (XLA widens every fp8 GEMM) and TPU v5e, v5
 v6e run fp8 operands at the bfloat16 rate: every recipe falls back there. On a CPU
 every recipe is emulated (documented, not warned about).
 
+:class:`~jaxmp.fp8.Int8Scaling`'s GEMMs compile to int8 GEMMs on every TPU (and to
+cuBLASLt int8 GEMMs on an H100); by libtpu's cost model a 2048^3 int8 GEMM costs about
+0.5x bfloat16's cycles on v5e and v5p, 0.7-0.95x on v6e and 1x on v7, so int8 warns on
+v7 (:attr:`Target.int8`). jaxmp makes no claim about int8 speed on GPUs (no warning).
+
 **How a recipe learns the target.** While ``fp8_dot_general`` traces, it asks
 :func:`current_target`: the innermost :func:`compile_target` override if there is one
 (``jaxmp.tools.audit(..., target=...)`` sets it for its compile), else the first device
