@@ -41,9 +41,10 @@ Workloads (``--workloads``):
   bf16 moments; remainder masters; pure bf16 with round-to-nearest, stochastic
   rounding, Kahan summation): the compiled step's peak by XLA's accounting
   (``audit(...).memory``: arguments + outputs + temporaries - aliased).
-* ``tpu``: 4096^3 matmuls in bf16, fp8 and int8, and jaxmp's fp8 Dense, compiled for
-  TPU v5e, v5p, v6e and v7 (libtpu, deviceless): the operand dtypes in the HLO and
-  the TPU cost model's estimated cycles per matmul.
+* ``tpu``: 4096^3 matmuls in bf16, fp8 and int8, and jaxmp's fp8 and int8 Dense, compiled
+  for TPU v5e, v5p, v6e and v7 (libtpu, deviceless): the operand dtypes in the HLO and
+  the TPU cost model's estimated cycles per matmul; then the Llama-shaped layer's train
+  step (context 1024) in bf16, fp8 rowwise and int8 per chip, GEMM and total cycles.
 
 On a machine with a GPU the same script also times each variant on it and prints
 measured milliseconds and TFLOP/s beside the estimates.
