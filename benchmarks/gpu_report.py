@@ -41,9 +41,10 @@ Workloads (``--workloads``):
   bf16 moments; remainder masters; pure bf16 with round-to-nearest, stochastic
   rounding, Kahan summation): the compiled step's peak by XLA's accounting
   (``audit(...).memory``: arguments + outputs + temporaries - aliased).
-* ``tpu``: 4096^3 matmuls in bf16, fp8 and int8, and jaxmp's fp8 Dense, compiled for
-  TPU v5e, v5p, v6e and v7 (libtpu, deviceless): the operand dtypes in the HLO and
-  the TPU cost model's estimated cycles per matmul.
+* ``tpu``: 4096^3 matmuls in bf16, fp8 and int8, and jaxmp's fp8 and int8 Dense, compiled
+  for TPU v5e, v5p, v6e and v7 (libtpu, deviceless): the operand dtypes in the HLO and
+  the TPU cost model's estimated cycles per matmul; then the Llama-shaped layer's train
+  step (context 1024) in bf16, fp8 rowwise and int8 per chip, GEMM and total cycles.
 
 On a machine with a GPU the same script also times each variant on it and prints
 measured milliseconds and TFLOP/s beside the estimates.
@@ -62,6 +63,7 @@ import os
 import pathlib
 import sys
 import time
+import warnings
 from typing import Any, Callable
 
 if not (os.path.exists("/dev/nvidiactl") or os.environ.get("JAX_PLATFORMS")):
@@ -507,6 +509,11 @@ def tpu_table(generations=("v5e", "v5p", "v6e", "v7"), size: int = 4096) -> None
     out, vjp = jax.vjp(f, x, w, state)
     return out, vjp(g)
 
+  def jaxmp_int8_fwd_bwd(x, w, g):
+    f = lambda x, w: fp8.fp8_dot_general(x, w, dims, recipe=fp8.Int8Scaling())
+    out, vjp = jax.vjp(f, x, w)
+    return out, vjp(g)
+
   cases = {
       "bf16 x bf16 -> f32": (dot(jnp.float32), (mat(jnp.bfloat16),) * 2),
       "e4m3 x e4m3 -> f32": (dot(jnp.float32), (mat(jnp.float8_e4m3fn),) * 2),
@@ -514,6 +521,7 @@ def tpu_table(generations=("v5e", "v5p", "v6e", "v7"), size: int = 4096) -> None
       "int8 x int8 -> s32": (dot(jnp.int32), (mat(jnp.int8),) * 2),
       "jaxmp fp8 Dense fwd+bwd (3 GEMMs)": (
           jaxmp_fwd_bwd, (mat(jnp.bfloat16), mat(jnp.bfloat16), state, mat(jnp.bfloat16))),
+      "jaxmp int8 Dense fwd+bwd (3 GEMMs)": (jaxmp_int8_fwd_bwd, (mat(jnp.bfloat16),) * 3),
   }
   print(f"\n### TPU: {size}^3 matmuls by the TPU cost model (deviceless)\n")
   print("| TPU | case | GEMM operands (in the HLO) | est. cycles per GEMM | vs bf16 |\n"
@@ -530,6 +538,54 @@ def tpu_table(generations=("v5e", "v5p", "v6e", "v7"), size: int = 4096) -> None
       print(f"| {gen} ({r.device_kind}) | {name} | {operands} | "
             f"{', '.join(map(str, cycles))} | "
             f"{', '.join(f'{c / base:.2f}' for c in cycles)} |")
+
+
+def _tpu_cycles(report: jaxmp.tools.AuditReport) -> tuple[int, int]:
+  """(GEMM cycles, all cycles) of a TPU compile, by the cost model, per call."""
+  gemms = sum((g.cycles or 0) * g.count for g in report.gemms)
+  return gemms, gemms + sum((k.cycles or 0) * k.count for k in report.kernels)
+
+
+TPU_LLAMA_TOKENS = {"gpu": (1, 1024), "smoke": (1, 16)}
+"""(batch, context) of the TPU llama table: context 1024 keeps its compiles short."""
+
+
+def tpu_llama_table(generations=("v5e", "v5p", "v6e", "v7"), preset_name: str = "gpu") -> None:
+  """The Llama-3-8B-shaped layer's train step in bf16, fp8 and int8 per TPU (cost model)."""
+  config = llama_layer.LLAMA3_8B if preset_name == "gpu" else llama_layer.SMOKE
+  batch, context = TPU_LLAMA_TOKENS[preset_name]
+  x_shape = (batch, context, config.d_model)
+  bf16 = "params=float32,compute=bfloat16,output=float32"
+  # Flax's attention in every variant: libtpu (jax 0.10.2) crashed compiling the
+  # layer with causal_attention=True for v7.
+  rules = lambda *r: jaxmp.PolicyRules(bf16, list(r))
+  dense = lambda recipe: jaxmp.Rule(nn.DenseGeneral, fp8=recipe)
+  variants = {
+      "bf16": rules(),
+      "fp8 rowwise": rules(dense(fp8.RowwiseScaling())),
+      "int8": rules(dense(fp8.Int8Scaling())),
+      "int8, weight grad bf16": rules(dense(fp8.GemmRecipes(fp8.Int8Scaling(),
+                                                            fp8.Int8Scaling(), None))),
+  }
+  model = _llama(config, 1)
+  print(f"\n### TPU: one {config.d_model}-wide Llama-shaped decoder layer, batch {batch} x "
+        f"context {context}, train step (SGD), by the TPU cost model (deviceless)\n")
+  print("| TPU | variant | GEMM operands | GEMM cycles | all cycles | step vs bf16 |\n"
+        "|---|---|---|---:|---:|---:|")
+  for gen in generations:
+    base = None
+    for name, rule_set in variants.items():
+      case = _wrapped_train_case(model, rule_set, x_shape, optax.sgd(1e-3))
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fp8.Fp8FallbackWarning)  # the table shows it
+        r = jaxmp.tools.audit(case.fn, *jax.eval_shape(case.make), target=gen)
+      progress(f"compiled TPU {gen}: llama layer, {name}")
+      gemm_cycles, total = _tpu_cycles(r)
+      base = base or total
+      operands = ", ".join(sorted({"x".join(d.replace("float8_", "") for d in g.compute_dtypes)
+                                   for g in r.gemms}))
+      print(f"| {gen} | {name} | {operands} | {gemm_cycles:,} | {total:,} | "
+            f"{base / total:.2f}x |")
 
 
 WORKLOADS = ("traffic", "dense", "block", "demo", "llama", "memory", "tpu")
@@ -571,6 +627,7 @@ def main(argv=None) -> None:
       traffic_table(args.power_of_two, args.preset)
     elif workload == "tpu":
       tpu_table(size=MATMUL_SIZE[args.preset])
+      tpu_llama_table(preset_name=args.preset)
     elif workload == "demo":
       precision_table(f"demo train step, examples/train_lm.py --preset {args.preset} (AdamW)",
                       demo_cases(args.preset), on_gpu)

@@ -307,6 +307,18 @@ CASES = [
     ("fp8_dot_general out_sharding with row scaling", lambda: fp8.fp8_dot_general(
         X, W, DIMS, out_sharding=jax.sharding.PartitionSpec(), recipe=fp8.RowwiseScaling()),
      ValueError, "per-tensor recipes only"),
+    ("GemmRecipes Int8Scaling class", lambda: fp8.GemmRecipes(forward=fp8.Int8Scaling),
+     TypeError, "Pass an instance, e.g. Int8Scaling()"),
+    ("Rule int8 recipe class", lambda: jaxmp.Rule(nn.Dense, fp8=fp8.Int8Scaling), TypeError,
+     "Pass an instance, e.g. Int8Scaling()"),
+    ("fp8_dot_general state with int8", lambda: fp8.fp8_dot_general(
+        X, W, DIMS, state=STATE, recipe=fp8.Int8Scaling()), ValueError, "keeps no state"),
+    ("fp8_dot_general int8 scales over an axis the kernel lacks", lambda: fp8.fp8_dot_general(
+        X, W, (((1,), (2,)), ((), ())), recipe=fp8.Int8Scaling()), ValueError,
+     "name axis 2 of rhs (the kernel), which has shape (3, 2)"),
+    ("fp8_dot_general batch axis the input lacks", lambda: fp8.fp8_dot_general(
+        X, W, (((1,), (0,)), ((-1,), (1,))), recipe=fp8.RowwiseScaling()), ValueError,
+     "name axis -1 of lhs (the input)"),
     ("init_state not a recipe", lambda: fp8.init_state("delayed"), TypeError, "got 'delayed'"),
     ("fp8_dot_general integer operand", lambda: fp8.fp8_dot_general(
         X.astype(jnp.int32), W, DIMS, state=STATE, recipe=RECIPE), TypeError, "dtype int32"),

@@ -188,6 +188,7 @@ def test_gpu_report_compiles_every_workload_for_an_h100():
   assert _table_rows(dense, ["bf16 + jaxmp fp8"])["bf16 + jaxmp fp8"][5] == "3/3", dense
   if "tpu" in workloads:
     assert "### TPU:" in out and "| v7 (" in out, out
+    assert "jaxmp int8 Dense fwd+bwd" in out and "| v5e | int8 | " in out, out
 
 
 def _check_deviceless(code: str, timeout: int) -> str:

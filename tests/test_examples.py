@@ -1,5 +1,6 @@
 """The examples run end to end and show what they claim (short settings)."""
 
+import argparse
 import dataclasses
 import os
 import pathlib
@@ -57,6 +58,26 @@ def test_the_demo_builds_a_run_from_a_policy_or_from_policy_rules():
   # The float32 run keeps Flax's attention even when the preset fuses it.
   float32 = train_lm.make_model(train_lm.RUNS[0], config, fused_attention=True)
   assert float32.rules == jaxmp.PolicyRules("float32")
+
+
+@pytest.mark.slow
+def test_the_demo_lm_trains_in_int8_like_bfloat16():
+  # Every Dense and DenseGeneral but the head in int8 (forward and both gradient GEMMs),
+  # against the demo's bfloat16 run: the same data, seed and steps.
+  config = transformer.Config(context=32, width=64, depth=2, heads=4)
+  args = argparse.Namespace(steps=150, batch=8, lr=2e-3, seed=0)
+  corpus = train_lm.load_corpus()
+  split = int(len(corpus) * 0.95)
+  stream = train_lm.batches(corpus[split:], args.batch, config.context, seed=12345)
+  val_batches = [next(stream) for _ in range(4)]
+  int8 = train_lm.Run("bfloat16 + int8", jaxmp.PolicyRules(BF16, [
+      jaxmp.Rule("head"),
+      jaxmp.Rule((nn.Dense, nn.DenseGeneral), fp8=jaxmp.fp8.Int8Scaling())]), jaxmp.NoOpLossScale)
+  bf16 = next(run for run in train_lm.RUNS if run.name == "bfloat16")
+  val = {run.name: train_lm.train(run, args, config, corpus[:split], val_batches)["val"]
+         for run in (bf16, int8)}
+  assert abs(val["bfloat16 + int8"] - val["bfloat16"]) <= 0.01 * val["bfloat16"], val
+  assert val["bfloat16"] < 3.0, val                            # it learned something
 
 
 @pytest.mark.slow

@@ -75,6 +75,7 @@ from jaxmp._src import float32_ops as float32_ops_lib
 from jaxmp._src import paths as paths_lib
 from jaxmp._src import rules as rules_lib
 from jaxmp._src import tree as tree_lib
+from jaxmp._src.fp8 import recipes as recipes_lib
 
 T = TypeVar("T")
 
@@ -558,8 +559,9 @@ def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
     problems += _uninterceptable_ops(f"rule {index} ({rule.describe()})", rule.float32_ops,
                                      decided)
     if decided and rule.fp8 is not None and not any(r.precision.fp8 for r in decided):
-      problems.append(f"rule {index} ({rule.describe()}) has an fp8 recipe but matches no "
-                      f"layer fp8 applies to ({fp8_layer_names})")
+      problems.append(f"rule {index} ({rule.describe()}) has an "
+                      f"{recipes_lib.narrow_type(rule.fp8)} recipe but matches no layer "
+                      f"fp8 applies to ({fp8_layer_names})")
     if (decided and rule.causal_attention and causal_rules_reached is not None
         and id(rule) not in causal_rules_reached):
       problems.append(f"rule {index} ({rule.describe()}) declares causal attention but "

@@ -5,7 +5,8 @@
   (scale from this step's amax, no state); E4M3 forward operands, E5M2 output
   gradients. Finer current scaling: :class:`RowwiseScaling` (torchao rowwise),
   :class:`BlockScaling` (DeepSeek-V3's 1x128 / 128x128) and :class:`MXScaling` (OCP
-  MXFP8, E8M0 scales). :class:`GemmRecipes` gives the forward, input-gradient and
+  MXFP8, E8M0 scales); :class:`Int8Scaling` is AQT's symmetric int8 with per-row
+  scales and int32 accumulation. :class:`GemmRecipes` gives the forward, input-gradient and
   weight-gradient GEMMs a recipe each, or the compute dtype. float32 scaling
   arithmetic and accumulation throughout.
 - What runs where: :func:`compile_target` names the chip being compiled for, and a
@@ -37,6 +38,7 @@ from jaxmp._src.fp8.recipes import BlockScaling
 from jaxmp._src.fp8.recipes import CurrentScaling
 from jaxmp._src.fp8.recipes import DelayedScaling
 from jaxmp._src.fp8.recipes import GemmRecipes
+from jaxmp._src.fp8.recipes import Int8Scaling
 from jaxmp._src.fp8.recipes import MXScaling
 from jaxmp._src.fp8.recipes import Recipe
 from jaxmp._src.fp8.recipes import RowwiseScaling
@@ -56,6 +58,7 @@ __all__ = (
     "DelayedScalingState",
     "Fp8FallbackWarning",
     "GemmRecipes",
+    "Int8Scaling",
     "MXScaling",
     "Recipe",
     "RowwiseScaling",

@@ -7,7 +7,9 @@ from OCP MX v1.0 (unsigned biased exponent, bias 127, 0xFF NaN), the current-sca
 scale from TransformerEngine/Flax (``1 / ((fp8_max / amax) / 2**margin)`` in float32,
 torchao's power-of-two rounding of the multiplier), the groupings of torchao's rowwise
 recipe and DeepSeek-V3's 1x128 / 128x128 blocks, and the MX conversion of OCP MX v1.0
-section 6.3 (shared exponent ``floor(log2(amax)) - emax``, elements clamped).
+section 6.3 (shared exponent ``floor(log2(amax)) - emax``, elements clamped), and
+AQT's symmetric int8 (scale ``amax / 127`` in float32, round to nearest even, clip to
+``[-127, 127]``, integer accumulation, float32 rescale by the two row scales).
 """
 
 from __future__ import annotations
@@ -148,3 +150,28 @@ def mx_quantize(x: np.ndarray, fmt: str):
 def mx_dequantize(codes: np.ndarray, scale_codes: np.ndarray, fmt: str) -> np.ndarray:
   scale = np.where(scale_codes == 0xFF, np.nan, np.ldexp(1.0, scale_codes.astype(int) - 127))
   return decode(codes, fmt) * np.repeat(scale, 32, axis=-1)
+
+
+def int8_quantize_rows(x: np.ndarray):
+  """Symmetric int8 per row of a 2-D array: (codes as int8, float32 scales ``(rows,)``).
+
+  ``scale = float32(amax) / 127`` (1 for an all-zero row); ``round(x / scale)`` in
+  float32, ties to even (``np.round``), clipped to ``[-127, 127]``.
+  """
+  x = np.asarray(x, F32)
+  scale = np.max(np.abs(x), axis=1) / F32(127)
+  scale = np.where(scale > 0, scale, F32(1)).astype(F32)
+  codes = np.clip(np.round(x / scale[:, None]), -127, 127)
+  return codes.astype(np.int8), scale
+
+
+def int8_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """``a @ b.T`` of two 2-D arrays (rows along the contraction), each quantized per row.
+
+  The integer products are summed exactly (int64), the sum converted to float32 and
+  multiplied by ``scale_a[i] * scale_b[j]`` (float32).
+  """
+  qa, sa = int8_quantize_rows(a)
+  qb, sb = int8_quantize_rows(b)
+  acc = qa.astype(np.int64) @ qb.astype(np.int64).T
+  return acc.astype(F32) * (sa[:, None] * sb[None, :])

@@ -132,6 +132,18 @@ _TABLE_CHECK = textwrap.dedent("""\
         print(target, name, len(kinds), ",".join(sorted(set(kinds))), warned)
     """)
 
+def _deviceless(script: str) -> subprocess.CompletedProcess:
+  """``script`` run in a process that compiles deviceless (JAX_PLATFORMS=cpu), checked."""
+  # This pytest process may hold libtpu's single-process lock (it ran TPU audits).
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
+             ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+             PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+  out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                       text=True, timeout=1200)
+  assert out.returncode == 0, out.stderr[-4000:]
+  return out
+
+
 _EXPECTED_TABLE = {
     ("h100", "tensor"): "3 fp8 False", ("h100", "row"): "3 fp8 False",
     ("h100", "block"): "3 float32 True", ("h100", "block2"): "3 bfloat16 True",
@@ -149,15 +161,69 @@ _EXPECTED_TABLE = {
 def test_the_support_table_holds_in_deviceless_compiles():
   if not audit_targets.cuda_plugin_installed():
     pytest.skip("needs the jax[cuda12] plugin (make gpu-report builds .venv-cuda)")
-  # This pytest process may hold libtpu's single-process lock (it ran TPU audits).
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
-             ALLOW_MULTIPLE_LIBTPU_LOAD="1",
-             PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-  out = subprocess.run([sys.executable, "-c", _TABLE_CHECK], env=env, capture_output=True,
-                       text=True, timeout=1200)
-  assert out.returncode == 0, out.stderr[-4000:]
+  out = _deviceless(_TABLE_CHECK)
   rows = {tuple(line.split()[:2]): " ".join(line.split()[2:])
           for line in out.stdout.splitlines() if line.split()[:1] in (["h100"], ["b200"], ["v7"])}
   assert rows, out.stdout
   for key, found in rows.items():
     assert found == _EXPECTED_TABLE[key], (key, found)
+
+
+@pytest.mark.parametrize("target, warns", [
+    ("cpu", False), ("v5e", False), ("v5p", False), ("v6e", False), ("v7", True),
+    ("h100", False), ("b200", False), ("a100", False),
+])
+def test_int8_warns_where_it_runs_at_the_bfloat16_rate_naming_the_chip(target, warns):
+  messages = _fallback_warnings(fp8.Int8Scaling(), None if target == "cpu" else target)
+  if not warns:
+    assert messages == []
+    return
+  (message,) = messages
+  assert message.startswith("jaxmp fp8: GemmRecipes(forward=Int8Scaling(), input_grad=")
+  assert ("does not run in int8 on v7 (TPU v7: int8 at the bfloat16 rate): its forward, "
+          "input-gradient, weight-gradient GEMMs run as int8 GEMMs at the bfloat16 rate") in message
+  # Only the int8 GEMMs are named; an fp8 GEMM beside them runs in fp8 on v7.
+  (message,) = _fallback_warnings(fp8.GemmRecipes(fp8.Int8Scaling(), fp8.RowwiseScaling()), "v7")
+  assert "its forward GEMM run as int8 GEMMs" in message
+
+
+def test_int8_lowers_to_int8_gemms_where_jaxmp_claims_so():
+  int8 = fp8.Int8Scaling()
+  assert [support.lowering(int8, support.TARGETS[t]).kind
+          for t in ("v5e", "v5p", "v6e", "v7", "h100", "cpu")] == [
+              "int8", "int8", "int8", "fallback", "unknown", "emulated"]
+
+
+_TPU_INT8_CHECK = textwrap.dedent("""\
+    import jax, jax.numpy as jnp
+    from jaxmp import fp8
+    from jaxmp._src.tools import audit
+    dims = (((1,), (0,)), ((), ()))
+    operand = jax.ShapeDtypeStruct((2048, 2048), jnp.bfloat16)
+    int8 = lambda x, w: fp8.fp8_dot_general(x, w, dims, recipe=fp8.Int8Scaling())
+    bf16 = lambda x, w: jax.lax.dot_general(x, w, dims)
+    for target in ("v5e", "v5p", "v6e", "v7"):
+      kinds, warned = audit.compiled_gemms(fp8.Int8Scaling(), target)
+      (q,), (b,) = (audit.audit(f, operand, operand, target=target).gemms for f in (int8, bf16))
+      print(target, ",".join(sorted(set(kinds))), len(kinds), warned,
+            ",".join(q.compute_dtypes), round(q.cycles / b.cycles, 2))
+    """)
+
+
+@pytest.mark.slow
+def test_int8_gemms_are_int8_matrix_unit_gemms_on_tpus_by_the_cost_model():
+  if not audit_targets.installed("libtpu"):
+    pytest.skip("needs libtpu (jax[tpu]; make gpu-report builds .venv-cuda with it)")
+  out = _deviceless(_TPU_INT8_CHECK)
+  rows = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()
+          if line.split()[:1] in (["v5e"], ["v5p"], ["v6e"], ["v7"])}
+  assert set(rows) == {"v5e", "v5p", "v6e", "v7"}, out.stdout
+  for target, (kinds, count, warned, operands, ratio) in rows.items():
+    # Forward and both gradient GEMMs multiply int8 operands (the int32 product is
+    # rescaled inside the GEMM's fusion, which writes bfloat16).
+    assert (kinds, count, operands) == ("int8", "3", "int8,int8"), (target, rows)
+    assert warned == str(target == "v7"), (target, rows)
+    # The forward GEMM's cycles against bfloat16's (libtpu's cost model): about half on
+    # v5e and v5p, less on v6e, the same on v7 (hence the warning there).
+    bound = {"v5e": (0, 0.6), "v5p": (0, 0.6), "v6e": (0, 0.95), "v7": (0.9, 1.1)}[target]
+    assert bound[0] <= float(ratio) <= bound[1], (target, rows)

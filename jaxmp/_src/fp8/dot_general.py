@@ -89,6 +89,20 @@ def _canonical_dimension_numbers(dimension_numbers: Any) -> tuple:
         f"(lhs_batch, rhs_batch)), got {dimension_numbers!r}.") from e
 
 
+def _check_axes(dimension_numbers: tuple, lhs: jax.Array, rhs: jax.Array) -> None:
+  """Refuses an axis an operand does not have (scales are per row along the contracted axes)."""
+  (lc, rc), (lb, rb) = dimension_numbers
+  for name, role, x, axes in (("lhs", "the input", lhs, lc + lb),
+                              ("rhs", "the kernel", rhs, rc + rb)):
+    bad = [a for a in axes if not 0 <= a < x.ndim]
+    if bad:
+      raise ValueError(
+          f"fp8_dot_general: dimension_numbers {dimension_numbers!r} name axis {bad[0]} of "
+          f"{name} ({role}), which has shape {tuple(x.shape)}: accepted axes are 0 to "
+          f"{x.ndim - 1} (the scales are taken per row along the contracted axes, so each "
+          "must be an axis of its operand).")
+
+
 def _output_dtype(lhs, rhs, preferred_element_type) -> np.dtype:
   if preferred_element_type is None:
     return np.dtype(jnp.result_type(lhs.dtype, rhs.dtype))
@@ -345,7 +359,8 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array,
     TypeError: for integer or complex operands, a non-float
       ``preferred_element_type``, a recipe that is not a jaxmp recipe, or state of
       the wrong type.
-    ValueError: for missing state under delayed scaling, state given with a recipe
+    ValueError: for dimension numbers naming an axis an operand does not have, missing
+      state under delayed scaling, state given with a recipe
       that keeps none, state whose history length does not match the recipe, or an
       ``out_sharding`` with a recipe other than per tensor.
 
@@ -364,6 +379,7 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array,
   _check_operand("lhs", lhs)
   _check_operand("rhs", rhs)
   dimension_numbers = _canonical_dimension_numbers(dimension_numbers)
+  _check_axes(dimension_numbers, lhs, rhs)
   out_dtype = _output_dtype(lhs, rhs, preferred_element_type)
   recipe = recipes_lib.per_gemm(recipe)
   target = support.current_target()

@@ -41,6 +41,7 @@ import numpy as np
 
 from jaxmp._src import sharding
 from jaxmp._src.fp8 import grouped
+from jaxmp._src.fp8 import int8
 from jaxmp._src.fp8 import layout as layout_lib
 from jaxmp._src.fp8 import mx
 from jaxmp._src.fp8 import quantize as q
@@ -71,7 +72,7 @@ def grouping(recipe: Any, role: str) -> grouped.Grouping:
   """Which elements of an operand in ``role`` share a scale under ``recipe``."""
   if isinstance(recipe, recipes_lib.CurrentScaling):
     return grouped.TENSOR
-  if isinstance(recipe, recipes_lib.RowwiseScaling):
+  if isinstance(recipe, (recipes_lib.RowwiseScaling, recipes_lib.Int8Scaling)):
     return grouped.ROW
   if isinstance(recipe, recipes_lib.MXScaling):
     return mx.GROUPING
@@ -92,6 +93,8 @@ def quantize(x: jax.Array, recipe: Any, role: str) -> Operand:
   """A canonical operand prepared for a GEMM under ``recipe`` (itself for ``None``)."""
   if recipe is None:
     return x
+  if isinstance(recipe, recipes_lib.Int8Scaling):
+    return int8.quantize(x)
   fmt = fp8_format(recipe, role)
   if isinstance(recipe, recipes_lib.MXScaling):
     return mx.quantize(x, fmt)

@@ -12,7 +12,9 @@ back. A recipe says where the scales come from and which elements share one:
 - :class:`BlockScaling` (DeepSeek-V3): 1x128 tiles of activations and gradients,
   128x128 blocks of weights;
 - :class:`MXScaling` (OCP Microscaling MXFP8): 32-element blocks along the contracted
-  dimension sharing a power-of-two E8M0 scale.
+  dimension sharing a power-of-two E8M0 scale;
+- :class:`Int8Scaling` (AQT's int8): symmetric int8 with one scale per row along the
+  contracted dimension, int32 accumulation (the fast narrow type on TPU v5e, v5p, v6e).
 
 The per-tensor recipes quantize the input and kernel to E4M3 (``float8_e4m3fn``, max
 448) and the output gradient to E5M2 (``float8_e5m2``, max 57344); the finer recipes
@@ -324,7 +326,40 @@ class MXScaling:
     _check_format(self)
 
 
-GEMM_RECIPE_TYPES = (CurrentScaling, RowwiseScaling, BlockScaling, MXScaling)
+@dataclasses.dataclass(frozen=True)
+class Int8Scaling:
+  """Symmetric int8 with per-row current scaling (AQT's int8 training, as in MaxText).
+
+  Every GEMM operand gets one scale per row along the dimension the GEMM contracts,
+  as :class:`RowwiseScaling` (per token of the input and per output channel of the
+  kernel in the forward GEMM; per token / per input channel in the input-gradient GEMM,
+  per channel along the tokens in the weight-gradient GEMM). For a row ``x``:
+
+  1. ``scale = max|x| / 127`` in float32 (1 for an all-zero row; a row holding inf or
+     NaN gets a non-finite scale, so that its products are not finite and an overflow
+     stays visible to loss scaling);
+  2. ``q = clip(round(x / scale), -127, 127)`` as int8, rounding to nearest, ties to
+     even (-128 is never used: the range is symmetric);
+  3. the GEMM is ``lax.dot_general(q_a, q_b, preferred_element_type=int32)``, exact,
+     and its product is multiplied in float32 by the outer product of the two
+     operands' row scales, then cast to the output dtype.
+
+  The gradient is straight-through: each backward GEMM multiplies the output gradient
+  by the other operand as it is (or as that GEMM's own recipe quantizes it), as if the
+  forward quantization were the identity. Used as a layer's whole recipe, all three
+  GEMMs run in int8; :class:`GemmRecipes` chooses per GEMM (e.g.
+  ``GemmRecipes(Int8Scaling(), None, None)``: int8 forward, compute-dtype backward).
+
+  Example:
+    >>> from jaxmp import fp8
+    >>> x, w = jnp.array([[1.0, -2.0]]), jnp.array([[3.0], [0.5]])
+    >>> # x -> [64, -127] * 2/127, w -> [127, 21] * 3/127: 5461 * 6/127**2 (exactly 2)
+    >>> fp8.fp8_dot_general(x, w, (((1,), (0,)), ((), ())), recipe=fp8.Int8Scaling())
+    Array([[2.031496]], dtype=float32)
+  """
+
+
+GEMM_RECIPE_TYPES = (CurrentScaling, RowwiseScaling, BlockScaling, MXScaling, Int8Scaling)
 """The recipes one GEMM of :class:`GemmRecipes` may use (current scaling: no state)."""
 
 
@@ -335,7 +370,8 @@ class GemmRecipes:
   A matmul layer ``y = x @ w`` runs three GEMMs in training: the forward GEMM, the
   input-gradient GEMM ``dx = g @ w.T`` and the weight-gradient GEMM ``dw = x.T @ g``.
   Each field gives one of them a current-scaling recipe (:class:`CurrentScaling`,
-  :class:`RowwiseScaling`, :class:`BlockScaling`, :class:`MXScaling`) or ``None``,
+  :class:`RowwiseScaling`, :class:`BlockScaling`, :class:`MXScaling`,
+  :class:`Int8Scaling`) or ``None``,
   which computes that GEMM in the operands' own dtype (the compute dtype) as a plain
   ``dot_general`` would. A GEMM's recipe scales both of its operands.
   ``GemmRecipes(RowwiseScaling(), RowwiseScaling(), None)`` keeps the weight gradient
@@ -380,10 +416,10 @@ class GemmRecipes:
 
 
 Recipe = (DelayedScaling | CurrentScaling | RowwiseScaling | BlockScaling | MXScaling
-          | GemmRecipes)
+          | Int8Scaling | GemmRecipes)
 
 RECIPE_TYPES = (DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MXScaling,
-                GemmRecipes)
+                Int8Scaling, GemmRecipes)
 
 
 def check_recipe(recipe: Any, where: str = "fp8", *, gemm: bool = False) -> Any:
@@ -426,10 +462,28 @@ def check_recipe(recipe: Any, where: str = "fp8", *, gemm: bool = False) -> Any:
                 f"{', '.join(t.__name__ for t in GEMM_RECIPE_TYPES)}")
   else:
     accepted = ("a jaxmp.fp8.DelayedScaling or another jaxmp.fp8 recipe instance "
-                "(CurrentScaling, RowwiseScaling, BlockScaling, MXScaling, GemmRecipes)")
+                "(CurrentScaling, RowwiseScaling, BlockScaling, MXScaling, Int8Scaling, "
+                "GemmRecipes)")
   subject = where if gemm else f"{where}: recipe"
   raise TypeError(f"{subject} must be {accepted}, got {recipe!r} of type "
                   f"{type(recipe).__name__}.{hint}")
+
+
+def narrow_type(recipe: Any) -> str:
+  """What a layer's or one GEMM's recipe quantizes to: ``"int8"``, ``"fp8"`` or both.
+
+  For messages (a rule's recipe, a fallback warning).
+
+  Example:
+    >>> from jaxmp import fp8
+    >>> narrow_type = jaxmp._src.fp8.recipes.narrow_type
+    >>> narrow_type(fp8.Int8Scaling()), narrow_type(fp8.GemmRecipes(fp8.Int8Scaling(),
+    ...                                                             fp8.RowwiseScaling()))
+    ('int8', 'fp8 and int8')
+  """
+  gemms = recipe.gemms if isinstance(recipe, GemmRecipes) else (recipe,)
+  found = {"int8" if isinstance(r, Int8Scaling) else "fp8" for r in gemms if r is not None}
+  return " and ".join(sorted(found))
 
 
 def per_gemm(recipe: Recipe) -> DelayedScaling | CurrentScaling | GemmRecipes:
@@ -465,9 +519,11 @@ __all__ = (
     "CurrentScaling",
     "DelayedScaling",
     "GemmRecipes",
+    "Int8Scaling",
     "MXScaling",
     "Recipe",
     "RowwiseScaling",
     "check_recipe",
+    "narrow_type",
     "per_gemm",
 )

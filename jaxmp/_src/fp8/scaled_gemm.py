@@ -18,6 +18,9 @@ Per recipe (operands canonical, ``(B, P, C) x (B, Q, C) -> (B, P, Q)``, see
   to fp8 GEMMs but writes ``K / 128`` times the output to memory: about 6x slower
   than the dequantized GEMM at 4096^3 by the audit's estimate.
 - **MX** (``MXScaling``): :func:`jaxmp._src.fp8.mx.gemm`.
+- **int8** (``Int8Scaling``): the int8 operands multiply with an int32 accumulator
+  (exact), and the product, converted to float32, is multiplied by the outer product
+  of the row scales, then cast: :func:`int8_dot`.
 
 Example:
   >>> from jaxmp._src.fp8 import scaled_gemm, quantize as q
@@ -39,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src.fp8 import grouped
+from jaxmp._src.fp8 import int8
 from jaxmp._src.fp8 import mx
 from jaxmp._src.fp8 import recipes as recipes_lib
 
@@ -179,6 +183,24 @@ def _outer(scale_a: jax.Array, scale_b: jax.Array) -> jax.Array:
   return scale_a * jnp.swapaxes(scale_b, 1, 2)
 
 
+def int8_dot(a: grouped.Quantized, b: grouped.Quantized, out_dtype: Any) -> jax.Array:
+  """``(B, P, C) x (B, Q, C) -> (B, P, Q)`` for int8 operands with row scales.
+
+  ``float32(dot_general(a, b, preferred_element_type=int32)) * (scale_a * scale_b.T)``
+  cast to ``out_dtype``: the accumulation is exact, then one float32 rounding (of the
+  int32 sum, above ``2**24``), one of the scale product and one of the rescale.
+
+  Example:
+    >>> from jaxmp._src.fp8 import int8, scaled_gemm
+    >>> a = int8.quantize(jnp.array([[[1.0, 127.0]]]))  # scale 1: exact
+    >>> b = int8.quantize(jnp.array([[[2.0, 254.0], [0.0, 0.0]]]))  # scales 2, 1
+    >>> scaled_gemm.int8_dot(a, b, jnp.float32)
+    Array([[[32260.,     0.]]], dtype=float32)
+  """
+  acc = jax.lax.dot_general(a.data, b.data, CANONICAL, preferred_element_type=int8.INT32)
+  return (acc.astype(F32) * _outer(a.scale, b.scale)).astype(out_dtype)
+
+
 def _dequantized_dot(a: grouped.Quantized, b: grouped.Quantized, grouping_a: grouped.Grouping,
                      grouping_b: grouped.Grouping, out_dtype: Any, exact: bool) -> jax.Array:
   a, b = grouped.held(a, b)  # so that XLA does not skip the quantization on GPUs
@@ -213,6 +235,8 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, groupings: tup
   p, q_ = shape
   if isinstance(recipe, recipes_lib.MXScaling):
     out = mx.gemm(a, b, out_dtype, block_scaled_gemm)
+  elif isinstance(recipe, recipes_lib.Int8Scaling):
+    out = int8_dot(a, b, out_dtype)
   elif isinstance(recipe, recipes_lib.BlockScaling):
     grouping_a, grouping_b = groupings
     out = _dequantized_dot(a, b, grouping_a, grouping_b, out_dtype, recipe.power_of_two)
@@ -224,4 +248,4 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, groupings: tup
 
 
 __all__ = ("CANONICAL", "GPU_FP8_CONTRACTION_MULTIPLE", "fuses_output", "fuses_output_on_gpus",
-           "gemm", "rescaled_dot")
+           "gemm", "int8_dot", "rescaled_dot")

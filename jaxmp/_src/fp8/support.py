@@ -18,6 +18,11 @@ A100 (sm_80) has no fp8 tensor cores (XLA widens every fp8 GEMM) and TPU v5e, v5
 v6e run fp8 operands at the bfloat16 rate: every recipe falls back there. On a CPU
 every recipe is emulated (documented, not warned about).
 
+:class:`~jaxmp.fp8.Int8Scaling`'s GEMMs compile to int8 GEMMs on every TPU (and to
+cuBLASLt int8 GEMMs on an H100); by libtpu's cost model a 2048^3 int8 GEMM costs about
+0.5x bfloat16's cycles on v5e and v5p, 0.7-0.95x on v6e and 1x on v7, so int8 warns on
+v7 (:attr:`Target.int8`). jaxmp makes no claim about int8 speed on GPUs (no warning).
+
 **How a recipe learns the target.** While ``fp8_dot_general`` traces, it asks
 :func:`current_target`: the innermost :func:`compile_target` override if there is one
 (``jaxmp.tools.audit(..., target=...)`` sets it for its compile), else the first device
@@ -54,7 +59,8 @@ from jaxmp._src.fp8 import recipes as recipes_lib
 
 
 class Fp8FallbackWarning(UserWarning):
-  """An fp8 recipe's GEMMs do not run as fp8 (or MX) GEMMs on the target."""
+  """A recipe's GEMMs do not run as fp8 (or MX) GEMMs on the target, or, for
+  :class:`~jaxmp.fp8.Int8Scaling`, int8 GEMMs run no faster than bfloat16 there."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +73,8 @@ class Target:
     fp8: fp8 operands run on fp8 matrix units (Hopper and later, TPU v7).
     mx: MXFP8 block-scaled GEMMs run natively (Blackwell through cuDNN >= 9.10).
     description: what the chip is, for messages.
+    int8: int8 GEMMs run faster than bfloat16 ones (TPU v5e, v5p, v6e by libtpu's cost
+      model); ``None`` where jaxmp makes no claim.
   """
 
   name: str
@@ -74,6 +82,7 @@ class Target:
   fp8: bool | None
   mx: bool
   description: str
+  int8: bool | None = None
 
 
 TARGETS = {
@@ -81,10 +90,10 @@ TARGETS = {
     "h200": Target("h200", "gpu", True, False, "NVIDIA H200, sm_90"),
     "b200": Target("b200", "gpu", True, True, "NVIDIA B200, sm_100, cuDNN >= 9.10"),
     "a100": Target("a100", "gpu", False, False, "NVIDIA A100, sm_80: no fp8 tensor cores"),
-    "v5e": Target("v5e", "tpu", False, False, "TPU v5e: fp8 at the bfloat16 rate"),
-    "v5p": Target("v5p", "tpu", False, False, "TPU v5p: fp8 at the bfloat16 rate"),
-    "v6e": Target("v6e", "tpu", False, False, "TPU v6e: fp8 at the bfloat16 rate"),
-    "v7": Target("v7", "tpu", True, False, "TPU v7"),
+    "v5e": Target("v5e", "tpu", False, False, "TPU v5e: fp8 at the bfloat16 rate", True),
+    "v5p": Target("v5p", "tpu", False, False, "TPU v5p: fp8 at the bfloat16 rate", True),
+    "v6e": Target("v6e", "tpu", False, False, "TPU v6e: fp8 at the bfloat16 rate", True),
+    "v7": Target("v7", "tpu", True, False, "TPU v7: int8 at the bfloat16 rate", False),
     "cpu": Target("cpu", "cpu", False, False, "CPU: fp8 emulated"),
 }
 """The targets :func:`compile_target` accepts (``jaxmp.tools.audit``'s names)."""
@@ -180,6 +189,8 @@ def lowering(recipe: Any, target: Target) -> Lowering:
     return Lowering("compute dtype", "a GEMM in the operands' dtype, as asked")
   if target.platform == "cpu":
     return Lowering("emulated", "fp8 values widened to float32 by XLA:CPU")
+  if isinstance(recipe, recipes_lib.Int8Scaling):
+    return _int8_lowering(target)
   if target.fp8 is None:
     return Lowering("unknown", f"fp8 support of {target.description} is not described")
   if isinstance(recipe, recipes_lib.BlockScaling):
@@ -196,6 +207,15 @@ def lowering(recipe: Any, target: Target) -> Lowering:
   if target.platform == "tpu":
     return Lowering("fallback", "fp8 GEMMs at the bfloat16 rate (no fp8 matrix units)")
   return Lowering("fallback", "16-bit GEMMs (XLA widens the fp8 operands: no fp8 tensor cores)")
+
+
+def _int8_lowering(target: Target) -> Lowering:
+  if target.int8 is None:
+    return Lowering("unknown", f"int8 GEMM speed on {target.description} is not described")
+  if target.int8:
+    return Lowering("int8", "an int8 GEMM with int32 accumulation")
+  return Lowering("fallback", "int8 GEMMs at the bfloat16 rate (libtpu's cost model): only "
+                  "the quantization's cost is added")
 
 
 def gemm_recipes(recipe: Any) -> tuple:
@@ -220,10 +240,12 @@ def warn_on_fallback(recipe: Any, target: Target | None = None) -> None:
   for name, gemm_recipe in zip(_GEMM_NAMES, gemm_recipes(recipe)):
     found = lowering(gemm_recipe, target)
     if found.kind == "fallback":
-      fallbacks.setdefault(found.detail, []).append(name)
-  for detail, names in fallbacks.items():
+      fallbacks.setdefault((recipes_lib.narrow_type(gemm_recipe), found.detail),
+                           []).append(name)
+  for (narrow, detail), names in fallbacks.items():
     warnings.warn(
-        f"jaxmp fp8: {recipe!r} does not run in fp8 on {target.name} ({target.description}): "
+        f"jaxmp fp8: {recipe!r} does not run in {narrow} on {target.name} "
+        f"({target.description}): "
         f"its {', '.join(names)} GEMM{'s' if len(names) > 1 else ''} run as {detail}. "
         "Name another target with jaxmp.fp8.compile_target if this is not the chip.",
         Fp8FallbackWarning, stacklevel=4)

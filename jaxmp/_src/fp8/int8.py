@@ -1,0 +1,70 @@
+"""Symmetric int8 with per-row scales: the arithmetic behind :class:`~jaxmp.fp8.Int8Scaling`.
+
+AQT's int8 training (MaxText's ``int8`` quantization): a canonical operand ``(B, R, C)``
+(:mod:`~jaxmp._src.fp8.layout`: batch, rows, contracted) gets one float32 scale per
+row, ``max|row| / 127``; its elements become ``clip(round(x / scale), -127, 127)`` as
+int8 (ties to even); two such operands multiply with ``preferred_element_type=int32``,
+which is exact (every partial sum is an integer below ``C * 127**2``), and the int32
+product, converted to float32, is multiplied by the outer product of the row scales
+(:func:`jaxmp._src.fp8.scaled_gemm.gemm`).
+On TPU v5e, v5p and v6e this is an int8 matrix-unit GEMM at about half bfloat16's
+cycles (:mod:`~jaxmp._src.fp8.support`).
+
+**Non-finite rows.** int8 has no inf or NaN, so the overflow has to travel in the
+scale: a row holding inf or NaN has amax inf (:func:`~.grouped.amax`), hence scale inf,
+and its elements quantize to 0 (finite ones: ``x / inf``; inf and NaN: set to 0); the
+product's row is then ``0 * inf`` = NaN, and loss scaling sees the overflow. An
+all-zero row has scale 1 (its elements are 0 either way), and so does a row whose
+``amax / 127`` underflows float32 to 0.
+
+Example:
+  >>> from jaxmp._src.fp8 import int8
+  >>> x = int8.quantize(jnp.array([[[1.0, -0.5, 0.25]]]))
+  >>> x.data, x.scale * 127
+  (Array([[[127, -64,  32]]], dtype=int8), Array([[[1.]]], dtype=float32))
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp._src.fp8 import grouped
+
+INT8 = np.dtype(np.int8)
+INT32 = np.dtype(np.int32)
+"""The accumulator of an int8 GEMM (:func:`jaxmp._src.fp8.scaled_gemm.gemm`)."""
+F32 = np.dtype(np.float32)
+INT8_MAX = 127
+"""The symmetric int8 range is ``[-127, 127]`` (AQT's; -128 is never produced)."""
+
+def scales(x: jax.Array) -> jax.Array:
+  """``max|row| / 127`` of every row of ``x`` (``(B, R, C)``), float32, ``(B, R, 1)``.
+
+  1 where that is zero (an all-zero row, or an amax that small); inf for a row holding
+  inf or NaN.
+  """
+  amax = grouped.amax(x, grouped.ROW)
+  # Divide by a select, not by a broadcast constant: XLA rewrites ``a / broadcast(127)``
+  # into ``a * broadcast(1 / 127)``, which differs from ``a / 127`` in the last bit.
+  scale = amax / jnp.where(amax > 0, np.float32(INT8_MAX), np.float32(1))
+  return jnp.where(scale > 0, scale, np.float32(1))
+
+
+def quantize(x: jax.Array) -> grouped.Quantized:
+  """``x`` (``(B, R, C)``, any float dtype) as int8 data and row scales.
+
+  ``clip(round(float32(x) / scale), -127, 127)``, ties to even; inf and NaN become 0
+  (their row's scale is inf).
+  """
+  scale = scales(x)
+  # A NaN quotient (inf or NaN in x, whose row's scale is inf) converts to 0: XLA's
+  # float-to-int conversion saturates and maps NaN to 0. Selecting 0 explicitly would
+  # do the same, but on TPU v5e it made XLA lay the int8 operand out so that the GEMM
+  # ran at the bfloat16 rate (libtpu's cost model).
+  data = jnp.clip(jnp.round(x.astype(F32) / scale), -INT8_MAX, INT8_MAX).astype(INT8)
+  return grouped.Quantized(data, scale)
+
+
+__all__ = ("INT8", "INT8_MAX", "INT32", "quantize", "scales")
