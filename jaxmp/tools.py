@@ -18,6 +18,8 @@
 * :func:`nonfinite_report`: that module and direction, and the per-module amax table,
   from the trace of a model wrapped with ``PolicyRules(trace_nonfinite=True)``.
 * :func:`device_capabilities` / :func:`recommended_policy`: what a device computes fast.
+* :func:`recommend_precision`: which candidate rules (bf16, fp8, int8...) the compiler
+  estimates fastest for the user's own step on a chip, never one slower than the baseline.
 * :func:`memory_report`: bytes per parameter of params, master weights, gradients and
   optimizer state, and the compiled step's memory analysis.
 * :func:`float_format` / :func:`parse_dtype`: dtype names and the numbers of a format.
@@ -52,6 +54,9 @@ from jaxmp._src.tools.nonfinite import ModuleAmax
 from jaxmp._src.tools.nonfinite import NonfiniteReport
 from jaxmp._src.tools.nonfinite import Origin
 from jaxmp._src.tools.nonfinite import nonfinite_report
+from jaxmp._src.tools.recommend import CandidateEstimate
+from jaxmp._src.tools.recommend import PrecisionRecommendation
+from jaxmp._src.tools.recommend import recommend_precision
 from jaxmp._src.tools.sensitivity import SensitivityReport
 from jaxmp._src.tools.sensitivity import deviation
 from jaxmp._src.tools.sensitivity import relative_error
@@ -66,6 +71,7 @@ from jaxmp._src.tools.underflow import underflow_stats
 __all__ = (
     "Anomaly",
     "AuditReport",
+    "CandidateEstimate",
     "CompiledMemory",
     "DeviceCapabilities",
     "DivergenceError",
@@ -78,6 +84,7 @@ __all__ = (
     "Origin",
     "PrecisionChange",
     "PrecisionController",
+    "PrecisionRecommendation",
     "PrecisionSummary",
     "RecommendedPolicy",
     "SensitivityReport",
@@ -91,6 +98,7 @@ __all__ = (
     "nonfinite_report",
     "parse_dtype",
     "propose_change",
+    "recommend_precision",
     "recommended_policy",
     "relative_error",
     "sensitivity",

@@ -46,6 +46,13 @@ def _linen_fp8_grad_of_params_alone():
       variables["params"])
 
 
+_REC = {"bf16": jaxmp.PolicyRules("params=float32,compute=bfloat16,output=float32")}
+
+
+def _rec_build(rules):
+  return (lambda x: x @ x), (X @ W,)
+
+
 class _ScanWithoutFp8State(nn.Module):
   """A delayed-scaling layer in an nn.scan that passes on only the params."""
 
@@ -267,6 +274,29 @@ CASES = [
      ValueError, "-1.0"),
     ("summary without rules", lambda: jaxmp.tools.summary(nn.Dense(2), None, jnp.ones((1, 2))),
      ValueError, "Dense"),
+    ("recommend_precision unknown target",
+     lambda: jaxmp.tools.recommend_precision(_rec_build, _REC, target="tpu9"), ValueError,
+     "'tpu9'"),
+    ("recommend_precision baseline not a candidate",
+     lambda: jaxmp.tools.recommend_precision(_rec_build, _REC, target="v5e", baseline="fp32"),
+     ValueError, "'fp32' is not among the candidates; accepted: 'bf16'"),
+    ("recommend_precision no candidates",
+     lambda: jaxmp.tools.recommend_precision(_rec_build, {}, target="v5e"), ValueError,
+     "got {}"),
+    ("recommend_precision candidate a policy string",
+     lambda: jaxmp.tools.recommend_precision(_rec_build, {"bf16": "compute=bf16"}, target="v5e"),
+     TypeError, "'bf16' is 'compute=bf16' of type str"),
+    ("recommend_precision build not callable",
+     lambda: jaxmp.tools.recommend_precision(None, _REC, target="v5e"), TypeError, "got None"),
+    ("recommend_precision build returns the step alone",
+     lambda: jaxmp.tools.recommend_precision(lambda rules: jnp.sum, _REC, target=None),
+     TypeError, "for candidate 'bf16' it returned <"),
+    ("recommend_precision per_launch negative",
+     lambda: jaxmp.tools.recommend_precision(_rec_build, _REC, target=None, per_launch=-2e-6),
+     ValueError, "-2e-06"),
+    ("recommend_precision on a CPU",
+     lambda: jaxmp.tools.recommend_precision(_rec_build, _REC, target=None), ValueError,
+     "candidate 'bf16' for 'cpu' (cpu) gives no time estimate"),
     # fp8.
     ("DelayedScaling history 0", lambda: fp8.DelayedScaling(amax_history_length=0), ValueError,
      "got 0"),

@@ -224,14 +224,10 @@ class AuditReport:
       TypeError: if ``per_launch`` is not a real number.
       ValueError: if it is negative or not finite.
     """
-    if isinstance(per_launch, bool) or not isinstance(per_launch, (int, float, np.floating)):
-      raise TypeError(f"per_launch must be a number of seconds (e.g. 2e-6), got "
-                      f"{per_launch!r} of type {type(per_launch).__name__}.")
-    if not (math.isfinite(per_launch) and per_launch >= 0):
-      raise ValueError(f"per_launch must be finite and 0 or more seconds, got {per_launch!r}.")
+    per_launch = check_per_launch(per_launch)
     if self.estimated_seconds is None:
       return None
-    return self.estimated_seconds + self.launches * float(per_launch)
+    return self.estimated_seconds + self.launches * per_launch
 
   def __str__(self) -> str:
     header = (f"audit: {self.target} ({self.device_kind})"
@@ -270,6 +266,16 @@ def _total(values) -> float | None:
   if any(v is None for v in values):
     return None
   return float(sum(values))
+
+
+def check_per_launch(per_launch: Any) -> float:
+  """``per_launch`` (seconds per kernel launch) as a float, or a TypeError/ValueError."""
+  if isinstance(per_launch, bool) or not isinstance(per_launch, (int, float, np.floating)):
+    raise TypeError(f"per_launch must be a number of seconds (e.g. 2e-6), got "
+                    f"{per_launch!r} of type {type(per_launch).__name__}.")
+  if not (math.isfinite(per_launch) and per_launch >= 0):
+    raise ValueError(f"per_launch must be finite and 0 or more seconds, got {per_launch!r}.")
+  return float(per_launch)
 
 
 def _fmt_time(seconds: float | None, cycles: int | None) -> str:
@@ -672,4 +678,5 @@ def compiled_gemms(recipe: Any, target: str, size: int = 512) -> tuple[tuple[str
   return kinds, any(issubclass(w.category, fp8_support.Fp8FallbackWarning) for w in caught)
 
 
-__all__ = ("AuditReport", "Gemm", "Kernel", "analyze", "audit", "compiled_gemms")
+__all__ = ("AuditReport", "Gemm", "Kernel", "analyze", "audit", "check_per_launch",
+           "compiled_gemms")

@@ -1,0 +1,289 @@
+"""``recommend_precision``: the candidate policy the compiler estimates fastest for a step.
+
+:func:`jaxmp.tools.recommended_policy` is a static table per chip: it suggests fp8 on
+TPU v7 and Hopper whatever the model. A narrow type makes the GEMMs cheaper but adds
+scaling passes (amax reductions, quantizations) around them, and whether the sum is
+faster depends on the step: by libtpu's cost model, int8 makes a Llama-shaped layer's
+GEMMs cheaper but its whole train step slower on every TPU (``benchmarks/RESULTS.md``).
+:func:`recommend_precision` asks the compiler about the user's own step instead:
+
+1. For each candidate (a name and its :class:`~jaxmp.PolicyRules`), ``build(rules)``
+   returns ``(step_fn, args)``, and :func:`~jaxmp.tools.audit` compiles
+   ``step_fn(*args)`` deviceless for ``target`` (or on the local backend).
+2. Each compile's estimate is read by :func:`step_estimates`: on a TPU the cost
+   model's (``AuditReport.estimated_seconds``, which libtpu leaves unset for most
+   whole train steps; then the sum of every kernel's cost-model ``estimated_cycles``
+   for every candidate, as ``benchmarks/gpu_report.py`` sums them); on a GPU the
+   roofline estimate plus a stated overhead per kernel launch
+   (:meth:`~jaxmp.tools.AuditReport.estimated_seconds_with_launches`).
+3. :func:`choose` picks the candidate with the smallest estimate, but only if it is
+   smaller than the baseline's; otherwise (ties included) the baseline.
+
+These are estimates from the compiler's output and its cost model, never
+measurements: they rank candidates, they do not time them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
+
+from jaxmp._src import rules as rules_lib
+from jaxmp._src.tools import audit as audit_lib
+from jaxmp._src.tools import table as table_lib
+from jaxmp._src.tools import targets as targets_lib
+
+_WHERE = "recommend_precision"
+
+
+@dataclasses.dataclass(frozen=True)
+class CandidateEstimate:
+  """One candidate's compiled step, by the compiler's estimate.
+
+  Attributes:
+    name: the candidate's name.
+    rules: its rules.
+    estimate: the step's estimate, in :attr:`PrecisionRecommendation.unit`.
+    speedup: the baseline's estimate over this one (above 1: estimated faster).
+    launches: the step's kernels per call.
+  """
+
+  name: str
+  rules: rules_lib.PolicyRules
+  estimate: float
+  speedup: float
+  launches: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionRecommendation:
+  """What :func:`recommend_precision` found; ``print`` it for the table.
+
+  Attributes:
+    target: the chip compiled for (``"v5e"``, ``"h100"``...; the local platform for
+      ``target=None``).
+    unit: ``"seconds"`` or ``"cycles"`` (the TPU cost model's), for every estimate.
+    source: how the estimates were made, e.g. ``"roofline + 2 us per kernel launch"``.
+    candidates: every candidate's estimate, in the order given.
+    baseline: the baseline's name.
+    chosen: the chosen candidate's name: the fastest by estimate if it is faster than
+      the baseline, else the baseline.
+    rules: the chosen candidate's rules.
+  """
+
+  target: str
+  unit: str
+  source: str
+  candidates: tuple[CandidateEstimate, ...]
+  baseline: str
+  chosen: str
+  rules: rules_lib.PolicyRules
+
+  def __str__(self) -> str:
+    def value(c: CandidateEstimate) -> str:
+      if self.unit == "cycles":
+        return f"{c.estimate:,.0f}"
+      return f"{c.estimate * 1e6:.4g} us" if c.estimate < 1e-3 else f"{c.estimate * 1e3:.4g} ms"
+    rows = [(c.name + (" (baseline)" if c.name == self.baseline else ""), value(c),
+             f"{c.speedup:.2f}x", str(c.launches), "<- chosen" if c.name == self.chosen else "")
+            for c in self.candidates]
+    header = ("candidate", "estimate" if self.unit == "seconds" else "cycles",
+              "vs baseline", "kernels", "")
+    return (f"recommend_precision: {self.target}, {self.source}\n"
+            + table_lib.text_table(header, rows, (False, True, True, True, False))
+            + f"\nchosen: {self.chosen} (compiler/cost-model estimates, not measurements)")
+
+
+def _report_cycles(report: audit_lib.AuditReport) -> int | None:
+  """Every kernel's cost-model cycles per call (none: 0), or None where no kernel has any."""
+  items = [*report.gemms, *report.kernels]
+  if all(x.cycles is None for x in items):
+    return None
+  return sum((x.cycles or 0) * x.count for x in items)
+
+
+def step_estimates(reports: Mapping[str, audit_lib.AuditReport],
+                   per_launch: float = 2e-6) -> tuple[dict[str, float], str, str]:
+  """Each compiled step's estimate, in one unit for all of them.
+
+  GPU reports (those with a roofline ``spec``): ``estimated_seconds_with_launches(
+  per_launch)``. TPU reports: ``estimated_seconds`` (the cost model's) where every
+  report has it, else the sum of every kernel's ``cycles`` for each.
+
+  Args:
+    reports: :func:`~jaxmp.tools.audit` reports by candidate name, one target.
+    per_launch: seconds added per kernel launch on a GPU; 0 or more.
+
+  Returns:
+    ``(estimates, unit, source)``: the estimate by name, ``"seconds"`` or ``"cycles"``,
+    and a description of how they were made.
+
+  Raises:
+    ValueError: if a report has no estimate (a CPU compile, or a TPU compile without
+      cost-model cycles); the message names the candidate and the target.
+  """
+  per_launch = audit_lib.check_per_launch(per_launch)
+  if all(r.spec is not None for r in reports.values()):
+    seconds = {n: r.estimated_seconds_with_launches(per_launch) for n, r in reports.items()}
+    source = f"GPU roofline estimate + {per_launch * 1e6:g} us per kernel launch"
+    return _known(seconds, reports), "seconds", source
+  if all(targets_lib.is_tpu(r.target) or r.device_kind.startswith("TPU")
+         for r in reports.values()):
+    if all(r.estimated_seconds is not None for r in reports.values()):
+      seconds = {n: r.estimated_seconds for n, r in reports.items()}
+      return _known(seconds, reports), "seconds", "TPU cost model (optimal_seconds)"
+    cycles = {n: _report_cycles(r) for n, r in reports.items()}
+    return _known(cycles, reports), "cycles", "TPU cost model (sum of kernels' estimated_cycles)"
+  return _known(dict.fromkeys(reports), reports), "seconds", ""
+
+
+def _known(estimates: Mapping[str, float | int | None],
+           reports: Mapping[str, audit_lib.AuditReport]) -> dict[str, float]:
+  for name, value in estimates.items():
+    if value is None:
+      report = reports[name]
+      raise ValueError(
+          f"{_WHERE}: the compile of candidate {name!r} for {report.target!r} "
+          f"({report.device_kind}) gives no time estimate; estimates come from a GPU "
+          f"target's roofline or a TPU target's cost model, e.g. target='h100' or "
+          f"target='v5e' ({', '.join(repr(t) for t in targets_lib.TARGETS)}), not from a "
+          "CPU compile.")
+  return {n: float(v) for n, v in estimates.items() if v is not None}
+
+
+def choose(estimates: Mapping[str, float], baseline: str) -> str:
+  """The name with the smallest estimate if it is below the baseline's, else ``baseline``.
+
+  Ties keep the baseline (and, among the others, the first in order): a candidate
+  is chosen over the baseline only if it is estimated strictly faster.
+
+  Args:
+    estimates: the estimate of each candidate (any one unit; smaller is faster).
+    baseline: a key of ``estimates``.
+
+  Returns:
+    The chosen name.
+
+  Example:
+    >>> from jaxmp._src.tools import recommend
+    >>> recommend.choose({"bf16": 10.0, "fp8": 12.0, "int8": 9.0}, "bf16")
+    'int8'
+    >>> recommend.choose({"bf16": 10.0, "fp8": 12.0, "int8": 10.0}, "bf16")
+    'bf16'
+  """
+  best = min(estimates, key=lambda n: (estimates[n], n != baseline))
+  return best if estimates[best] < estimates[baseline] else baseline
+
+
+def _check_build_output(out: Any, name: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+  if not (isinstance(out, tuple) and len(out) == 2 and callable(out[0])
+          and isinstance(out[1], tuple)):
+    raise TypeError(
+        f"{_WHERE}: build(rules) must return (step_fn, args): a callable and a tuple of its "
+        f"arguments (arrays, jax.ShapeDtypeStruct or jax.eval_shape output); for candidate "
+        f"{name!r} it returned {out!r:.200} of type {type(out).__name__}.")
+  return out[0], out[1]
+
+
+def recommend_precision(
+    build: Callable[[rules_lib.PolicyRules], tuple[Callable[..., Any], tuple[Any, ...]]],
+    candidates: Mapping[str, rules_lib.PolicyRules], *, target: str | None,
+    baseline: str = "bf16", per_launch: float = 2e-6,
+    compiler_options: Mapping[str, Any] | None = None) -> PrecisionRecommendation:
+  """The candidate rules whose compiled step is estimated fastest, never slower than baseline.
+
+  For each candidate, ``build(rules)`` gives ``(step_fn, args)``;
+  :func:`~jaxmp.tools.audit` compiles ``step_fn(*args)`` for ``target`` (deviceless
+  for a named chip); :func:`step_estimates` reads the estimates (TPU: the cost
+  model's, in seconds where libtpu gives them for every candidate, else in summed
+  kernel cycles; GPU: the roofline plus ``per_launch`` per kernel launch);
+  :func:`choose` picks the smallest, if smaller than the baseline's, else the
+  baseline. The result holds compiler and cost-model estimates, not measurements.
+
+  Args:
+    build: ``build(rules) -> (step_fn, args)``: the user's train step for those rules
+      and its arguments (arrays, or ``jax.ShapeDtypeStruct`` / ``jax.eval_shape``
+      output, since fp8 state depends on the rules).
+    candidates: the rules to compare by name, e.g. ``{"bf16": ..., "int8": ...}``.
+    target: ``"h100"``, ``"a100"``, ``"b200"``, ``"v5e"``, ``"v5p"``, ``"v6e"``,
+      ``"v7"`` (deviceless: needs the CUDA plugin or libtpu, see
+      :func:`~jaxmp.tools.audit`), or None for the local backend.
+    baseline: the candidate kept unless another is estimated faster.
+    per_launch: seconds added per kernel launch on GPU targets (0 or more).
+    compiler_options: XLA options for every compile (see
+      :func:`~jaxmp.tools.audit`).
+
+  Returns:
+    A frozen :class:`PrecisionRecommendation`; ``print`` it for the table.
+
+  Raises:
+    TypeError: if ``build`` is not callable, ``candidates`` is not a mapping of names
+      to :class:`~jaxmp.PolicyRules`, or ``build`` does not return
+      ``(callable, tuple)``; also :func:`~jaxmp.tools.audit`'s errors.
+    ValueError: for an unknown target, no candidates, a baseline not among them, a
+      negative ``per_launch``, or a compile that gives no estimate (a CPU).
+
+  Example:
+    >>> import flax.linen as nn
+    >>> bf16 = "params=float32,compute=bfloat16,output=float32"
+    >>> candidates = {
+    ...     "bf16": jaxmp.PolicyRules(bf16),
+    ...     "int8": jaxmp.PolicyRules(bf16, [jaxmp.Rule(nn.Dense, fp8=jaxmp.fp8.Int8Scaling())])}
+    >>> def build(rules):
+    ...   model = jaxmp.linen.mixed_precision(nn.Dense(256), rules)
+    ...   x = jax.ShapeDtypeStruct((128, 256), jnp.float32)
+    ...   variables = jax.eval_shape(model.init, jax.random.key(0), x)
+    ...   loss = lambda v, x: model.apply(v, x).sum()
+    ...   return jax.grad(loss), (variables, x)
+    >>> jaxmp.tools.recommend_precision(build, candidates, target=None)
+    Traceback (most recent call last):
+    ValueError: recommend_precision: the compile of candidate 'bf16' for 'cpu' ...
+    >>> print(jaxmp.tools.recommend_precision(build, candidates, target="v5e"))  # doctest: +SKIP
+    recommend_precision: v5e, TPU cost model (optimal_seconds)
+    candidate        estimate  vs baseline  kernels
+    ---------------  --------  -----------  -------  ---------
+    bf16 (baseline)  0.5372 us        1.00x        3  <- chosen
+    int8              1.615 us        0.33x        7
+    chosen: bf16 (compiler/cost-model estimates, not measurements)
+
+    On a CPU there is no estimate (first call); deviceless for TPU v5e (needs libtpu)
+    this Dense's int8 step is estimated 3x slower than bf16's, so bf16 is kept.
+  """
+  if not callable(build):
+    raise TypeError(f"{_WHERE}: build must be a callable rules -> (step_fn, args), got "
+                    f"{build!r} of type {type(build).__name__}.")
+  if not isinstance(candidates, Mapping) or not candidates:
+    raise (TypeError if not isinstance(candidates, Mapping) else ValueError)(
+        f"{_WHERE}: candidates must be a non-empty mapping of names to jaxmp.PolicyRules, "
+        f"got {candidates!r}.")
+  for name, rules in candidates.items():
+    if not isinstance(name, str) or not isinstance(rules, rules_lib.PolicyRules):
+      raise TypeError(
+          f"{_WHERE}: candidates must map names (str) to jaxmp.PolicyRules; candidate "
+          f"{name!r} is {rules!r} of type {type(rules).__name__} (wrap a policy string as "
+          "jaxmp.PolicyRules('params=float32,compute=bfloat16,output=float32')).")
+  if baseline not in candidates:
+    raise ValueError(f"{_WHERE}: baseline {baseline!r} is not among the candidates; "
+                     f"accepted: {', '.join(repr(n) for n in candidates)}.")
+  per_launch = audit_lib.check_per_launch(per_launch)
+  if target is not None:
+    targets_lib.check_target(target)
+  reports = {}
+  for name, rules in candidates.items():
+    step_fn, args = _check_build_output(build(rules), name)
+    reports[name] = audit_lib.audit(step_fn, *args, target=target,
+                                    compiler_options=compiler_options)
+  estimates, unit, source = step_estimates(reports, per_launch)
+  chosen = choose(estimates, baseline)
+  base = estimates[baseline]
+  rows = tuple(CandidateEstimate(n, candidates[n], e, base / e if e > 0 else math.inf,
+                                 reports[n].launches) for n, e in estimates.items())
+  return PrecisionRecommendation(next(iter(reports.values())).target, unit, source, rows,
+                                 baseline, chosen, candidates[chosen])
+
+
+__all__ = ("CandidateEstimate", "PrecisionRecommendation", "choose", "recommend_precision",
+           "step_estimates")

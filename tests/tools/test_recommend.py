@@ -1,0 +1,224 @@
+"""jaxmp.tools.recommend_precision: the candidate the compiler estimates fastest, if faster."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxmp
+from jaxmp._src.tools import audit as audit_lib
+from jaxmp._src.tools import recommend
+from jaxmp._src.tools import targets
+
+BF16 = "params=float32,compute=bfloat16,output=float32"
+CANDIDATES = {
+    "bf16": jaxmp.PolicyRules(BF16),
+    "fp8": jaxmp.PolicyRules(BF16, [jaxmp.Rule(nn.Dense, fp8=jaxmp.fp8.DelayedScaling())]),
+    "int8": jaxmp.PolicyRules(BF16, [jaxmp.Rule(nn.Dense, fp8=jaxmp.fp8.Int8Scaling())]),
+}
+
+
+def _build(rules):
+  model = jaxmp.linen.mixed_precision(nn.Dense(8), rules)
+  x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+  variables = jax.eval_shape(model.init, jax.random.key(0), x)
+  return jax.grad(lambda v, x: model.apply(v, x).sum()), (variables, x)
+
+
+def _kernel(cycles, count=1):
+  return audit_lib.Kernel("fusion", "kLoop", "bf16[8]", 16, cycles=cycles, count=count)
+
+
+def _report(target, estimated_seconds=None, kernels=(), spec=None):
+  return audit_lib.AuditReport(target, target, {}, (), tuple(kernels), spec, estimated_seconds,
+                               "")
+
+
+# ---- the choice, from given numbers ------------------------------------------------------
+
+
+@pytest.mark.parametrize("estimates, chosen", [
+    ({"bf16": 10.0, "fp8": 12.0, "int8": 9.0}, "int8"),  # the fastest, faster than bf16
+    ({"bf16": 10.0, "fp8": 8.0, "int8": 9.0}, "fp8"),
+    ({"bf16": 10.0, "fp8": 12.0, "int8": 11.0}, "bf16"),  # every narrow type slower
+    ({"bf16": 10.0, "fp8": 10.0, "int8": 10.5}, "bf16"),  # a tie keeps the baseline
+    ({"fp8": 7.0, "int8": 7.0, "bf16": 8.0}, "fp8"),     # tied others: the first given
+    ({"bf16": 10.0}, "bf16"),
+])
+def test_choose_takes_the_fastest_only_if_faster_than_the_baseline(estimates, chosen):
+  assert recommend.choose(estimates, "bf16") == chosen
+
+
+def test_gpu_estimates_are_the_roofline_plus_the_stated_overhead_per_launch():
+  spec = targets.GPU_TARGETS["h100"]
+  reports = {"bf16": _report("h100", 1e-3, [_kernel(None, count=3)], spec),
+             "fp8": _report("h100", 0.9e-3, [_kernel(None, count=53)], spec)}
+  estimates, unit, source = recommend.step_estimates(reports, per_launch=2e-6)
+  # fp8's roofline is lower, but its 50 extra launches cost 100 us: it is slower.
+  assert estimates == pytest.approx({"bf16": 1e-3 + 3 * 2e-6, "fp8": 0.9e-3 + 53 * 2e-6},
+                                    rel=1e-12)
+  assert unit == "seconds" and source == "GPU roofline estimate + 2 us per kernel launch"
+  assert recommend.step_estimates(reports, per_launch=0)[0] == {"bf16": 1e-3, "fp8": 0.9e-3}
+
+
+def test_tpu_estimates_are_the_cost_models_seconds_else_its_cycles_for_every_candidate():
+  with_seconds = {"bf16": _report("v5e", 2e-3, [_kernel(100)]),
+                  "int8": _report("v5e", 3e-3, [_kernel(50)])}
+  assert recommend.step_estimates(with_seconds)[:2] == ({"bf16": 2e-3, "int8": 3e-3}, "seconds")
+  # One compile without the cost model's seconds: every candidate by its summed cycles
+  # (a kernel without cycles counts 0, a loop's kernel its trip count times).
+  mixed = {"bf16": _report("v5e", 2e-3, [_kernel(100), _kernel(None, count=4)]),
+           "int8": _report("v5e", None, [_kernel(50, count=3), _kernel(7)])}
+  estimates, unit, source = recommend.step_estimates(mixed)
+  assert (estimates, unit) == ({"bf16": 100.0, "int8": 157.0}, "cycles")
+  assert "estimated_cycles" in source
+
+
+@pytest.mark.parametrize("reports", [
+    {"bf16": _report("cpu"), "int8": _report("cpu")},
+    {"bf16": _report("v5e", None, [_kernel(10)]), "int8": _report("v5e", None, [_kernel(None)])},
+], ids=["cpu", "tpu without cycles"])
+def test_a_compile_without_an_estimate_is_refused_naming_it(reports):
+  with pytest.raises(ValueError, match="'int8' for 'v5e'" if "v5e" in str(reports) else
+                     "'bf16' for 'cpu'") as e:
+    recommend.step_estimates(reports)
+  assert "gives no time estimate" in str(e.value)
+
+
+# ---- the tool, with given estimates --------------------------------------------------------
+
+
+def test_the_result_holds_every_estimate_the_speedups_and_the_chosen_rules(monkeypatch):
+  seconds = {id(CANDIDATES["bf16"]): 4e-3, id(CANDIDATES["fp8"]): 5e-3,
+             id(CANDIDATES["int8"]): 2e-3}
+  built = []
+
+  def build(rules):
+    built.append(rules)
+    return (lambda: None), (id(rules),)
+
+  def fake_audit(fn, key, *, target, compiler_options):
+    assert (target, compiler_options) == ("h100", None)
+    return _report("h100", seconds[key], [_kernel(None, count=10)], targets.GPU_TARGETS["h100"])
+
+  monkeypatch.setattr(audit_lib, "audit", fake_audit)
+  result = jaxmp.tools.recommend_precision(build, CANDIDATES, target="h100", per_launch=1e-4)
+  assert built == list(CANDIDATES.values())
+  assert [(c.name, c.estimate, c.launches) for c in result.candidates] == [
+      ("bf16", pytest.approx(5e-3), 10), ("fp8", pytest.approx(6e-3), 10),
+      ("int8", pytest.approx(3e-3), 10)]
+  assert [c.speedup for c in result.candidates] == pytest.approx([1.0, 5 / 6, 5 / 3])
+  assert (result.chosen, result.rules, result.baseline) == ("int8", CANDIDATES["int8"], "bf16")
+  assert (result.target, result.unit) == ("h100", "seconds")
+  text = str(result)
+  assert "int8" in text.splitlines()[-2] and "<- chosen" in text.splitlines()[-2]
+  assert "1.67x" in text and "0.83x" in text
+  assert "estimates, not measurements" in text
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    setattr(result, "chosen", "fp8")  # noqa: B010 (the frozen dataclass refuses it)
+  # With bf16 at 2 ms nothing is faster, and the baseline stays.
+  seconds[id(CANDIDATES["bf16"])] = 2e-3
+  assert jaxmp.tools.recommend_precision(build, CANDIDATES, target="h100",
+                                         per_launch=1e-4).chosen == "bf16"
+
+
+def test_on_a_cpu_there_is_no_estimate_to_recommend_from():
+  with pytest.raises(ValueError, match="no time estimate"):
+    jaxmp.tools.recommend_precision(_build, CANDIDATES, target=None)
+
+
+# ---- deviceless compiles (need libtpu / the CUDA plugin) -----------------------------------
+
+# flax/examples/lm1b's TransformerLM (tests/published/flax_lm1b, verbatim) at its
+# published configs/default.py sizes (emb_dim 512, 8 heads, qkv_dim 512, mlp_dim 2048,
+# max_target_length 128), 2 of its 6 layers and batch 8 to keep the compiles short; an
+# SGD train step. Every Dense but the logits computes in bf16, fp8 or int8.
+_LM1B_CHECK = textwrap.dedent("""\
+    import sys
+    import flax.linen as nn, jax, jax.numpy as jnp, optax
+    import jaxmp
+    from tests.published.flax_lm1b import models
+    config = models.TransformerConfig(
+        vocab_size=30000, output_vocab_size=30000, emb_dim=512, num_heads=8, num_layers=2,
+        qkv_dim=512, mlp_dim=2048, max_len=128, deterministic=True)
+    bf16 = "params=float32,compute=bfloat16,output=float32"
+    dense = (nn.Dense, nn.DenseGeneral)
+    candidates = {"bf16": jaxmp.PolicyRules(bf16)}
+    for name, recipe in (("fp8", jaxmp.fp8.DelayedScaling()), ("int8", jaxmp.fp8.Int8Scaling())):
+      candidates[name] = jaxmp.PolicyRules(
+          bf16, [jaxmp.Rule("logitdense"), jaxmp.Rule(dense, fp8=recipe)])
+    tokens = jax.ShapeDtypeStruct((8, 128), jnp.int32)
+
+    def build(rules):
+      model = jaxmp.linen.mixed_precision(models.TransformerLM(config), rules)
+      init = lambda: model.init(jax.random.key(0), jnp.ones((8, 128), jnp.int32))
+      state = jax.eval_shape(lambda: jaxmp.linen.TrainState.create(
+          apply_fn=model.apply, variables=init(), tx=optax.sgd(1e-3)))
+
+      def step(state, tokens):
+        def loss_fn(variables):
+          logits = model.apply(variables, tokens)
+          return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+        loss, grads = state.value_and_grad(loss_fn)()
+        return state.apply_gradients(grads), loss
+
+      return step, (state, tokens)
+
+    for target in sys.argv[1:]:
+      result = jaxmp.tools.recommend_precision(build, candidates, target=target)
+      print(result)
+      print("RESULT", target, result.unit, result.chosen,
+            *(f"{c.name}={c.estimate!r}" for c in result.candidates))
+    """)
+
+
+def _recommend(*targets_):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
+             ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+             PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+  out = subprocess.run([sys.executable, "-W", "ignore", "-c", _LM1B_CHECK, *targets_], env=env,
+                       capture_output=True, text=True, timeout=1200)
+  assert out.returncode == 0, out.stderr[-4000:]
+  rows = {}
+  for line in out.stdout.splitlines():
+    if line.startswith("RESULT "):
+      _, target, unit, chosen, *pairs = line.split()
+      rows[target] = unit, chosen, {k: float(v) for k, v in (p.split("=") for p in pairs)}
+  assert set(rows) == set(targets_), out.stdout
+  return rows, out.stdout
+
+
+def _assert_never_slower_than_bf16(unit, chosen, estimates):
+  best = min(estimates.values())
+  assert estimates[chosen] <= estimates["bf16"]
+  assert chosen == ("bf16" if best >= estimates["bf16"] else
+                    next(n for n, e in estimates.items() if e == best))
+  for narrow in ("fp8", "int8"):
+    if estimates[narrow] >= estimates["bf16"]:
+      assert chosen != narrow
+
+
+@pytest.mark.slow
+def test_the_published_lm1b_step_on_tpu_v5e_gets_no_narrow_type_the_cost_model_prices_slower():
+  if not targets.installed("libtpu"):
+    pytest.skip("needs libtpu (jax[tpu]; make gpu-report builds .venv-cuda with it)")
+  rows, stdout = _recommend("v5e")
+  unit, chosen, estimates = rows["v5e"]
+  assert unit == "cycles", stdout  # libtpu gives no optimal_seconds for this train step
+  _assert_never_slower_than_bf16(unit, chosen, estimates)
+
+
+@pytest.mark.slow
+def test_the_published_lm1b_step_on_h100_gets_the_fastest_by_roofline_and_launches():
+  if not targets.cuda_plugin_installed():
+    pytest.skip("needs JAX's CUDA plugin, jax[cuda12] (make gpu-report builds it)")
+  rows, stdout = _recommend("h100")
+  unit, chosen, estimates = rows["h100"]
+  assert unit == "seconds", stdout
+  _assert_never_slower_than_bf16(unit, chosen, estimates)
