@@ -48,6 +48,7 @@ def _report(target, estimated_seconds=None, kernels=(), spec=None):
     ({"bf16": 10.0, "fp8": 8.0, "int8": 9.0}, "fp8"),
     ({"bf16": 10.0, "fp8": 12.0, "int8": 11.0}, "bf16"),  # every narrow type slower
     ({"bf16": 10.0, "fp8": 10.0, "int8": 10.5}, "bf16"),  # a tie keeps the baseline
+    ({"int8": 10.0, "bf16": 10.0, "fp8": 11.0}, "bf16"),  # wherever it is in the order
     ({"fp8": 7.0, "int8": 7.0, "bf16": 8.0}, "fp8"),     # tied others: the first given
     ({"bf16": 10.0}, "bf16"),
 ])

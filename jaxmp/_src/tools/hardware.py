@@ -26,8 +26,9 @@ ones and the memory-bound rest of a step do not (the demo transformer at
 ``--preset gpu``: no gain). On TPUs the compiler keeps fp8 operands in fp8 but its
 cost model runs them at the bfloat16 rate on v5e, v5p and v6e (1.01-1.09x bfloat16's
 cycles: no gain) and at about twice the rate only on v7 (0.48x); int8 is the fast
-narrow type on v5e and v5p (0.5x) and v6e (0.76x), not on v7. jaxmp has no int8
-matmuls. On a CPU XLA has no bfloat16 or float16
+narrow type on v5e and v5p (0.5x) and v6e (0.76x), not on v7 (``jaxmp.fp8.Int8Scaling``).
+Whether a narrow type makes a given step faster (its scaling passes cost too):
+:func:`jaxmp.tools.recommend_precision`. On a CPU XLA has no bfloat16 or float16
 arithmetic: it converts operands to float32 and results back, so half precision is
 slower than float32 there (``benchmarks/RESULTS.md``, 2-core CPU: float32 took
 0.87-0.92 of bfloat16's time for a Dense step and 0.70-0.94 for a transformer block).

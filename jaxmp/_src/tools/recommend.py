@@ -11,9 +11,10 @@ GEMMs cheaper but its whole train step slower on every TPU (``benchmarks/RESULTS
    returns ``(step_fn, args)``, and :func:`~jaxmp.tools.audit` compiles
    ``step_fn(*args)`` deviceless for ``target`` (or on the local backend).
 2. Each compile's estimate is read by :func:`step_estimates`: on a TPU the cost
-   model's (``AuditReport.estimated_seconds``, which libtpu leaves unset for most
-   whole train steps; then the sum of every kernel's cost-model ``estimated_cycles``
-   for every candidate, as ``benchmarks/gpu_report.py`` sums them); on a GPU the
+   model's (``AuditReport.estimated_seconds``; libtpu leaves it unset for some whole
+   train steps, e.g. the lm1b step of the tests, and then every candidate is read as
+   the sum of its kernels' cost-model ``estimated_cycles``, as
+   ``benchmarks/gpu_report.py`` sums them); on a GPU the
    roofline estimate plus a stated overhead per kernel launch
    (:meth:`~jaxmp.tools.AuditReport.estimated_seconds_with_launches`).
 3. :func:`choose` picks the candidate with the smallest estimate, but only if it is
@@ -174,8 +175,9 @@ def choose(estimates: Mapping[str, float], baseline: str) -> str:
     >>> recommend.choose({"bf16": 10.0, "fp8": 12.0, "int8": 10.0}, "bf16")
     'bf16'
   """
-  best = min(estimates, key=lambda n: (estimates[n], n != baseline))
-  return best if estimates[best] < estimates[baseline] else baseline
+  # The smallest estimate; on a tie the baseline sorts first, so another candidate wins
+  # only if strictly smaller (and among tied others, min keeps the first).
+  return min(estimates, key=lambda n: (estimates[n], n != baseline))
 
 
 def _check_build_output(out: Any, name: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
@@ -243,8 +245,8 @@ def recommend_precision(
     ValueError: recommend_precision: the compile of candidate 'bf16' for 'cpu' ...
     >>> print(jaxmp.tools.recommend_precision(build, candidates, target="v5e"))  # doctest: +SKIP
     recommend_precision: v5e, TPU cost model (optimal_seconds)
-    candidate        estimate  vs baseline  kernels
-    ---------------  --------  -----------  -------  ---------
+    candidate         estimate  vs baseline  kernels
+    ---------------  ---------  -----------  -------  ---------
     bf16 (baseline)  0.5372 us        1.00x        3  <- chosen
     int8              1.615 us        0.33x        7
     chosen: bf16 (compiler/cost-model estimates, not measurements)
