@@ -170,7 +170,45 @@ _LM1B_CHECK = textwrap.dedent("""\
         return state.apply_gradients(grads), loss
 
       return step, (state, tokens)
+    """)
 
+# flax docs_nnx/mnist_tutorial.md's CNN (tests/published/flax_mnist_cnn, verbatim) at its
+# published sizes and batch 32, the tutorial's train step with SGD (jaxmp's NNX
+# value_and_grad / apply_gradients); both nnx.Linear but the last in bf16, fp8 or int8
+# (the convolutions stay bf16: fp8 rules cover Linear, LinearGeneral and Einsum).
+_MNIST_CNN_CHECK = textwrap.dedent("""\
+    import sys
+    import jax, jax.numpy as jnp, optax
+    from flax import nnx
+    import jaxmp
+    from tests.published.flax_mnist_cnn import cnn
+    bf16 = "params=float32,compute=bfloat16,output=float32"
+    candidates = {"bf16": jaxmp.PolicyRules(bf16)}
+    for name, recipe in (("fp8", jaxmp.fp8.DelayedScaling()), ("int8", jaxmp.fp8.Int8Scaling())):
+      candidates[name] = jaxmp.PolicyRules(
+          bf16, [jaxmp.Rule("linear2"), jaxmp.Rule(nnx.Linear, fp8=recipe)])
+    images = jax.ShapeDtypeStruct((32, 28, 28, 1), jnp.float32)
+    labels = jax.ShapeDtypeStruct((32,), jnp.int32)
+
+    def build(rules):
+      def create():
+        model = jaxmp.nnx.mixed_precision(cnn.CNN(rngs=nnx.Rngs(0)), rules)
+        return model, nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param)
+      graphdef, state = nnx.split(nnx.eval_shape(create))
+
+      def step(state, images, labels):
+        model, optimizer = nnx.merge(graphdef, state)
+        def loss_fn(model):
+          logits = model(images, nnx.Rngs(dropout=0))
+          return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        loss, grads = jaxmp.nnx.value_and_grad(loss_fn)(model)
+        jaxmp.nnx.apply_gradients(optimizer, model, grads)
+        return nnx.state((model, optimizer)), loss
+
+      return step, (state, images, labels)
+    """)
+
+_PRINT_RESULTS = textwrap.dedent("""\
     for target in sys.argv[1:]:
       result = jaxmp.tools.recommend_precision(build, candidates, target=target)
       print(result)
@@ -179,12 +217,12 @@ _LM1B_CHECK = textwrap.dedent("""\
     """)
 
 
-def _recommend(*targets_):
+def _recommend(script, *targets_):
   env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
              ALLOW_MULTIPLE_LIBTPU_LOAD="1",
              PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-  out = subprocess.run([sys.executable, "-W", "ignore", "-c", _LM1B_CHECK, *targets_], env=env,
-                       capture_output=True, text=True, timeout=1200)
+  out = subprocess.run([sys.executable, "-W", "ignore", "-c", script + _PRINT_RESULTS, *targets_],
+                       env=env, capture_output=True, text=True, timeout=1200)
   assert out.returncode == 0, out.stderr[-4000:]
   rows = {}
   for line in out.stdout.splitlines():
@@ -195,7 +233,9 @@ def _recommend(*targets_):
   return rows, out.stdout
 
 
-def _assert_never_slower_than_bf16(unit, chosen, estimates):
+def _assert_never_slower_than_bf16(chosen, estimates):
+  # The narrow types change the compiled step (the rules reached the model).
+  assert len(set(estimates.values())) == 3, estimates
   best = min(estimates.values())
   assert estimates[chosen] <= estimates["bf16"]
   assert chosen == ("bf16" if best >= estimates["bf16"] else
@@ -206,20 +246,18 @@ def _assert_never_slower_than_bf16(unit, chosen, estimates):
 
 
 @pytest.mark.slow
-def test_the_published_lm1b_step_on_tpu_v5e_gets_no_narrow_type_the_cost_model_prices_slower():
-  if not targets.installed("libtpu"):
+@pytest.mark.parametrize("script, target, unit", [
+    (_LM1B_CHECK, "v5e", "cycles"),  # libtpu gives no optimal_seconds for this train step
+    (_MNIST_CNN_CHECK, "v5e", "cycles"),
+    (_LM1B_CHECK, "h100", "seconds"),  # the roofline + 2 us per launch
+], ids=["lm1b-v5e", "nnx_mnist_cnn-v5e", "lm1b-h100"])
+def test_a_published_step_gets_no_narrow_type_its_target_is_estimated_slower_in(
+    script, target, unit):
+  if targets.is_tpu(target) and not targets.installed("libtpu"):
     pytest.skip("needs libtpu (jax[tpu]; make gpu-report builds .venv-cuda with it)")
-  rows, stdout = _recommend("v5e")
-  unit, chosen, estimates = rows["v5e"]
-  assert unit == "cycles", stdout  # libtpu gives no optimal_seconds for this train step
-  _assert_never_slower_than_bf16(unit, chosen, estimates)
-
-
-@pytest.mark.slow
-def test_the_published_lm1b_step_on_h100_gets_the_fastest_by_roofline_and_launches():
-  if not targets.cuda_plugin_installed():
+  if not targets.is_tpu(target) and not targets.cuda_plugin_installed():
     pytest.skip("needs JAX's CUDA plugin, jax[cuda12] (make gpu-report builds it)")
-  rows, stdout = _recommend("h100")
-  unit, chosen, estimates = rows["h100"]
-  assert unit == "seconds", stdout
-  _assert_never_slower_than_bf16(unit, chosen, estimates)
+  rows, stdout = _recommend(script, target)
+  found_unit, chosen, estimates = rows[target]
+  assert found_unit == unit, stdout
+  _assert_never_slower_than_bf16(chosen, estimates)

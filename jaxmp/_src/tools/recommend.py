@@ -11,11 +11,14 @@ GEMMs cheaper but its whole train step slower on every TPU (``benchmarks/RESULTS
    returns ``(step_fn, args)``, and :func:`~jaxmp.tools.audit` compiles
    ``step_fn(*args)`` deviceless for ``target`` (or on the local backend).
 2. Each compile's estimate is read by :func:`step_estimates`: on a TPU the cost
-   model's (``AuditReport.estimated_seconds``; libtpu leaves it unset for some whole
-   train steps, e.g. the lm1b step of the tests, and then every candidate is read as
-   the sum of its kernels' cost-model ``estimated_cycles``, as
-   ``benchmarks/gpu_report.py`` sums them); on a GPU the
-   roofline estimate plus a stated overhead per kernel launch
+   model's: ``AuditReport.estimated_seconds`` (``cost_analysis()["optimal_seconds"]``,
+   the compiler's estimate of the whole program) where every candidate has it; libtpu
+   leaves it unset for many steps (the lm1b train step of the tests, most fp8 and
+   int8 steps), and then every candidate is read as the sum of its kernels'
+   cost-model ``estimated_cycles``, as ``benchmarks/gpu_report.py`` sums them (that
+   sum leaves out asynchronous copies and custom calls, which carry no cycles; it is
+   not ``optimal_seconds`` times a clock: the two are read in one unit, never mixed).
+   On a GPU the roofline estimate plus a stated overhead per kernel launch
    (:meth:`~jaxmp.tools.AuditReport.estimated_seconds_with_launches`).
 3. :func:`choose` picks the candidate with the smallest estimate, but only if it is
    smaller than the baseline's; otherwise (ties included) the baseline.
@@ -67,7 +70,8 @@ class PrecisionRecommendation:
     target: the chip compiled for (``"v5e"``, ``"h100"``...; the local platform for
       ``target=None``).
     unit: ``"seconds"`` or ``"cycles"`` (the TPU cost model's), for every estimate.
-    source: how the estimates were made, e.g. ``"roofline + 2 us per kernel launch"``.
+    source: how the estimates were made, e.g. ``"GPU roofline estimate + 2 us per
+      kernel launch"``.
     candidates: every candidate's estimate, in the order given.
     baseline: the baseline's name.
     chosen: the chosen candidate's name: the fastest by estimate if it is faster than
