@@ -276,7 +276,7 @@ def recommend_precision(
                      f"accepted: {', '.join(repr(n) for n in candidates)}.")
   per_launch = audit_lib.check_per_launch(per_launch)
   if target is not None:
-    targets_lib.check_target(target)
+    targets_lib.check_target(target, _WHERE)
   reports = {}
   for name, rules in candidates.items():
     step_fn, args = _check_build_output(build(rules), name)

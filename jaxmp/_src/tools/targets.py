@@ -144,19 +144,21 @@ TPU_TARGETS: Mapping[str, str] = {
 TARGETS = tuple(GPU_TARGETS) + tuple(TPU_TARGETS)
 
 
-def check_target(target: Any) -> str:
+def check_target(target: Any, where: str = "audit") -> str:
   """The canonical (lower-case) target name, or a TypeError/ValueError.
+
+  ``where`` names the caller in the message.
 
   Raises:
     TypeError: if ``target`` is not a string.
     ValueError: if it names no known target; the message lists them.
   """
   if not isinstance(target, str):
-    raise TypeError(f"audit: target must be a string such as 'h100', got {target!r} of type "
+    raise TypeError(f"{where}: target must be a string such as 'h100', got {target!r} of type "
                     f"{type(target).__name__}.")
   name = target.strip().lower()
   if name not in TARGETS:
-    raise ValueError(f"audit: unknown target {target!r}; accepted targets are "
+    raise ValueError(f"{where}: unknown target {target!r}; accepted targets are "
                      f"{', '.join(repr(t) for t in TARGETS)} (or None for the local backend).")
   return name
 
