@@ -303,7 +303,7 @@ _H100_CHECK = textwrap.dedent("""\
                            (fp8.CurrentScaling(), ((64, 8), (8, 32)))]:
       fwd = lambda x, w, recipe=recipe: fp8.fp8_dot_general(x, w, dims, recipe=recipe)
       r = jaxmp.tools.audit(fwd, *(S(s, jnp.bfloat16) for s in shapes), target="h100")
-      quantized = set(re.findall(r"f8e4m3fn\[([0-9,]+)\]", r.hlo))
+      quantized = set(re.findall(r"f8e4m3fn\\[([0-9,]+)\\]", r.hlo))
       if isinstance(recipe, fp8.CurrentScaling):
         assert {"64,8", "8,32"} <= quantized, (recipe, quantized)
       else:  # both canonical operands, (batch, rows, contracted)
