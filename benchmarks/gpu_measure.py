@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -96,10 +97,15 @@ def _compile(case: gpu_report.Case, zeros: bool = False) -> tuple[Any, tuple]:
 def _runner(compiled: Any, args: tuple):
   """A zero-argument step that feeds each call the state the previous call returned."""
   box = list(args)
+  # Whether the step returns its state first is read once: a structure check at every
+  # call would be host work inside the timed loop.
+  out_tree = compiled.out_tree
+  feeds_back = (out_tree.num_nodes > 1 and out_tree.children()[0]
+                == jax.tree_util.tree_structure(box[0]))
 
   def run():
     out = compiled(*box)
-    if jax.tree_util.tree_structure(out[0]) == jax.tree_util.tree_structure(box[0]):
+    if feeds_back:
       box[0] = out[0]
     jax.block_until_ready(out)
   return run
@@ -122,7 +128,8 @@ def time_table(title: str, cases: dict[str, gpu_report.Case], results: dict) -> 
     gpu_report.progress(f"compiled {title}: {name} in {time.perf_counter() - start:.0f} s")
   measured = timing.interleaved(runs, baseline=next(iter(runs)), rounds=7, calls=10, warmup=3)
   base = {b: measured[b].ms for b in ("float32", "bf16") if b in measured}
-  print(f"\n### {title}\n\nmeasured on {timing.device_description()}, jax {jax.__version__}\n")
+  print(f"\n### {title}\n\nmeasured on {timing.device_description()}, jax {jax.__version__}, "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}\n")
   print("| variant | ms/step | vs float32 | vs bf16 | TFLOP/s (GEMMs) | kernels | "
         "GEMMs fp8/all |\n|---|---:|---:|---:|---:|---:|---|")
   table = results.setdefault(title, {})
@@ -197,7 +204,8 @@ def main(argv=None) -> None:
   unknown = [w for w in chosen if w not in WORKLOADS]
   if unknown:
     parser.error(f"unknown workload(s) {unknown}; accepted: {', '.join(WORKLOADS)}")
-  results: dict = {"device": timing.device_description(), "jax": jax.__version__}
+  results: dict = {"device": timing.device_description(), "jax": jax.__version__,
+                   "xla_flags": os.environ.get("XLA_FLAGS", "")}
   if args.preset == "gpu":
     results["reference_bf16_gemm_tflops"] = reference_gemm_tflops()
     print(f"Reference: a jitted bf16 8192^3 matmul runs at "
