@@ -53,7 +53,7 @@ from jaxmp._src.tools import audit as audit_lib  # noqa: E402
 from jaxmp._src.tools import memory as memory_lib  # noqa: E402
 from jaxmp._src.tools import targets as targets_lib  # noqa: E402
 
-WORKLOADS = ("llama", "memory", "demo")
+WORKLOADS = ("llama", "attention", "memory", "demo")
 MEMORY_STEPS = 3
 
 
@@ -118,8 +118,10 @@ def _report(compiled: Any) -> jaxmp.tools.AuditReport:
                              device.device_kind)
 
 
-def time_table(title: str, cases: dict[str, gpu_report.Case], results: dict) -> None:
-  """Compiles, counts and times every case of one table; prints it."""
+def time_table(title: str, cases: dict[str, gpu_report.Case], results: dict,
+               baselines: tuple[str, ...] = ("float32", "bf16")) -> None:
+  """Compiles, counts and times every case of one table; prints it, with each row's
+  speed against each of ``baselines`` (rows of the table)."""
   runs, reports = {}, {}
   for name, case in cases.items():
     start = time.perf_counter()
@@ -127,18 +129,18 @@ def time_table(title: str, cases: dict[str, gpu_report.Case], results: dict) -> 
     reports[name], runs[name] = _report(compiled), _runner(compiled, args)
     gpu_report.progress(f"compiled {title}: {name} in {time.perf_counter() - start:.0f} s")
   measured = timing.interleaved(runs, baseline=next(iter(runs)), rounds=7, calls=10, warmup=3)
-  base = {b: measured[b].ms for b in ("float32", "bf16") if b in measured}
+  base = {b: measured[b].ms for b in baselines if b in measured}
   print(f"\n### {title}\n\nmeasured on {timing.device_description()}, jax {jax.__version__}, "
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}\n")
-  print("| variant | ms/step | vs float32 | vs bf16 | TFLOP/s (GEMMs) | kernels | "
-        "GEMMs fp8/all |\n|---|---:|---:|---:|---:|---:|---|")
+  print(f"| variant | ms/step | {' | '.join(f'vs {b}' for b in base)} | TFLOP/s (GEMMs) | "
+        f"kernels | GEMMs fp8/all |\n|---|---:|{'---:|' * len(base)}---:|---:|---|")
   table = results.setdefault(title, {})
   for name, t in measured.items():
     r = reports[name]
-    vs = lambda b: f"{base[b] / t.ms:.2f}x" if b in base else "-"
     tflops = r.gemm_flops / (t.ms * 1e-3) / 1e12
     fp8 = sum(g.fp8 * g.count for g in r.gemms)
-    print(f"| {name} | {t.ms:.3f} | {vs('float32')} | {vs('bf16')} | {tflops:.0f} | "
+    ratios = " | ".join(f"{ms / t.ms:.2f}x" for ms in base.values())
+    print(f"| {name} | {t.ms:.3f} | {ratios} | {tflops:.0f} | "
           f"{r.launches} | {fp8}/{sum(g.count for g in r.gemms)} |")
     table[name] = {"ms": t.ms, "tflops": tflops, "kernels": r.launches, "fp8_gemms": fp8}
   sys.stdout.flush()
@@ -216,6 +218,10 @@ def main(argv=None) -> None:
     if workload == "llama":
       time_table(f"llama: one decoder layer, batch {batch} x context {context}, train step "
                  "(SGD)", gpu_report.llama_cases(args.preset), results)
+    elif workload == "attention":
+      time_table(f"attention alone (the llama layer's), batch {batch} x context {context}, "
+                 "forward + backward, bfloat16", gpu_report.attention_cases(args.preset),
+                 results, baselines=("cuDNN, causal mask tensor",))
     elif workload == "memory":
       memory_table(args.preset, results)
     else:

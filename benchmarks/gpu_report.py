@@ -264,6 +264,40 @@ def llama_cases(preset_name: str = "gpu", layers: int = 1) -> dict[str, Case]:
   }
 
 
+def attention_cases(preset_name: str = "gpu") -> dict[str, Case]:
+  """The llama layer's attention alone, forward + backward, three ways (measured only).
+
+  ``jax.nn.dot_product_attention`` on the layer's shapes (batch x context, 32 query and
+  8 key/value heads of 128 at ``"gpu"``), bfloat16: cuDNN reading a causal mask tensor
+  (what ``PolicyRules(fused_attention=True)`` runs), cuDNN in its causal mode
+  (``Rule(..., causal_attention=True)``), and XLA's unfused attention with the mask.
+  Off a GPU, ``"cudnn"`` falls back to XLA's implementation (a smoke run only).
+  """
+  config = llama_layer.LLAMA3_8B if preset_name == "gpu" else llama_layer.SMOKE
+  batch, context = LLAMA_TOKENS[preset_name]
+  fused = "cudnn" if jax.default_backend() == "gpu" else "xla"
+  mask = jnp.tril(jnp.ones((1, 1, context, context), bool))
+
+  def make():
+    shape = lambda heads: (batch, context, heads, config.head_dim)
+    q, k, v, g = (jax.random.normal(jax.random.key(i), shape(h), jnp.bfloat16) for i, h in
+                  enumerate((config.heads, config.kv_heads, config.kv_heads, config.heads)))
+    return q, k, v, g
+
+  def case(implementation, causal):
+    def attention(q, k, v):
+      return jax.nn.dot_product_attention(q, k, v, mask=None if causal else mask,
+                                          is_causal=causal, implementation=implementation)
+
+    def step(q, k, v, g):
+      out, backward = jax.vjp(attention, q, k, v)
+      return out, backward(g)
+    return Case(step, make)
+  return {"cuDNN, causal mask tensor": case(fused, False),
+          "cuDNN, causal mode": case(fused, True),
+          "XLA, causal mask tensor": case("xla", False)}
+
+
 MEMORY_TOKENS = {"gpu": (1, 512), "smoke": (1, 16)}
 """(batch, context) of the memory workload: few tokens, so params and state dominate."""
 
