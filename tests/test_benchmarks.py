@@ -271,12 +271,23 @@ def test_gpu_measure_times_counts_and_weighs_every_variant_it_names(tmp_path, ca
   # a tiny model on a CPU mean nothing; the kernel counts and XLA's peaks are real).
   import gpu_measure  # pylint: disable=g-import-not-at-top
   import gpu_report  # pylint: disable=g-import-not-at-top
-  gpu_measure.main(["--preset", "smoke", "--workloads", "llama", "--json",
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  gpu_measure.main(["--preset", "smoke", "--workloads", "llama,attention", "--json",
                     str(tmp_path / "m.json")])
   out = capsys.readouterr().out
   names = list(gpu_report.llama_cases("smoke"))
   rows = _table_rows(out, names)
   assert list(rows) == names, out
+  attention = gpu_report.attention_cases("smoke")
+  assert list(_table_rows(out, list(attention))) == list(attention), out
+  # The attention table's three ways compute one attention (and its gradients): a
+  # causal mask tensor and the causal mode mask the same pairs.
+  results = [jax.jit(case.fn)(*case.make()) for case in attention.values()]
+  for other in results[1:]:
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(
+        np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2),
+        results[0], other)
   kernels = {name: int(cells[4]) for name, cells in rows.items()}
   assert kernels["fp8 per-tensor"] > kernels["bf16"] > 0, out
   figures = json.loads((tmp_path / "m.json").read_text())
