@@ -16,7 +16,7 @@ CUDA_VENV  ?= .venv-cuda
 CUDA_PY    := $(CUDA_VENV)/bin/python
 CUDA_STAMP := $(CUDA_VENV)/.installed
 
-.PHONY: test lint demo docs env gpu-report clean
+.PHONY: test lint demo env gpu-report clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,7 @@ $(DOCS_STAMP): pyproject.toml $(STAMP)
 	$(PY) -m pip install --quiet -e '.[docs]'
 	touch $(DOCS_STAMP)
 
+.PHONY: docs
 docs: $(DOCS_STAMP)
 	$(VENV)/bin/sphinx-build -E -W --keep-going -n -b html docs docs/_build/html
 
