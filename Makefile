@@ -2,6 +2,8 @@
 # Both create the virtual environment from pyproject.toml when it is missing or stale.
 # `make test` first runs `make lint` (ruff and pyright on jaxmp/, both pinned in the dev
 # extra); any finding fails it.
+# `make docs` builds the documentation site (Sphinx, docs/ -> docs/_build/html) with the
+# docs extra; warnings and broken cross-references fail it.
 # `make gpu-report` estimates H100 (and TPU) performance without the hardware: it builds
 # .venv-cuda beside .venv (jax[cuda12,tpu] at .venv's jax version, 6.5 GB) on first use.
 
@@ -36,6 +38,18 @@ test: lint
 demo: $(STAMP)
 	$(PY) examples/train_lm.py
 
+# The docs extra goes into the same environment (autodoc imports jaxmp, jax and flax).
+# -E rereads every page and docstring, so a rebuild reports every warning again.
+DOCS_STAMP := $(VENV)/.installed-docs
+
+$(DOCS_STAMP): pyproject.toml $(STAMP)
+	$(PY) -m pip install --quiet -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+.PHONY: docs
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/sphinx-build -E -W --keep-going -n -b html docs docs/_build/html
+
 # The CUDA and TPU plugins compile for chips that are not here (no GPU needed); one
 # environment holds both (they do not conflict), with jaxmp installed editable.
 $(CUDA_STAMP): pyproject.toml $(STAMP)
@@ -48,4 +62,4 @@ gpu-report: $(CUDA_STAMP)
 	$(CUDA_PY) benchmarks/gpu_report.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info docs/_build

@@ -14,7 +14,8 @@ otherwise healthy run:
 Loss scaling skips both steps; :class:`jaxmp.tools.Monitor` names the module and
 direction of each step's first non-finite value, and the per-module amax table of the
 forward fault is printed. No host callback runs inside the step: the statistics come
-back as the gradient of a small probe (see README, "Where did the inf come from").
+back as the gradient of a small probe (see docs/guides/diagnostics.md, "Where did the
+inf come from").
 
 Run: ``python examples/find_overflow.py`` (``--steps``, ``--forward-step``,
 ``--backward-step`` to move things).

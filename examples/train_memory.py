@@ -65,8 +65,8 @@ def master_remainders(schedule) -> optax.GradientTransformation:
 
 def stochastic(schedule) -> optax.GradientTransformation:
   # Outside loss scaling, unlike the others: inside it, the random bits make XLA keep the
-  # skip as a conditional with float32 update buffers (README, "Stochastic rounding
-  # outside loss scaling"). A skipped step's zero updates round to the params exactly.
+  # skip as a conditional with float32 update buffers (docs/guides/memory.md,
+  # "Loss scaling outermost"). A skipped step's zero updates round to the params exactly.
   return jaxmp.optim.stochastic_rounding(
       jaxmp.loss_scaling(bf16_adamw(schedule), jaxmp.NoOpLossScale()), jax.random.key(SEED))
 

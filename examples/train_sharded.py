@@ -66,7 +66,7 @@ Multi-host (one process per host, each driving its own devices), what changes:
   6. Checkpoint with Orbax, calling ``save`` and ``restore`` on every host with one
      directory they all see (a bucket, a shared file system): each host writes the
      shards its devices hold, and restores into a target of ``jax.ShapeDtypeStruct``s
-     carrying the shardings (README, "Sharding, multi-host and checkpoints";
+     carrying the shardings (docs/guides/sharding.md;
      ``tests/distributed_checks.py``, check ``checkpoint_sharded``).
   The one-device comparison here needs the whole batch in one process, so it runs
   only when there is one process.

@@ -5,11 +5,13 @@ an Optax transform, and fp8 matmuls. Everything is a pure function or an immutab
 pytree, so it composes with ``jit``, ``grad``, sharding, ``remat`` and checkpointing.
 
 The top level holds the core: policies and rules, tree utilities, loss scales and the
-loss-scaling transform. Four namespaces hold the rest, each imported on first use:
+loss-scaling transform. Five namespaces hold the rest, each imported on first use:
 
 * :mod:`jaxmp.linen`: wrap a linen model, its fp8 layers, and its train steps;
 * :mod:`jaxmp.nnx`: the same for Flax NNX;
 * :mod:`jaxmp.fp8`: fp8 recipes and the framework-free fp8 matmul;
+* :mod:`jaxmp.optim`: memory-saving Optax transforms (master weights, low-precision
+  optimizer state, stochastic rounding, Kahan summation);
 * :mod:`jaxmp.tools`: the precision summary, underflow and sensitivity reports,
   training monitor, hardware capabilities.
 

@@ -1,10 +1,10 @@
-"""The NNX run that tests/test_checkpoint.py saves, kills and resumes, with the README's recipe.
+"""The NNX run that tests/test_checkpoint.py saves, kills and resumes, with the docs' recipe.
 
-The checkpoint code is the README's own: :func:`recipe` executes the first Python block
-of its "Checkpoints of NNX models" section, with ``MyNnxModel``, ``rules`` and ``tx``
-defined as this run's (Flax's published scanned MLP: BatchNorm statistics, a Dropout
-holding its RNG stream, ``nnx.Linear`` layers in an ``nnx.scan``; bfloat16 params with
-float32 masters, fp8 by rule, dynamic loss scaling).
+The checkpoint code is the sharding guide's own (docs/guides/sharding.md): :func:`recipe`
+executes the first Python block of its "Checkpoints of NNX models" section, with
+``MyNnxModel``, ``rules`` and ``tx`` defined as this run's (Flax's published scanned
+MLP: BatchNorm statistics, a Dropout holding its RNG stream, ``nnx.Linear`` layers in an
+``nnx.scan``; bfloat16 params with float32 masters, fp8 by rule, dynamic loss scaling).
 
 Resuming in a fresh process, as a restarted job does::
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import pathlib
-import re
 import sys
 
 import jax
@@ -27,10 +26,11 @@ import optax
 from flax import nnx
 
 import jaxmp
+from tests import doc_snippets
 from tests.published import models as registry
 
-README = pathlib.Path(__file__).parents[1] / "README.md"
-SECTION = "### Checkpoints of NNX models (Orbax)"
+GUIDE = pathlib.Path(__file__).parents[1] / "docs" / "guides" / "sharding.md"
+SECTION = "## Checkpoints of NNX models (Orbax)"
 
 RULES = jaxmp.PolicyRules("params=bfloat16,compute=bfloat16,output=float32", [
     jaxmp.Rule(nnx.Linear, fp8=jaxmp.fp8.DelayedScaling(amax_history_length=4))])
@@ -41,19 +41,17 @@ TX = jaxmp.loss_scaling(jaxmp.optim.master_weights(optax.adam(1e-2)),
 BATCH = registry.BY_NAME["scan_mlp"].batch(jax.random.key(1))
 
 
-def readme_block() -> str:
-  """The first Python code block after the README's NNX checkpoint heading."""
-  text = README.read_text()
-  start = text.index(SECTION)
-  return re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)
+def guide_block() -> str:
+  """The first Python code block after the sharding guide's NNX checkpoint heading."""
+  return doc_snippets.first_block_after(GUIDE, SECTION)
 
 
 @functools.cache
 def recipe() -> dict:
-  """The README's ``create``, ``save`` and ``restore``, run on this module's model."""
+  """The guide's ``create``, ``save`` and ``restore``, run on this module's model."""
   scope = {"jax": jax, "jaxmp": jaxmp, "rules": RULES, "tx": TX,
            "MyNnxModel": registry.BY_NAME["scan_mlp"].module}
-  exec(compile(readme_block(), str(README), "exec"), scope)  # pylint: disable=exec-used
+  exec(compile(guide_block(), str(GUIDE), "exec"), scope)  # pylint: disable=exec-used
   return scope
 
 

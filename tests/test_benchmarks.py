@@ -229,7 +229,7 @@ _MEMORY_CHECK = textwrap.dedent("""\
     sys.argv = ["gpu_report"]
     import jax, jaxmp, gpu_report, llama_layer, train_memory
     runs = {r.name: r for r in train_memory.RUNS}
-    # The order the README advises against: stochastic rounding inside loss scaling.
+    # The order docs/guides/memory.md advises against: stochastic rounding inside loss scaling.
     inside = lambda schedule: jaxmp.optim.stochastic_rounding(
         train_memory.bf16_adamw(schedule), jax.random.key(0))
     runs["inside"] = dataclasses.replace(runs["(d) pure bf16, stochastic"], name="inside",
@@ -259,7 +259,7 @@ def test_h100_train_step_memory_orders_as_the_memory_transforms_promise():
   assert (peak("float32") > peak("(a) mixed") > peak("(b) master + bf16 Adam")
           > peak("(b) remainders") > peak("(c) pure bf16, nearest")), rows
   # Stochastic rounding outside loss scaling: its random bits cost at most 2 bytes of
-  # temporaries per param over round-to-nearest; inside, more (why the README says so).
+  # temporaries per param over round-to-nearest; inside, more (why docs/guides/memory.md says so).
   extra = lambda name: (rows[name][1] - rows["(c) pure bf16, nearest"][1]) / params
   assert extra("(d) pure bf16, stochastic") <= 2, rows
   assert extra("inside") > 2, rows

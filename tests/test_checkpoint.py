@@ -6,8 +6,9 @@ step's finiteness), the fp8 delayed-scaling state, and the loss scale's
 hyperparameters, which are static pytree aux data: they are not in the checkpoint but
 come from the restore target, built by the same code as the original state. A linen
 ``TrainState`` first; then an NNX model and ``nnx.Optimizer`` (with float32 masters,
-batch statistics and an RNG stream too), saved and restored by the README's own code
-(:mod:`tests.nnx_checkpoint_run`), in this process and in a fresh one.
+batch statistics and an RNG stream too), saved and restored by the sharding guide's
+own code (docs/guides/sharding.md, :mod:`tests.nnx_checkpoint_run`), in this process
+and in a fresh one.
 """
 
 import contextlib
@@ -208,10 +209,10 @@ def test_a_new_program_with_an_equal_optimizer_resumes_identically(run):
 
 
 def test_the_readme_recipe_on_one_device_restores_without_compiling_again(run, tmp_path):
-  # README, "Checkpoints (Orbax)": create the state committed to its device, save, and
-  # restore into the plain abstract state (no shardings needed on one device). Orbax
-  # returns committed arrays; a state created uncommitted (create_state() as is) would
-  # make the step compile once more for them.
+  # docs/guides/sharding.md, "Checkpoints (Orbax)": create the state committed to its
+  # device, save, and restore into the plain abstract state (no shardings needed on one
+  # device). Orbax returns committed arrays; a state created uncommitted (create_state()
+  # as is) would make the step compile once more for them.
   step, traces = run["step"], run["traces"]
   x, y, clean = run["inputs"]
   state, _ = step(jax.device_put(create_state(), jax.devices()[0]), x, y, clean)
@@ -227,7 +228,7 @@ def test_the_readme_recipe_on_one_device_restores_without_compiling_again(run, t
   assert compilations == [] and len(traces) == 1
 
 
-# ---- NNX: the README's recipe, killed and resumed -------------------------------------
+# ---- NNX: the sharding guide's recipe, killed and resumed ------------------------------
 
 SAVED_AT, RESUMED = 4, 3  # steps before the save (the second one skipped), and after
 
@@ -241,7 +242,7 @@ def _nnx_snapshot(model, optimizer):
 
 @pytest.fixture(scope="module")
 def nnx_checkpointed(tmp_path_factory):
-  """Trains SAVED_AT steps, saves with the README's code, trains RESUMED more."""
+  """Trains SAVED_AT steps, saves with the guide's code, trains RESUMED more."""
   directory = tmp_path_factory.mktemp("nnx_ckpt")
   recipe = nnx_run.recipe()
   model, optimizer = recipe["create"]()

@@ -48,7 +48,7 @@ def schedule(seed=0):
 
 
 def reference_scales(overflows):
-  """The dynamic loss-scale rule in plain Python (DESIGN.md / README), one value per step."""
+  """The dynamic loss-scale rule in plain Python (docs/guides/loss_scaling.md), one value per step."""
   scale, counter, out = INITIAL_SCALE, 0, []
   for overflow in overflows:
     if overflow:

@@ -76,7 +76,7 @@ class DynamicLossScale(LossScale):
       numpy or jax; float16 included) in ``[min_scale, max_scale]``. May be traced:
       where a concrete value out of range is refused, a traced one makes the scale
       NaN (every step it scales is then skipped by ``jaxmp.loss_scaling``; see
-      ``check_scale`` in :mod:`jaxmp._src.loss_scale`).
+      ``check_scale`` in ``jaxmp._src.loss_scale``).
     growth_interval: the number of consecutive finite steps after which the scale
       grows; an integer >= 1.
     growth_factor: what the scale is multiplied by when it grows; > 1.

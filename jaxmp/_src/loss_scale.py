@@ -199,7 +199,7 @@ def _loss_and_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
 class LossScale(pytree_lib.Immutable):
   """The interface every loss scale implements (not instantiated itself).
 
-  Loss scales are immutable values (:class:`jaxmp._src.pytree.Immutable`): they copy,
+  Loss scales are immutable values (``jaxmp._src.pytree.Immutable``): they copy,
   deep-copy and pickle, and compare equal by value (same class, same
   hyperparameters, equal scale and counter), with a hash of the class and the
   hyperparameters.
@@ -368,7 +368,7 @@ class StaticLossScale(LossScale):
     scale: a positive, finite number: Python number, numpy or jax scalar of any float
       or integer dtype (float16 included). Stored as a float32 scalar array, the only
       leaf of this pytree. May be traced: a traced value outside that range is
-      stored as NaN (see :func:`check_scale`).
+      stored as NaN (see ``check_scale``).
 
   Raises:
     ValueError: if ``scale`` is not positive and finite in float32.

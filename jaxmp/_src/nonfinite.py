@@ -154,7 +154,7 @@ class NonfiniteTrace(pytree_lib.Immutable):
 
   @property
   def values(self) -> Any:
-    """The statistics, ``[len(calls), len(COLUMNS)]`` float32 (see :data:`COLUMNS`)."""
+    """The statistics, ``[len(calls), len(COLUMNS)]`` float32 (see ``COLUMNS``)."""
     return self._values
 
   def __repr__(self) -> str:

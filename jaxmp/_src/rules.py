@@ -215,7 +215,7 @@ class Rule:
 
 @dataclasses.dataclass(frozen=True)
 class ModulePrecision:
-  """How one module computes, as resolved by :meth:`PolicyRules.resolve`.
+  """How one module computes, as resolved by :meth:`jaxmp.PolicyRules.resolve`.
 
   Attributes:
     policy: the module's policy: params stored in ``policy.param_dtype``, inputs and
@@ -254,9 +254,9 @@ class PolicyRules:
     float32_normalization: whether normalization layers compute in float32 when no
       rule matches them (default ``True``).
     float32_ops: the ops that compute in float32 inside every module a rule does not
-      give its own list (default :data:`jaxmp._src.float32_ops.DEFAULT`: softmax,
+      give its own list (default ``jaxmp._src.float32_ops.DEFAULT``: softmax,
       log_softmax, logsumexp; ``()`` for none). An op jaxmp cannot intercept
-      (``exp``, ... :data:`jaxmp._src.float32_ops.UNINTERCEPTABLE`) is accepted, as in
+      (``exp``, ... ``jaxmp._src.float32_ops.UNINTERCEPTABLE``) is accepted, as in
       a :class:`Rule`, and warned about with the paths it would apply to when the
       model first runs.
     module_dtypes: ``"policy"`` (default): a module's own computation-dtype field
@@ -264,10 +264,10 @@ class PolicyRules:
       keep what the model set, and a field that says float32 computes in float32.
     fused_attention: whether Flax attention layers (those with an ``attention_fn``)
       compute attention with ``jax.nn.dot_product_attention``: cuDNN's fused kernel
-      on GPUs, XLA's elsewhere (:mod:`jaxmp._src.attention`). Default ``False``.
+      on GPUs, XLA's elsewhere (``jaxmp._src.attention``). Default ``False``.
     trace_nonfinite: record, inside the compiled step, whether each module call's
       output and the gradient flowing back into it held inf or NaN, and their absolute
-      max (:mod:`jaxmp._src.nonfinite`; the wrappers then carry a probe and jaxmp's
+      max (``jaxmp._src.nonfinite``; the wrappers then carry a probe and jaxmp's
       ``value_and_grad`` returns ``Gradients.nonfinite``). Default ``False``: the
       compiled step is exactly what it is without tracing.
 

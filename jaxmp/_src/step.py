@@ -54,7 +54,7 @@ class Gradients(NamedTuple):
     state_before: the model's other state (batch statistics, caches, any mutable
       collection; not the params, the fp8 state, the non-finite probe or NNX's RNG
       streams) as it was before the forward pass wrote it: what a skipped step keeps
-      (:func:`keep_on_skip`). ``apply_gradients`` of either adapter uses it (linen's
+      (``keep_on_skip``). ``apply_gradients`` of either adapter uses it (linen's
       ``TrainState.apply_gradients`` keeps its own ``collections``, the same value);
       ``None`` in gradients built by hand.
     nonfinite: for a model wrapped with ``PolicyRules(trace_nonfinite=True)``, the

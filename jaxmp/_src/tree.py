@@ -133,7 +133,7 @@ def all_finite(tree: Any) -> jax.Array:
 
   Non-float leaves (integers, bools, keys, ``None``) are finite by definition, and an
   empty tree is finite; any other leaf (a string, an object) is refused. Floating-point
-  NumPy arrays and scalars and Python floats count like arrays (:func:`is_float_leaf`);
+  NumPy arrays and scalars and Python floats count like arrays (``is_float_leaf``);
   being concrete, they are checked on the
   host, in their own dtype. For JAX arrays the check is one float32 reduction per
   leaf, chosen per backend when the computation is lowered:

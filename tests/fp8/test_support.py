@@ -115,7 +115,7 @@ def test_devices_are_read_as_targets(device, name, fp8_gemm, mx_gemm):
     assert support.lowering(fp8.MXScaling(), target).kind == "unknown"
 
 
-# The support table of the README, compiled deviceless (needs the CUDA plugin; TPU rows
+# The support table of docs/guides/fp8.md, compiled deviceless (needs the CUDA plugin; TPU rows
 # need libtpu): every GEMM of a forward + backward, read back from the optimized HLO.
 _TABLE_CHECK = textwrap.dedent("""\
     from jaxmp import fp8

@@ -161,7 +161,7 @@ def test_the_chain_form_that_a_later_transform_silently_undid_is_refused():
 
 
 def test_outside_loss_scaling_a_skipped_step_keeps_every_param_bit_for_bit():
-  # The order the README recommends: stochastic_rounding(loss_scaling(...)). Loss
+  # The order docs/guides/memory.md recommends: stochastic_rounding(loss_scaling(...)). Loss
   # scaling's zero updates (-0.0) round to the params themselves: p's low 16 bits are
   # zero, so no random 16-bit addend carries into the kept bits.
   params = {"w": jnp.array([1.0, -0.0, 0.0, -3.5, 1e-30, jnp.inf], jnp.bfloat16),

@@ -328,7 +328,7 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array,
   state to use on the next step (see :mod:`jaxmp.fp8.state` for how to apply it
   soundly). The finer recipes and :class:`~jaxmp.fp8.GemmRecipes` quantize each
   GEMM's operands along that GEMM's contracted dimension
-  (:mod:`jaxmp._src.fp8.per_gemm`). A recipe whose GEMMs do not run as fp8 GEMMs on
+  (``jaxmp._src.fp8.per_gemm``). A recipe whose GEMMs do not run as fp8 GEMMs on
   the chip being compiled for warns while tracing
   (:class:`~jaxmp.fp8.Fp8FallbackWarning`, :func:`~jaxmp.fp8.compile_target`).
 

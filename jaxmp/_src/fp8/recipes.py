@@ -121,7 +121,7 @@ class DelayedScaling:
     amax_history_length: entries in each amax history, >= 1. TransformerEngine and
       Flax default to 1024.
     margin: the scale is multiplied by ``2**margin``, leaving that many powers of two
-      of headroom above the amax; an int in ``[0, 56]`` (:data:`MAX_MARGIN`): the
+      of headroom above the amax; an int in ``[0, 56]`` (``MAX_MARGIN``): the
       scales, and the product of two that the op dequantizes with, must stay normal
       float32 numbers for amaxes up to ``2**16``, and ``2 * (16 - log2(448) + margin)
       < 128`` gives 56.
@@ -304,7 +304,7 @@ class MXScaling:
   for E5M2), stored as E8M0 (the biased exponent ``e + 127``; ``0xFF`` is NaN, for a
   block holding inf or NaN), and its elements are ``x / 2**e`` rounded to the element
   format and clamped to its max. An all-zero block gets the smallest scale, ``2**-127``.
-  See :mod:`jaxmp._src.fp8.mx`.
+  See ``jaxmp._src.fp8.mx``.
 
   Attributes:
     gradient_format: the output gradient's element format, ``"e4m3"`` (the default, as

@@ -33,7 +33,7 @@ the sound replacements:
    unchanged. Independently, a non-finite amax is never recorded in a history.
 
 All functions work leaf by leaf on any pytree of fp8 state: a
-:class:`DelayedScalingState`, one module's variables, or a model's whole
+:class:`~jaxmp.fp8.DelayedScalingState`, one module's variables, or a model's whole
 ``_overwrite_with_gradient`` collection. They are pure and jit-safe.
 
 Example:
@@ -203,11 +203,11 @@ def for_grad(state: T) -> T:
   only differentiates float inputs.)
 
   Args:
-    state: a pytree of float32 fp8 state (a :class:`DelayedScalingState`, or a
+    state: a pytree of float32 fp8 state (a :class:`~jaxmp.fp8.DelayedScalingState`, or a
       model's ``_overwrite_with_gradient`` collection). Not the parameters.
 
   Returns:
-    The same tree with :data:`~jaxmp._src.fp8.maxgrad.max_float32` leaves.
+    The same tree with ``jaxmp._src.fp8.maxgrad.max_float32`` leaves.
 
   Raises:
     TypeError: if a leaf is not float32.
@@ -228,7 +228,7 @@ def for_grad(state: T) -> T:
 
 
 def from_grad(tree: T) -> T:
-  """Converts :data:`~jaxmp._src.fp8.maxgrad.max_float32` leaves back to float32.
+  """Converts ``jaxmp._src.fp8.maxgrad.max_float32`` leaves back to float32.
 
   Not needed after the pattern :func:`for_grad` documents (the cotangent already
   comes back as float32); useful when ``max_float32`` values were differentiated

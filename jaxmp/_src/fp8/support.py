@@ -3,7 +3,7 @@
 A recipe asks for fp8; the compiler decides what runs. Compiled deviceless with
 ``jaxmp.tools.audit`` (jax 0.10.2, cuBLAS mode; the tool
 :func:`jaxmp._src.tools.audit.compiled_gemms` compiles one cell) the GEMMs lower as
-follows (the README's support table):
+follows (the support table of docs/guides/fp8.md):
 
 ==================  ========================  ========================  =================
 recipe              H100 (sm_90)              B200 (sm_100)             TPU v7
@@ -112,10 +112,10 @@ def compile_target(name: str) -> Iterator[Target]:
   on exit.
 
   Args:
-    name: one of :data:`TARGETS` (case-insensitive).
+    name: one of ``TARGETS`` (case-insensitive).
 
   Yields:
-    The :class:`Target`.
+    The :class:`~jaxmp._src.fp8.support.Target`.
 
   Raises:
     TypeError: if ``name`` is not a string.

@@ -194,7 +194,7 @@ def apply_gradients(tx: optax.GradientTransformation, params: Any, fp8: Any, opt
   ``tx`` has no loss scaling), and wherever a layer got no cotangent. The other
   collections the forward pass wrote, given as ``collections=``, are kept as they
   were before the step (``grads.state_before``, recorded by :func:`value_and_grad`)
-  on a skipped step, bit for bit (:func:`jaxmp._src.step.keep_on_skip`), as
+  on a skipped step, bit for bit (``jaxmp._src.step.keep_on_skip``), as
   :meth:`TrainState.apply_gradients` keeps them.
 
   Args:
@@ -391,7 +391,7 @@ class TrainState(flax.struct.PyTreeNode):
     ``batch_stats`` that ``apply(..., mutable=["batch_stats"])`` returned): they
     replace the state's collections on an applied step, and on a step the optimizer
     skipped (non-finite gradients) the old collections are kept bit for bit
-    (:func:`jaxmp._src.step.keep_on_skip`), so an overflowing forward pass cannot put
+    (``jaxmp._src.step.keep_on_skip``), so an overflowing forward pass cannot put
     inf into the running statistics. They must have the same structure as
     ``state.collections`` (pass ``{**state.collections, **updates}`` when ``apply``
     returned only some). Optax extra arguments for ``tx.update`` (such as

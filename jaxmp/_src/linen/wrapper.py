@@ -254,8 +254,8 @@ class MixedPrecision(engine.Wrapper):
     """Runs ``fun`` under this wrapper's interceptor; returns its result and the calls.
 
     With ``annotate``, each module call runs in a named scope naming its record (see
-    :data:`jaxmp._src.engine.ANNOTATION`); ``hooks`` run around each module call
-    (:class:`jaxmp._src.engine.CallHook`).
+    ``jaxmp._src.engine.ANNOTATION``); ``hooks`` run around each module call
+    (``jaxmp._src.engine.CallHook``).
     """
     interceptor = _Interceptor(self.rules, annotate, hooks)
     with nn.intercept_methods(interceptor), interceptor.call:

@@ -283,7 +283,7 @@ def for_grad(model: Any) -> Iterator[None]:
 
   Use it *inside* the function ``nnx.grad`` differentiates, around everything that
   calls the model: for its duration every :class:`Fp8State` in ``model`` holds its
-  value converted to :data:`~jaxmp._src.fp8.maxgrad.max_float32` (see
+  value converted to ``jaxmp._src.fp8.maxgrad.max_float32`` (see
   :func:`jaxmp.fp8.state.for_grad`), so a layer called several times, or inside
   ``nnx.scan``, gets the max of its uses' new states, not their sum. The float32
   values are put back in ``finally``; the state's gradient comes back as float32.

@@ -205,7 +205,7 @@ def state_dtypes(inner: optax.GradientTransformation,
       dtype nor a function.
     ValueError: if a storage dtype is not floating or not accepted (bfloat16,
       float16, float32); from ``init``, if the function returns one, or if float16
-      is chosen for a leaf that holds squared gradients (:data:`SQUARED_FIELDS`).
+      is chosen for a leaf that holds squared gradients (``SQUARED_FIELDS``).
 
   Example:
     >>> import optax

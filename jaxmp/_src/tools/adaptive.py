@@ -461,7 +461,7 @@ class PrecisionController:
 
   @property
   def changes(self) -> tuple[PrecisionChange, ...]:
-    """Every change proposed or applied so far, in order: the run's precision log."""
+    """Every change proposed or applied so far, in order (the run's precision log)."""
     return tuple(self._changes)
 
   def update(self, model: Any) -> tuple[Any, PrecisionChange | None]:

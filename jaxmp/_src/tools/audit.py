@@ -205,7 +205,7 @@ class AuditReport:
 
   @property
   def launches(self) -> int:
-    """Kernels launched per call: every GEMM and every other kernel, a loop's per trip."""
+    """Kernels launched per call (every GEMM and every other kernel, a loop's per trip)."""
     return sum(g.count for g in self.gemms) + sum(k.count for k in self.kernels)
 
   def estimated_seconds_with_launches(self, per_launch: float) -> float | None:

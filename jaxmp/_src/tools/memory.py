@@ -90,7 +90,7 @@ class MemoryReport:
 
   @property
   def state_bytes(self) -> int:
-    """Params, master and optimizer state: what lives between steps."""
+    """What lives between steps (params, master and optimizer state)."""
     return self.param_bytes + self.master_bytes + self.opt_state_bytes
 
   @property
@@ -147,7 +147,7 @@ class CompiledMemory:
 
   @property
   def peak_bytes(self) -> int:
-    """Arguments + outputs + temporaries - aliased: the step's footprint."""
+    """The step's footprint, arguments + outputs + temporaries - aliased."""
     return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
 
 

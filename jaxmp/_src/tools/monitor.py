@@ -344,9 +344,9 @@ class Monitor:
     """The history as arrays, one entry per update (NaN / -1 where a value was missing).
 
     Returns:
-      ``{"step", "loss", "grad_norm", "loss_scale": float64/int64 arrays,
-      "skipped": int8 array (1 skipped, 0 not, -1 unknown), "nonfinite": {key: int64
-      array}}``; copies, safe to keep.
+      A dict of copies (safe to keep) with float64/int64 arrays under ``"step"``,
+      ``"loss"``, ``"grad_norm"`` and ``"loss_scale"``, an int8 array under ``"skipped"``
+      (1 skipped, 0 not, -1 unknown) and ``{key: int64 array}`` under ``"nonfinite"``.
     """
     s = self._series
     keys = sorted({k for d in s.nonfinite for k in d})
@@ -369,7 +369,7 @@ class Monitor:
     Args:
       metrics: a mapping with any of ``"grad_norm"``, ``"nonfinite"``,
         ``"loss_scale"``, ``"skipped_steps"``, ``"last_step_finite"``,
-        ``"consecutive_skips"``, ``"nonfinite_trace"`` (:data:`METRICS`; arrays or
+        ``"consecutive_skips"``, ``"nonfinite_trace"`` (``METRICS``; arrays or
         numbers, fetched from the device here). ``last_step_finite`` says whether the
         step was skipped.
       loss: the step's (unscaled) loss, a real scalar, or ``None``.

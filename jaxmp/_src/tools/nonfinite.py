@@ -83,7 +83,7 @@ class Origin(NamedTuple):
     method: the method called.
     direction: ``"forward"`` or ``"backward"``.
     value: which value was non-finite: ``"input"``, ``"output"``, ``"output_grad"``,
-      ``"input_grad"`` or ``"param_grad"`` (see :data:`VALUE_NAMES`).
+      ``"input_grad"`` or ``"param_grad"`` (see ``VALUE_NAMES``).
     amax: that value's recorded absolute max (inf: it held inf or NaN).
   """
 
@@ -260,7 +260,7 @@ def nonfinite_report(trace: nonfinite_lib.NonfiniteTrace, *,
                      ) -> NonfiniteReport:
   """Reads a step's non-finite trace: the first non-finite value and the amax table.
 
-  The "first" non-finite value is :func:`first_nonfinite`'s: the model's inputs, else
+  The "first" non-finite value is ``first_nonfinite``'s: the model's inputs, else
   the first call (in the order calls finish) whose output is non-finite while its inputs
   were finite, else the model's output gradient, else the first call the backward pass
   finishes whose output gradient was finite while the gradients it produced (for its

@@ -214,10 +214,10 @@ def recommend_precision(
 
   For each candidate, ``build(rules)`` gives ``(step_fn, args)``;
   :func:`~jaxmp.tools.audit` compiles ``step_fn(*args)`` for ``target`` (deviceless
-  for a named chip); :func:`step_estimates` reads the estimates (TPU: the cost
+  for a named chip); ``step_estimates`` reads the estimates (TPU: the cost
   model's, in seconds where libtpu gives them for every candidate, else in summed
   kernel cycles; GPU: the roofline plus ``per_launch`` per kernel launch);
-  :func:`choose` picks the smallest, if smaller than the baseline's, else the
+  ``choose`` picks the smallest, if smaller than the baseline's, else the
   baseline. The result holds compiler and cost-model estimates, not measurements.
 
   Args:

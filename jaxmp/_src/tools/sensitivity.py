@@ -189,8 +189,9 @@ class SensitivityReport:
     model: the model's class name.
     candidates: the dtype names measured, e.g. ``("bfloat16", "float16")``.
     metric: the metric's name.
-    rows: one :class:`SensitivityRow` per module path, most sensitive first (by the
-      worst deviation over the candidates; ties keep call order).
+    rows: one :class:`~jaxmp._src.tools.sensitivity.SensitivityRow` per module path,
+      most sensitive first (by the worst deviation over the candidates; ties keep call
+      order).
     whole_model: the metric with *every* module (normalization layers included) in
       each candidate dtype, for scale.
   """
@@ -398,7 +399,7 @@ def deviation(model_or_wrapper: Any, variables: Any, *args,
   recommendation is closer to float32 than computing everything in half precision.
 
   Args:
-    model_or_wrapper, variables, *args, metric, **kwargs: as for :func:`sensitivity`.
+    model_or_wrapper, variables, args, metric, kwargs: as for :func:`sensitivity`.
     rules: a policy or :class:`jaxmp.PolicyRules`, or a list of them (the float32
       reference is then computed once).
 

@@ -39,7 +39,7 @@ class LeafStats(NamedTuple):
   """What a dtype would do to one leaf's values; arrays, so it can be returned from jit.
 
   Counts are over the leaf's *nonzero finite* values ``x``, classified by where
-  ``|x| * loss_scale`` rounds in the dtype (see :func:`underflow_stats`).
+  ``|x| * loss_scale`` rounds in the dtype (see :func:`jaxmp.tools.underflow_stats`).
 
   Attributes:
     nonzero: nonzero finite values (int32).
@@ -149,7 +149,7 @@ def underflow_stats(tree: Any, dtype: dtypes_lib.DTypeLike,
 
   Returns:
     A dict from each float leaf's '/'-joined path (``"<root>"`` for a bare array) to
-    its :class:`LeafStats`.
+    its :class:`~jaxmp._src.tools.underflow.LeafStats`.
 
   Raises:
     ValueError: for an unknown dtype, or a concrete ``loss_scale`` that is not
@@ -251,7 +251,8 @@ class UnderflowReport:
   Attributes:
     dtype: the dtype measured against.
     loss_scale: the scale the values were multiplied by.
-    rows: one :class:`UnderflowRow` per floating-point leaf, in tree order.
+    rows: one :class:`~jaxmp._src.tools.underflow.UnderflowRow` per floating-point leaf,
+      in tree order.
     total: the counts over all leaves (path ``"<all>"``).
     suggested_scale: the power-of-two loss scale :func:`suggest_scale` picks from
       the smallest and largest ``|x|``: just large enough to make every nonzero value
