@@ -16,7 +16,11 @@ functions) on the local GPU and prints what it **measured**:
   ``peak_bytes_in_use`` after three donated steps, beside XLA's own accounting of the
   compiled step;
 * first, a plain bf16 8192^3 matmul's TFLOP/s in the same process: the ceiling the
-  tables are read against (``--preset gpu``).
+  tables are read against (``--preset gpu``);
+* with ``--profile DIR``, each timed variant traced for a few steps
+  (``jax.profiler``): the GPU's busy time per step split into GEMM, attention and other
+  kernels, the idle rest of the measured step (launch gaps, host work), and the
+  kernels that took longest, by name and HLO op.
 
 Run on a machine with a GPU: ``python benchmarks/gpu_measure.py`` (all three workloads)
 or ``--workloads llama,memory``; ``--preset smoke`` runs tiny shapes (on a CPU too: a
@@ -32,9 +36,11 @@ GEMM configurations, not its tuned ones).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -118,8 +124,84 @@ def _report(compiled: Any) -> jaxmp.tools.AuditReport:
                              device.device_kind)
 
 
+PROFILED_STEPS = 3
+_GEMM = re.compile(r"gemm|xmma|cutlass|cublas|wgmma|sm90_", re.I)
+_ATTENTION = re.compile(r"fmha|cudnn|flash|sdpa", re.I)
+
+
+def kernel_class(name: str) -> str:
+  """``"GEMM"``, ``"attention"`` or ``"other"``, from a GPU kernel's name."""
+  return "attention" if _ATTENTION.search(name) else "GEMM" if _GEMM.search(name) else "other"
+
+
+def device_kernels(trace: dict) -> list[tuple[str, float]]:
+  """``(name, microseconds)`` of every GPU kernel in a profiler trace (Chrome JSON).
+
+  Kernels are the complete events (``"ph": "X"``) of the ``/device:GPU:*`` processes,
+  on their stream threads where the trace names streams (other device threads repeat
+  the same time as XLA ops and modules). The kernel's HLO op, where the trace gives
+  one (``args.hlo_op``), follows its name.
+  """
+  events = trace.get("traceEvents", [])
+  meta = lambda kind: {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+                       if e.get("ph") == "M" and e.get("name") == kind}
+  gpus = {pid for (pid, _), name in meta("process_name").items() if "GPU" in name}
+  streams = {key for key, name in meta("thread_name").items()
+             if key[0] in gpus and name.startswith("Stream")}
+  kernels = []
+  for e in events:
+    if e.get("ph") != "X" or e.get("pid") not in gpus:
+      continue
+    if streams and (e["pid"], e.get("tid")) not in streams:
+      continue
+    op = (e.get("args") or {}).get("hlo_op")
+    kernels.append((f"{e['name']} [{op}]" if op else e["name"], float(e.get("dur", 0.0))))
+  return kernels
+
+
+def profile_summary(kernels: list[tuple[str, float]], steps: int, wall_ms: float,
+                    top: int = 8) -> dict:
+  """Per step: kernels, GPU busy time by class, the gap to ``wall_ms``, the top kernels."""
+  by_class: dict[str, float] = {"GEMM": 0.0, "attention": 0.0, "other": 0.0}
+  by_name: dict[str, list[float]] = {}
+  for name, us in kernels:
+    by_class[kernel_class(name)] += us / 1e3 / steps
+    by_name.setdefault(name, []).append(us)
+  busy = sum(by_class.values())
+  ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+  return {"kernels": len(kernels) / steps, "busy_ms": busy, "idle_ms": wall_ms - busy,
+          **{f"{k}_ms": v for k, v in by_class.items()},
+          "top": [(name, sum(us) / 1e3 / steps, len(us) / steps) for name, us in ranked]}
+
+
+def profile_table(runs: dict, measured: dict, directory: pathlib.Path, results: dict) -> None:
+  """Traces :data:`PROFILED_STEPS` steps of each variant; prints where the GPU time went."""
+  summaries = {}
+  for name, run in runs.items():
+    where = directory / re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+    with jax.profiler.trace(str(where)):
+      for _ in range(PROFILED_STEPS):
+        run()
+    trace_file = max(where.glob("plugins/profile/*/*.trace.json.gz"), key=os.path.getmtime)
+    kernels = device_kernels(json.loads(gzip.open(trace_file).read()))
+    summaries[name] = profile_summary(kernels, PROFILED_STEPS, measured[name].ms)
+  print("\nprofiled (jax.profiler, 3 steps each; ms per step; idle = measured step - GPU busy)\n")
+  print("| variant | kernels | GPU busy | GEMM | attention | other | idle |\n"
+        "|---|---:|---:|---:|---:|---:|---:|")
+  for name, row in summaries.items():
+    print(f"| {name} | {row['kernels']:.0f} | {row['busy_ms']:.3f} | {row['GEMM_ms']:.3f} | "
+          f"{row['attention_ms']:.3f} | {row['other_ms']:.3f} | {row['idle_ms']:.3f} |")
+  for name, row in summaries.items():
+    print(f"\n{name}: top kernels (ms per step, launches per step)")
+    for kernel, ms, count in row["top"]:
+      print(f"  {ms:8.3f} ms {count:5.0f}x  {kernel[:150]}")
+  results.update(summaries)
+  sys.stdout.flush()
+
+
 def time_table(title: str, cases: dict[str, gpu_report.Case], results: dict,
-               baselines: tuple[str, ...] = ("float32", "bf16")) -> None:
+               baselines: tuple[str, ...] = ("float32", "bf16"),
+               profile: pathlib.Path | None = None) -> None:
   """Compiles, counts and times every case of one table; prints it, with each row's
   speed against each of ``baselines`` (rows of the table)."""
   runs, reports = {}, {}
@@ -144,6 +226,9 @@ def time_table(title: str, cases: dict[str, gpu_report.Case], results: dict,
           f"{r.launches} | {fp8}/{sum(g.count for g in r.gemms)} |")
     table[name] = {"ms": t.ms, "tflops": tflops, "kernels": r.launches, "fp8_gemms": fp8}
   sys.stdout.flush()
+  if profile is not None:
+    profile_table(runs, measured, profile / re.sub(r"\W+", "_", title.split(":")[0]),
+                  results.setdefault(f"{title}, profiled", {}))
 
 
 def memory_run(name: str, preset: str) -> dict:
@@ -197,6 +282,9 @@ def main(argv=None) -> None:
                       help=f"comma-separated, from: {', '.join(WORKLOADS)}")
   parser.add_argument("--preset", choices=("gpu", "smoke"), default="gpu")
   parser.add_argument("--json", help="also write every figure to this file")
+  parser.add_argument("--profile", type=pathlib.Path,
+                      help="also trace each timed variant (jax.profiler) into this folder "
+                           "and print where its GPU time went")
   parser.add_argument("--memory-run", help=argparse.SUPPRESS)  # one memory run (a child)
   args = parser.parse_args(argv)
   if args.memory_run:
@@ -217,16 +305,16 @@ def main(argv=None) -> None:
     gpu_report.progress(f"workload {workload}")
     if workload == "llama":
       time_table(f"llama: one decoder layer, batch {batch} x context {context}, train step "
-                 "(SGD)", gpu_report.llama_cases(args.preset), results)
+                 "(SGD)", gpu_report.llama_cases(args.preset), results, profile=args.profile)
     elif workload == "attention":
       time_table(f"attention alone (the llama layer's), batch {batch} x context {context}, "
                  "forward + backward, bfloat16", gpu_report.attention_cases(args.preset),
-                 results, baselines=("cuDNN, causal mask tensor",))
+                 results, baselines=("cuDNN, causal mask tensor",), profile=args.profile)
     elif workload == "memory":
       memory_table(args.preset, results)
     else:
       time_table(f"demo train step, examples/train_lm.py --preset {args.preset} (AdamW)",
-                 gpu_report.demo_cases(args.preset), results)
+                 gpu_report.demo_cases(args.preset), results, profile=args.profile)
     if args.json:
       pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
 

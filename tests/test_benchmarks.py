@@ -274,13 +274,19 @@ def test_gpu_measure_times_counts_and_weighs_every_variant_it_names(tmp_path, ca
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   gpu_measure.main(["--preset", "smoke", "--workloads", "llama,attention", "--json",
-                    str(tmp_path / "m.json")])
+                    str(tmp_path / "m.json"), "--profile", str(tmp_path / "traces")])
   out = capsys.readouterr().out
+  # Every variant traced and summarised (a CPU trace has no GPU kernels: busy 0).
+  assert len(list((tmp_path / "traces").glob("*/*/plugins/profile/*/*.trace.json.gz"))) == 11
+  # llama's table | its profile, attention's table | attention's profile
+  llama_out, profiled_out, _ = re.split(r"\nprofiled \(jax\.profiler.*\n", out)
   names = list(gpu_report.llama_cases("smoke"))
-  rows = _table_rows(out, names)
+  rows = _table_rows(llama_out, names)
   assert list(rows) == names, out
+  profiled = _table_rows(profiled_out, names)
+  assert list(profiled) == names and all(cells[1] == "0.000" for cells in profiled.values()), out
   attention = gpu_report.attention_cases("smoke")
-  assert list(_table_rows(out, list(attention))) == list(attention), out
+  assert list(_table_rows(profiled_out, list(attention))) == list(attention), out
   # The attention table's three ways compute one attention (and its gradients): a
   # causal mask tensor and the causal mode mask the same pairs.
   results = [jax.jit(case.fn)(*case.make()) for case in attention.values()]
@@ -291,9 +297,40 @@ def test_gpu_measure_times_counts_and_weighs_every_variant_it_names(tmp_path, ca
   kernels = {name: int(cells[4]) for name, cells in rows.items()}
   assert kernels["fp8 per-tensor"] > kernels["bf16"] > 0, out
   figures = json.loads((tmp_path / "m.json").read_text())
-  table, = [v for k, v in figures.items() if k.startswith("llama")]
+  table, = [v for k, v in figures.items() if k.startswith("llama") and "profiled" not in k]
   assert list(table) == names and all(r["ms"] > 0 for r in table.values())
   # A memory run's state is zeros built leaf by leaf (a PRNG key included, which the
   # stochastic-rounding run keeps in its optimizer state); XLA's peak is the step's.
   row = gpu_measure.memory_run("(d) pure bf16, stochastic", "smoke")
   assert row["xla_peak_bytes"] > 0 and row["peak_bytes_in_use"] is None  # no stats on XLA:CPU
+
+
+def test_gpu_measure_reads_where_the_gpu_time_went_from_a_profiler_trace():
+  # A trace as jax.profiler writes it on a GPU: host events, device events on the
+  # stream thread and the same time again on the device's "XLA Ops" line.
+  import gpu_measure  # pylint: disable=g-import-not-at-top
+  trace = {"traceEvents": [
+      {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+      {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+      {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name", "args": {"name": "Stream #13(Compute)"}},
+      {"ph": "M", "pid": 2, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}},
+      {"ph": "X", "pid": 1, "tid": 3, "ts": 0, "dur": 900.0, "name": "PjitFunction(step)"},
+      {"ph": "X", "pid": 2, "tid": 7, "ts": 1, "dur": 300.0,
+       "name": "sm90_xmma_gemm_e4m3f32_e4m3f32", "args": {"hlo_op": "cublas-gemm.3"}},
+      {"ph": "X", "pid": 2, "tid": 7, "ts": 2, "dur": 100.0, "name": "cudnn_generated_fmha"},
+      {"ph": "X", "pid": 2, "tid": 7, "ts": 3, "dur": 50.0, "name": "loop_convert_fusion",
+       "args": {"hlo_op": "convert.7"}},
+      {"ph": "X", "pid": 2, "tid": 7, "ts": 4, "dur": 50.0, "name": "loop_convert_fusion",
+       "args": {"hlo_op": "convert.7"}},
+      {"ph": "X", "pid": 2, "tid": 8, "ts": 1, "dur": 300.0, "name": "cublas-gemm.3"},
+  ]}
+  kernels = gpu_measure.device_kernels(trace)
+  assert kernels == [("sm90_xmma_gemm_e4m3f32_e4m3f32 [cublas-gemm.3]", 300.0),
+                     ("cudnn_generated_fmha", 100.0), ("loop_convert_fusion [convert.7]", 50.0),
+                     ("loop_convert_fusion [convert.7]", 50.0)]
+  summary = gpu_measure.profile_summary(kernels, steps=2, wall_ms=1.0, top=2)
+  assert summary["kernels"] == 2
+  assert (summary["GEMM_ms"], summary["attention_ms"], summary["other_ms"]) == (0.15, 0.05, 0.05)
+  assert summary["busy_ms"] == 0.25 and summary["idle_ms"] == 0.75
+  assert summary["top"] == [("sm90_xmma_gemm_e4m3f32_e4m3f32 [cublas-gemm.3]", 0.15, 0.5),
+                            ("cudnn_generated_fmha", 0.05, 0.5)]
