@@ -56,6 +56,13 @@ named as torchao's ``ScaleCalculationMode`` names them
   binades, that amax included). XLA:CPU would also flush the subnormal quotients below
   ``2**-126`` to zero; the exact form does not depend on the backend.
 
+On Gaussian data the product of two MXFP8 operands has a relative error of 4.1% with
+floor and 3.75% with ceil or rceil (tested): floor's saturated block maxima are the
+difference. Ceil and rceil round the same values alike except near the bottom of the
+element format: the fp8 formats' relative precision is the same in every normal binade,
+and rceil's smaller scale only moves the block's smallest elements away from fp8's
+subnormals and zero.
+
 The three differ only in ``e``: the E8M0 encoding, the inf/NaN rule (a NaN scale, as
 torchao; TransformerEngine saturates an inf amax to ``2**127``, and JAX's rounding
 wraps a NaN amax's code past ``0xFF`` to 0) and the element conversion are the same.

@@ -322,7 +322,10 @@ class MXScaling:
     MXFP8, torchao RCEIL, cuBLAS): no saturation, the whole format used.
 
   CEIL and RCEIL differ for every amax whose significand is at most the format max's
-  (1.75): there RCEIL's scale is half CEIL's. See :mod:`jaxmp._src.fp8.mx`.
+  (1.75): there RCEIL's scale is half CEIL's, which only moves the block's smallest
+  elements away from fp8's subnormals (the relative precision of a normal fp8 value is
+  the same in every binade). Rounding up cuts the product error on Gaussian data from
+  4.1% (floor) to 3.75%. See :mod:`jaxmp._src.fp8.mx`.
 
   Attributes:
     gradient_format: the output gradient's element format, ``"e4m3"`` (the default, as
