@@ -45,8 +45,11 @@ RECIPES = {
     "rowwise": fp8.RowwiseScaling(),
     "rowwise, bf16 weight gradient": fp8.GemmRecipes(
         forward=fp8.RowwiseScaling(), input_grad=fp8.RowwiseScaling()),
+    "torchao rowwise_with_gw_hp": fp8.GemmRecipes.rowwise_with_gw_hp(),
     "block 1x128 / 128x128": fp8.BlockScaling(),
     "MXFP8": fp8.MXScaling(),
+    "MXFP8, ceil scales": fp8.MXScaling(scale_rounding="ceil"),
+    "MXFP8, rceil scales": fp8.MXScaling(scale_rounding="rceil"),
 }
 
 

@@ -326,6 +326,26 @@ CASES = [
      "got 128.0 of type float"),
     ("MXScaling unknown gradient format", lambda: fp8.MXScaling(gradient_format="fp8"),
      ValueError, "'fp8'"),
+    ("MXScaling unknown scale rounding", lambda: fp8.MXScaling(scale_rounding="round"),
+     ValueError, "unknown scale_rounding 'round'; accepted values are 'floor', 'ceil', "
+     "'rceil'"),
+    ("MXScaling scale rounding not a string", lambda: fp8.MXScaling(scale_rounding=None),
+     TypeError, "scale_rounding must be a string, one of ('floor', 'ceil', 'rceil'), got None"),
+    ("OperandRecipes MX operand", lambda: fp8.OperandRecipes(
+        input=fp8.MXScaling(), kernel=fp8.RowwiseScaling()), TypeError,
+     "input must be None or one of CurrentScaling, RowwiseScaling (a recipe with one scale "
+     "per row or tensor), got MXScaling("),
+    ("OperandRecipes one operand", lambda: fp8.OperandRecipes(kernel=fp8.CurrentScaling()),
+     ValueError, "exactly two of input, kernel, output_grad take a recipe; got ['kernel']"),
+    ("GemmRecipes OperandRecipes of another GEMM", lambda: fp8.GemmRecipes(
+        forward=fp8.OperandRecipes(output_grad=fp8.RowwiseScaling(),
+                                   kernel=fp8.CurrentScaling())), ValueError,
+     "the forward GEMM multiplies the input by the kernel, so its OperandRecipes takes "
+     "recipes for input and kernel"),
+    ("GemmRecipes OperandRecipes as a layer recipe", lambda: jaxmp.Rule(
+        nn.Dense, fp8=fp8.OperandRecipes(input=fp8.CurrentScaling(),
+                                         kernel=fp8.CurrentScaling())), TypeError,
+     "got OperandRecipes("),
     ("GemmRecipes with delayed scaling", lambda: fp8.GemmRecipes(forward=fp8.DelayedScaling()),
      TypeError, "DelayedScaling keeps one state per tensor"),
     ("GemmRecipes a string", lambda: fp8.GemmRecipes(weight_grad="rowwise"), TypeError,

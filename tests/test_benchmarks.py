@@ -59,10 +59,12 @@ def _run_deviceless(script: str, *args: str) -> str:
 
 @pytest.mark.slow
 def test_bench_recipes_quality_trains_the_demo_with_fp8_recipes(capsys):
-  # Two recipes (each is a few seconds of compiling): delayed scaling's state and a
-  # recipe per GEMM; tests/fp8 runs every recipe.
+  # A few recipes (each is a few seconds of compiling): delayed scaling's state, a
+  # recipe per GEMM, one per operand, and MX's rounded-up scales; tests/fp8 runs every
+  # recipe.
   import bench_recipes  # pylint: disable=g-import-not-at-top
-  recipes = ["per-tensor delayed", "rowwise, bf16 weight gradient"]
+  recipes = ["per-tensor delayed", "rowwise, bf16 weight gradient",
+             "torchao rowwise_with_gw_hp", "MXFP8, rceil scales"]
   bench_recipes.main(["--parts", "quality", "--preset", "smoke", "--steps", "2",
                       "--recipes", *recipes])
   names = ["bfloat16", *recipes]

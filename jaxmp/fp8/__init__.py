@@ -7,7 +7,8 @@
   :class:`BlockScaling` (DeepSeek-V3's 1x128 / 128x128) and :class:`MXScaling` (OCP
   MXFP8, E8M0 scales); :class:`Int8Scaling` is AQT's symmetric int8 with per-row
   scales and int32 accumulation. :class:`GemmRecipes` gives the forward, input-gradient and
-  weight-gradient GEMMs a recipe each, or the compute dtype. float32 scaling
+  weight-gradient GEMMs a recipe each (or one per operand, :class:`OperandRecipes`), or
+  the compute dtype. float32 scaling
   arithmetic and accumulation throughout.
 - What runs where: :func:`compile_target` names the chip being compiled for, and a
   recipe whose GEMMs do not run as fp8 GEMMs there warns
@@ -40,6 +41,7 @@ from jaxmp._src.fp8.recipes import DelayedScaling
 from jaxmp._src.fp8.recipes import GemmRecipes
 from jaxmp._src.fp8.recipes import Int8Scaling
 from jaxmp._src.fp8.recipes import MXScaling
+from jaxmp._src.fp8.recipes import OperandRecipes
 from jaxmp._src.fp8.recipes import Recipe
 from jaxmp._src.fp8.recipes import RowwiseScaling
 from jaxmp._src.fp8.state import OVERWRITE_WITH_GRADIENT
@@ -60,6 +62,7 @@ __all__ = (
     "GemmRecipes",
     "Int8Scaling",
     "MXScaling",
+    "OperandRecipes",
     "Recipe",
     "RowwiseScaling",
     "compile_target",

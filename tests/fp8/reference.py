@@ -7,14 +7,14 @@ from OCP MX v1.0 (unsigned biased exponent, bias 127, 0xFF NaN), the current-sca
 scale from TransformerEngine/Flax (``1 / ((fp8_max / amax) / 2**margin)`` in float32,
 torchao's power-of-two rounding of the multiplier), the groupings of torchao's rowwise
 recipe and DeepSeek-V3's 1x128 / 128x128 blocks, and the MX conversion of OCP MX v1.0
-section 6.3 (shared exponent ``floor(log2(amax)) - emax``, elements clamped), and
+section 6.3 (shared exponent ``floor(log2(amax)) - emax``, elements clamped) with
+torchao's CEIL and the RCEIL of torchao, TransformerEngine and JAX (``amax / fp8_max``
+in float32 rounded up to E8M0), and
 AQT's symmetric int8 (scale ``amax / 127`` in float32, round to nearest even, clip to
 ``[-127, 127]``, integer accumulation, float32 rescale by the two row scales).
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
@@ -126,24 +126,80 @@ def dequantize_groups(codes: np.ndarray, scale: np.ndarray, rows: int, cols: int
   return decode(codes, fmt) * full[:, :codes.shape[1], :codes.shape[2]]
 
 
-def mx_quantize(x: np.ndarray, fmt: str):
-  """OCP MX v1.0 per 32-element block: (padded element codes, E8M0 codes as uint8)."""
+def e8m0_floor(amax, fmt: str) -> np.ndarray:
+  """OCP MX v1.0 section 6.3: ``floor(log2(amax)) - emax``, clamped, biased; 0xFF for inf/NaN.
+
+  Amax 0 reads as the smallest normal float32 (whose exponent then clamps).
+  """
+  a = np.asarray(amax, np.float64)
+  finite = np.isfinite(a)
+  safe = np.where(finite, np.maximum(a, 2.0**-126), 1.0)
+  shared = np.clip(np.floor(np.log2(safe)) - EMAX[fmt], -127, 127)
+  return np.where(finite, shared + 127, 0xFF).astype(np.uint8)
+
+
+def e8m0_ceil(amax, fmt: str) -> np.ndarray:
+  """torchao CEIL (torchao/prototype/mx_formats/mx_tensor.py, ``to_mx``): the float32
+  exponent of amax, "add one to scale if the mantissa is larger than 0", minus emax,
+  clamped to ``[-127, 128]`` and biased; 0xFF where amax is not finite.
+
+  Read here with ``frexp`` (``amax = m * 2**E``, ``m`` in ``[0.5, 1)``): ``ceil(log2
+  amax)`` is ``E - 1`` for ``m == 0.5`` and ``E`` otherwise; a float32 subnormal has
+  exponent field 0, i.e. ``2**-127`` (torchao reads it so) and clamps to code 0.
+  """
+  a = np.asarray(amax, np.float64)
+  finite = np.isfinite(a)
+  m, e = np.frexp(np.where(finite & (a >= 2.0**-126), a, 2.0**-127))
+  shared = np.clip(np.where(m == 0.5, e - 1, e) - EMAX[fmt], -127, 128)
+  return np.where(finite, shared + 127, 0xFF).astype(np.uint8)
+
+
+def _f32_to_e8m0_round_up(value) -> np.ndarray:
+  """torchao's ``_f32_to_e8m0_rceil`` / TransformerEngine's ``float_to_e8m0`` (non-Blackwell
+  path) / JAX's ``cast_to_e8m0_with_rounding_up``: the float32 exponent field, plus one
+  where any significand bit is set; for a float32 subnormal (exponent field 0) only
+  above ``2**-127`` (significand above ``0x400000``); 0xFF for inf/NaN (torchao)."""
+  value = np.asarray(value, F32)
+  bits = value.view(np.uint32)
+  exponent = (bits >> 23).astype(np.int64) & 0xFF
+  mantissa = bits & 0x7FFFFF
+  up = np.where(exponent == 0, mantissa > 0x400000, mantissa != 0)
+  return np.where(np.isfinite(value), exponent + up, 0xFF).astype(np.uint8)
+
+
+def e8m0_rceil(amax, fmt: str, quotient: str = "reciprocal") -> np.ndarray:
+  """RCEIL: ``amax / fp8_max`` in float32, rounded up to E8M0.
+
+  ``quotient="reciprocal"`` multiplies by the float32 reciprocal, as torchao
+  (``max_abs * (1.0 / max_pos)``) and TransformerEngine (``amax * max_norm_rcp``);
+  ``"divide"`` divides, as JAX (``jnp.max(jnp.abs(values)) / MAX``).
+  """
+  a = np.asarray(amax, F32)
+  bound = F32(FORMATS[fmt][2])
+  with np.errstate(over="ignore", invalid="ignore"):
+    q = a * (F32(1) / bound) if quotient == "reciprocal" else a / bound
+  return _f32_to_e8m0_round_up(q)
+
+
+E8M0_RULES = {"floor": e8m0_floor, "ceil": e8m0_ceil, "rceil": e8m0_rceil}
+
+
+def mx_quantize(x: np.ndarray, fmt: str, rounding: str = "floor"):
+  """MX per 32-element block: (padded element codes, E8M0 codes as uint8).
+
+  The scale from :data:`E8M0_RULES` (OCP MX v1.0's floor by default), elements ``x /
+  2**e`` clipped to the format's max and rounded; a NaN-scale block keeps its elements.
+  """
   x = pad(np.asarray(x, F32), 1, 32)
   b, r, c = x.shape
   blocks = x.reshape(b, r, c // 32, 32).astype(np.float64)
   amax = np.max(np.abs(blocks), axis=-1)
-  codes = np.zeros(amax.shape, np.uint8)
-  elements = np.zeros(blocks.shape, np.float64)
+  codes = E8M0_RULES[rounding](amax, fmt)
+  shared = np.where(codes == 0xFF, 0, codes.astype(np.int64) - 127)
   bound = FORMATS[fmt][2]
-  for index, a in np.ndenumerate(amax):
-    if not np.isfinite(a):
-      codes[index], shared = 0xFF, 0  # NaN scale; elements kept as they are
-    else:
-      # Amax 0 reads as the smallest normal float32 (whose exponent then clamps).
-      shared = min(max(math.floor(math.log2(max(a, 2.0**-126))) - EMAX[fmt], -127), 127)
-      codes[index] = shared + 127
-    quotient = blocks[index] / 2.0**shared
-    elements[index] = np.where(np.isinf(quotient), quotient, np.clip(quotient, -bound, bound))
+  with np.errstate(invalid="ignore"):
+    quotient = blocks / 2.0**shared[..., None]
+  elements = np.where(np.isinf(quotient), quotient, np.clip(quotient, -bound, bound))
   return encode(elements.reshape(b, r, c), fmt), codes
 
 

@@ -6,6 +6,7 @@ the compute dtype.
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -25,12 +26,15 @@ def operands():
                for key, shape in zip(k, ((48, 200), (200, 64), (48, 64))))
 
 
+def _run_vjp(op, x, w, g):
+  """(y, dx, dw) of ``op(x, w)`` for the cotangent ``g``."""
+  y, vjp = jax.vjp(op, x, w)
+  return (y, *vjp(g))
+
+
 def _run(op, operands):
-  """(y, dx, dw) of ``op(x, w)`` for the cotangent ``g``, jitted."""
-  @jax.jit
-  def run(x, w, g):
-    y, vjp = jax.vjp(op, x, w)
-    return (y, *vjp(g))
+  """:func:`_run_vjp`, jitted, as float32 NumPy arrays."""
+  run = jax.jit(lambda x, w, g: _run_vjp(op, x, w, g))
   return [np.asarray(a.astype(jnp.float32)) for a in run(*operands)]
 
 
@@ -138,3 +142,28 @@ def test_gemm_recipes_are_hashable_static_arguments_and_compare_by_value():
 def test_gemm_recipes_refuse_bad_fields(kwargs, error, match):
   with pytest.raises(error, match=match):
     fp8.GemmRecipes(**kwargs)
+
+
+def test_a_recipe_per_operand_with_one_recipe_for_both_is_that_gemm_bit_for_bit(operands):
+  rows = fp8.RowwiseScaling()
+  both = fp8.GemmRecipes(rows, fp8.OperandRecipes(output_grad=rows, kernel=rows),
+                         fp8.OperandRecipes(output_grad=rows, input=rows))
+  for got, expected in zip(_fp8_run(both, operands), _fp8_run(rows, operands)):
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_torchao_rowwise_with_gw_hp_is_spelled_out_and_runs_its_gemms_as_named(operands):
+  recipe = fp8.GemmRecipes.rowwise_with_gw_hp()
+  rows = fp8.RowwiseScaling(power_of_two=True, gradient_format="e4m3")
+  assert recipe == fp8.GemmRecipes(
+      rows, fp8.OperandRecipes(kernel=fp8.CurrentScaling(power_of_two=True), output_grad=rows),
+      None)
+  assert hash(recipe) == hash(fp8.GemmRecipes.rowwise_with_gw_hp())
+  # What runs (the lowered program): the forward and input-gradient GEMMs multiply two
+  # E4M3 operands, the weight-gradient GEMM the bfloat16 operands themselves.
+  x, w, g = operands
+  text = jax.jit(lambda x, w, g: _run_vjp(_fp8(recipe), x, w, g)).lower(x, w, g).as_text()
+  dots = re.findall(r"stablehlo.dot_general %\S+, %\S+, .*: \(tensor<([^>]*)>, tensor<([^>]*)>\)",
+                    text)
+  assert [(a.split("x")[-1], b.split("x")[-1]) for a, b in dots] == [
+      ("f8E4M3FN", "f8E4M3FN"), ("f8E4M3FN", "f8E4M3FN"), ("bf16", "bf16")], dots

@@ -20,7 +20,9 @@ from tests.published import models as registry
 
 BF16 = "params=float32,compute=bfloat16,output=float32"
 ROWS = fp8.RowwiseScaling()
-MLP_IN = fp8.GemmRecipes(fp8.MXScaling(), fp8.BlockScaling(block_size=16), None)
+MLP_IN = fp8.GemmRecipes(fp8.MXScaling(scale_rounding="rceil"), fp8.BlockScaling(block_size=16),
+                         None)
+GW_HP = fp8.GemmRecipes.rowwise_with_gw_hp()  # a recipe per operand in its input gradient
 MLP_OUT = fp8.BlockScaling(block_size=16, power_of_two=True)
 
 
@@ -76,9 +78,10 @@ def test_linen_lm1b_attention_rowwise_and_mlp_per_gemm(recorded):
 
 @pytest.mark.slow
 def test_nnx_mnist_cnn_two_recipes_in_one_model(recorded):
+  # torchao's rowwise_with_gw_hp on one layer, MX forward / block weight gradient on the other.
   entry = registry.BY_NAME["mnist_cnn"]
   rules = jaxmp.PolicyRules(BF16, [
-      jaxmp.Rule("linear1", fp8=ROWS),
+      jaxmp.Rule("linear1", fp8=GW_HP),
       jaxmp.Rule("linear2", fp8=fp8.GemmRecipes(fp8.MXScaling(), None,
                                                 fp8.BlockScaling(power_of_two=True))),
   ])
@@ -101,7 +104,7 @@ def test_nnx_mnist_cnn_two_recipes_in_one_model(recorded):
   second = step(model, optimizer)
   linear1 = entry.module(nnx.Rngs(0)).linear1.kernel.shape
   linear2 = entry.module(nnx.Rngs(0)).linear2.kernel.shape
-  assert recorded == {tuple(linear1): {ROWS},
+  assert recorded == {tuple(linear1): {GW_HP},
                       tuple(linear2): {fp8.GemmRecipes(fp8.MXScaling(), None,
                                                        fp8.BlockScaling(power_of_two=True))}}
   assert np.isfinite(first) and float(second) < float(first)

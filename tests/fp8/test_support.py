@@ -123,7 +123,9 @@ _TABLE_CHECK = textwrap.dedent("""\
     from jaxmp._src.tools import targets
     recipes = {"tensor": fp8.DelayedScaling(4), "row": fp8.RowwiseScaling(),
                "block": fp8.BlockScaling(), "block2": fp8.BlockScaling(power_of_two=True),
-               "mx": fp8.MXScaling()}
+               "mx": fp8.MXScaling(), "mx_ceil": fp8.MXScaling(scale_rounding="ceil"),
+               "mx_rceil": fp8.MXScaling(gradient_format="e5m2", scale_rounding="rceil"),
+               "gw_hp": fp8.GemmRecipes.rowwise_with_gw_hp()}
     for target in ("h100", "b200", "v7"):
       if target == "v7" and not targets.installed("libtpu"):
         continue
@@ -154,6 +156,10 @@ _EXPECTED_TABLE = {
     ("v7", "tensor"): "3 fp8 False", ("v7", "row"): "3 fp8 False",
     ("v7", "block"): "3 float32 True", ("v7", "block2"): "3 bfloat16 True",
     ("v7", "mx"): "3 bfloat16 True",
+    **{(chip, mx): "3 mx False" if chip == "b200" else "3 bfloat16 True"
+       for chip in ("h100", "b200", "v7") for mx in ("mx_ceil", "mx_rceil")},
+    # torchao's rowwise_with_gw_hp: fp8 forward, fp8 rowwise x tensorwise input gradient.
+    **{(chip, "gw_hp"): "3 bfloat16,fp8 False" for chip in ("h100", "b200", "v7")},
 }
 
 
@@ -167,6 +173,38 @@ def test_the_support_table_holds_in_deviceless_compiles():
   assert rows, out.stdout
   for key, found in rows.items():
     assert found == _EXPECTED_TABLE[key], (key, found)
+
+
+_MX_ROUNDINGS_CHECK = textwrap.dedent("""\
+    import re
+    import jax, jax.numpy as jnp
+    import jaxmp
+    from jaxmp import fp8
+    S = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
+    dims = (((1,), (0,)), ((), ()))
+    for rounding in ("floor", "ceil", "rceil"):
+      recipe = fp8.MXScaling(gradient_format="e5m2", scale_rounding=rounding)
+      def step(x, w, g, recipe=recipe):
+        y, vjp = jax.vjp(lambda x, w: fp8.fp8_dot_general(x, w, dims, recipe=recipe), x, w)
+        return y, vjp(g)
+      r = jaxmp.tools.audit(step, S, S, S, target="b200")
+      calls = sorted(set(re.findall(r'custom_call_target="(__cudnn[^"]*)"', r.hlo)))
+      print(rounding, "|".join(sorted(f"{g.backend}:{','.join(g.operand_dtypes)}"
+                                      for g in r.gemms)), ",".join(calls))
+    """)
+
+
+def test_every_mx_scale_rounding_reaches_cudnn_s_block_scaled_gemm_on_a_b200():
+  # Every rounding gives E8M0 scales, which is all cuDNN's block-scaled GEMM reads: the
+  # three GEMMs of a forward + backward (E4M3 operands, E5M2 gradients) lower to it.
+  if not audit_targets.cuda_plugin_installed():
+    pytest.skip("needs the jax[cuda12] plugin (make gpu-report builds .venv-cuda)")
+  lines = dict(line.split(" ", 1) for line in _deviceless(_MX_ROUNDINGS_CHECK).stdout.splitlines()
+               if line.split(" ", 1)[0] in ("floor", "ceil", "rceil"))
+  mx = "MX cuDNN block-scaled GEMM"
+  expected = (f"{mx}:float8_e4m3fn,float8_e4m3fn|{mx}:float8_e5m2,float8_e4m3fn|"
+              f"{mx}:float8_e5m2,float8_e4m3fn __cudnn$blockScaledDot")  # sorted
+  assert lines == dict.fromkeys(("floor", "ceil", "rceil"), expected), lines
 
 
 @pytest.mark.parametrize("target, warns", [

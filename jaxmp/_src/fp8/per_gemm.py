@@ -14,7 +14,10 @@ weight grad    ``g.T`` (gradient), ``x.T``     ``M``: per channel, along the tok
 =============  ==============================  ====================================
 
 Each operand is quantized along the dimension its GEMM contracts, with the grouping
-and format its recipe gives its role (:func:`grouping`, :func:`fp8_format`). The
+and format its recipe gives its role (:func:`grouping`, :func:`fp8_format`); a GEMM
+whose recipe is an :class:`~jaxmp.fp8.OperandRecipes` quantizes each operand with the
+recipe of its role (:func:`operand_recipe`) and multiplies them as a per-row or
+per-tensor GEMM rescaled by the outer product of the two operands' scales. The
 forward pass quantizes ``x`` and ``w`` for the forward GEMM and, for the backward
 GEMMs, ``w.T`` and ``x.T`` along their own contracted dimensions; the backward pass
 keeps those (fp8 data and scales, or the operand itself for a compute-dtype GEMM) as
@@ -68,8 +71,16 @@ class Config(NamedTuple):
   rhs_varying: frozenset = frozenset()
 
 
+def operand_recipe(recipe: Any, role: str) -> Any:
+  """The recipe that quantizes the operand in ``role`` of a GEMM under ``recipe``."""
+  if isinstance(recipe, recipes_lib.OperandRecipes):
+    return recipe.recipe(role)
+  return recipe
+
+
 def grouping(recipe: Any, role: str) -> grouped.Grouping:
   """Which elements of an operand in ``role`` share a scale under ``recipe``."""
+  recipe = operand_recipe(recipe, role)
   if isinstance(recipe, recipes_lib.CurrentScaling):
     return grouped.TENSOR
   if isinstance(recipe, (recipes_lib.RowwiseScaling, recipes_lib.Int8Scaling)):
@@ -82,6 +93,7 @@ def grouping(recipe: Any, role: str) -> grouped.Grouping:
 
 def fp8_format(recipe: Any, role: str) -> np.dtype:
   """The fp8 format of an operand in ``role`` under ``recipe``."""
+  recipe = operand_recipe(recipe, role)
   if role != GRADIENT or isinstance(recipe, recipes_lib.BlockScaling):
     return q.E4M3
   if isinstance(recipe, recipes_lib.CurrentScaling):
@@ -91,13 +103,14 @@ def fp8_format(recipe: Any, role: str) -> np.dtype:
 
 def quantize(x: jax.Array, recipe: Any, role: str) -> Operand:
   """A canonical operand prepared for a GEMM under ``recipe`` (itself for ``None``)."""
+  recipe = operand_recipe(recipe, role)
   if recipe is None:
     return x
   if isinstance(recipe, recipes_lib.Int8Scaling):
     return int8.quantize(x)
   fmt = fp8_format(recipe, role)
   if isinstance(recipe, recipes_lib.MXScaling):
-    return mx.quantize(x, fmt)
+    return mx.quantize(x, fmt, recipe.scale_rounding)
   group = grouping(recipe, role)
   scale = grouped.scales(x, group, fmt, recipe.margin, recipe.power_of_two)
   return grouped.quantize(x, group, fmt, scale)
@@ -113,9 +126,16 @@ def _gemm(a: Operand, b: Operand, recipe: Any, roles: tuple, shape: tuple, out_d
     return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), scaled_gemm.CANONICAL,
                                preferred_element_type=out_dtype)
   a, b = cast(grouped.Quantized, a), cast(grouped.Quantized, b)
-  groupings = tuple(grouping(recipe, role) for role in roles)
   # The gradient GEMMs accumulate without cuBLASLt's fast accumulation, as in Flax and
   # TransformerEngine (scaled_gemm.rescaled_dot).
+  if isinstance(recipe, recipes_lib.OperandRecipes):
+    # Per row or per tensor (OPERAND_RECIPE_TYPES): nothing padded, no scale along C.
+    exact = all(operand_recipe(recipe, role).power_of_two for role in roles)
+    return scaled_gemm.rescaled_dot(a.data, b.data, scaled_gemm.CANONICAL,
+                                    a.scale * jnp.swapaxes(b.scale, 1, 2), out_dtype,
+                                    exact_scale=exact,
+                                    accumulate_exactly_on_gpus=roles[0] == GRADIENT)
+  groupings = tuple(grouping(recipe, role) for role in roles)
   return scaled_gemm.gemm(a, b, recipe, groupings, shape, out_dtype, cfg.block_scaled_gemm,
                           accumulate_exactly_on_gpus=roles[0] == GRADIENT)
 
@@ -166,4 +186,4 @@ def config(lhs: jax.Array, rhs: jax.Array, dimension_numbers: tuple,
                 sharding.varying_axes(lhs), sharding.varying_axes(rhs))
 
 
-__all__ = ("Config", "config", "dot", "fp8_format", "grouping", "quantize")
+__all__ = ("Config", "config", "dot", "fp8_format", "grouping", "operand_recipe", "quantize")
