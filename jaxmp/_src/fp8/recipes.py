@@ -453,7 +453,7 @@ class OperandRecipes:
 
   @property
   def roles(self) -> tuple[str, ...]:
-    """The roles given a recipe, in :data:`ROLES` order."""
+    """The roles given a recipe, in ``ROLES`` order."""
     return tuple(role for role in ROLES if getattr(self, role) is not None)
 
   def recipe(self, role: str) -> Any:
