@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src.fp8 import block_gemm
 from jaxmp._src.fp8 import grouped
 from jaxmp._src.fp8 import int8
 from jaxmp._src.fp8 import mx
@@ -213,9 +214,22 @@ def _dequantized_dot(a: grouped.Quantized, b: grouped.Quantized, grouping_a: gro
   return out.astype(out_dtype)
 
 
+def _block_dot(a: grouped.Quantized, b: grouped.Quantized, grouping_a: grouped.Grouping,
+               grouping_b: grouped.Grouping, out_dtype: Any, recipe: Any,
+               block_fp8: bool) -> jax.Array:
+  """A ``BlockScaling`` product: the fp8 kernel when lowering for CUDA on Hopper."""
+  dequantized = functools.partial(_dequantized_dot, grouping_a=grouping_a,
+                                  grouping_b=grouping_b, out_dtype=out_dtype,
+                                  exact=recipe.power_of_two)
+  if not (block_fp8 and block_gemm.supports(recipe.block_size)):
+    return dequantized(a, b)
+  kernel = functools.partial(block_gemm.gemm, grouping_b=grouping_b, out_dtype=out_dtype)
+  return jax.lax.platform_dependent(a, b, cuda=kernel, default=dequantized)
+
+
 def gemm(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, groupings: tuple,
          shape: tuple, out_dtype: Any, block_scaled_gemm: bool = False,
-         accumulate_exactly_on_gpus: bool = False) -> jax.Array:
+         accumulate_exactly_on_gpus: bool = False, block_fp8: bool = False) -> jax.Array:
   """The product of two quantized canonical operands under ``recipe``.
 
   Args:
@@ -228,6 +242,9 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, groupings: tup
     out_dtype: the product's dtype.
     block_scaled_gemm: for MX, use the block-scaled GEMM when lowering for CUDA.
     accumulate_exactly_on_gpus: as for :func:`rescaled_dot` (gradient GEMMs).
+    block_fp8: for ``BlockScaling`` with a block size the kernel takes, use
+      :func:`~.block_gemm.gemm` when lowering for CUDA (Hopper targets: the fp8 support
+      module decides).
 
   Returns:
     ``(B, P, Q)`` in ``out_dtype``.
@@ -239,7 +256,7 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, groupings: tup
     out = int8_dot(a, b, out_dtype)
   elif isinstance(recipe, recipes_lib.BlockScaling):
     grouping_a, grouping_b = groupings
-    out = _dequantized_dot(a, b, grouping_a, grouping_b, out_dtype, recipe.power_of_two)
+    out = _block_dot(a, b, grouping_a, grouping_b, out_dtype, recipe, block_fp8)
   else:
     out = rescaled_dot(a.data, b.data, CANONICAL, _outer(a.scale, b.scale), out_dtype,
                        exact_scale=recipe.power_of_two,

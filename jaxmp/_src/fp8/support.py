@@ -10,7 +10,7 @@ recipe              H100 (sm_90)              B200 (sm_100)             TPU v7
 ==================  ========================  ========================  =================
 per tensor          fp8 GEMM (cuBLASLt)       fp8 GEMM (cuBLASLt)       fp8 GEMM
 per row             fp8 GEMM (cuBLASLt)       fp8 GEMM (cuBLASLt)       fp8 GEMM
-1x128 / 128x128     fallback: f32/bf16 GEMM   fallback: f32/bf16 GEMM   fallback
+1x128 / 128x128     fp8 GEMM (jaxmp kernel)   fallback: f32/bf16 GEMM   fallback
 MXFP8               fallback: bf16 GEMM       MX GEMM (cuDNN >= 9.10)   fallback: bf16
 ==================  ========================  ========================  =================
 
@@ -55,6 +55,7 @@ from typing import Any
 import jax
 
 from jaxmp._src import dtypes as dtypes_lib
+from jaxmp._src.fp8 import block_gemm
 from jaxmp._src.fp8 import recipes as recipes_lib
 
 
@@ -75,6 +76,8 @@ class Target:
     description: what the chip is, for messages.
     int8: int8 GEMMs run faster than bfloat16 ones (TPU v5e, v5p, v6e by libtpu's cost
       model); ``None`` where jaxmp makes no claim.
+    block_fp8: ``BlockScaling``'s GEMMs run as jaxmp's block-scaled fp8 kernel
+      (:mod:`~jaxmp._src.fp8.block_gemm`: Triton's ``wgmma``, Hopper, sm_90).
   """
 
   name: str
@@ -83,11 +86,12 @@ class Target:
   mx: bool
   description: str
   int8: bool | None = None
+  block_fp8: bool = False
 
 
 TARGETS = {
-    "h100": Target("h100", "gpu", True, False, "NVIDIA H100, sm_90"),
-    "h200": Target("h200", "gpu", True, False, "NVIDIA H200, sm_90"),
+    "h100": Target("h100", "gpu", True, False, "NVIDIA H100, sm_90", block_fp8=True),
+    "h200": Target("h200", "gpu", True, False, "NVIDIA H200, sm_90", block_fp8=True),
     "b200": Target("b200", "gpu", True, True, "NVIDIA B200, sm_100, cuDNN >= 9.10"),
     "a100": Target("a100", "gpu", False, False, "NVIDIA A100, sm_80: no fp8 tensor cores"),
     "v5e": Target("v5e", "tpu", False, False, "TPU v5e: fp8 at the bfloat16 rate", True),
@@ -164,7 +168,7 @@ def target_for_device(device: Any) -> Target:
   cudnn = _cudnn_version()
   mx = capability >= (10, 0) and (cudnn is None or cudnn >= 91000)
   return Target(kind, "gpu", capability >= (8, 9), mx,
-                f"{kind}, sm_{capability[0]}{capability[1]}")
+                f"{kind}, sm_{capability[0]}{capability[1]}", block_fp8=capability == (9, 0))
 
 
 def current_target() -> Target:
@@ -194,9 +198,12 @@ def lowering(recipe: Any, target: Target) -> Lowering:
   if target.fp8 is None:
     return Lowering("unknown", f"fp8 support of {target.description} is not described")
   if isinstance(recipe, recipes_lib.BlockScaling):
+    if target.block_fp8 and block_gemm.supports(recipe.block_size):
+      return Lowering("fp8", "jaxmp's block-scaled fp8 GEMM (a Pallas Triton kernel, wgmma)")
     dtype = "bfloat16" if recipe.power_of_two else "float32"
-    return Lowering("fallback", f"a {dtype} GEMM on dequantized operands (XLA has no "
-                    "1x128/128x128 block-scaled fp8 GEMM)")
+    return Lowering("fallback", f"a {dtype} GEMM on dequantized operands (jaxmp's "
+                    f"block-scaled fp8 GEMM runs on Hopper GPUs, sm_90, with block_size "
+                    f"{block_gemm.BLOCK})")
   if isinstance(recipe, recipes_lib.MXScaling):
     if target.mx:
       return Lowering("mx", "cuDNN's MXFP8 block-scaled GEMM")
