@@ -26,8 +26,8 @@ widened to float16 (compiled for an H100: 128 ``mma.sync...f16`` and 192
 ``cvt.rn.f16x2.e4m3x2`` instead of 4 ``wgmma...e4m3.e4m3`` per block). So the kernel's
 dot is a primitive of this module whose Triton lowering rule asks for 128 (one block,
 promoted to float32 after it, DeepGEMM's choice). The rule is registered with Pallas
-on the first call of :func:`gemm`, not on import; it uses Pallas' Triton lowering
-module, which is not public API.
+when a kernel is first traced for Triton (not on import, nor in interpret mode); it
+uses Pallas' Triton lowering module, which is not public API.
 
 Example:
   >>> from jaxmp._src.fp8 import block_gemm, grouped, quantize as q
@@ -76,9 +76,15 @@ F32 = np.dtype(np.float32)
 _CANONICAL_2D = (((1,), (1,)), ((), ()))
 
 
-def supports(block_size: int) -> bool:
-  """Whether the kernel runs a ``BlockScaling`` GEMM of this ``block_size``."""
-  return block_size == BLOCK
+def supports(recipe: Any) -> bool:
+  """Whether a ``BlockScaling`` GEMM runs as this kernel on a Hopper GPU.
+
+  For ``block_size`` :data:`BLOCK`, and scales that are not rounded to powers of two:
+  power-of-two scales make the bfloat16 GEMM on dequantized operands exact, and on an
+  H200 a bfloat16 GEMM ran 1.2-1.4x faster than this kernel (benchmarks/RESULTS.md),
+  while the float32 GEMM that other scales need instead is several times slower.
+  """
+  return recipe.block_size == BLOCK and not recipe.power_of_two
 
 
 @functools.cache
@@ -147,7 +153,8 @@ def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
 
 
 def gemm(a: grouped.Quantized, b: grouped.Quantized, grouping_b: grouped.Grouping,
-         out_dtype: Any, *, interpret: bool = False) -> jax.Array:
+         out_dtype: Any, *, interpret: bool = False, tile: tuple[int, int] = TILE,
+         num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES) -> jax.Array:
   """``(B, P, C) x (B, Q, C) -> (B, P, Q)`` of two block-scaled fp8 operands.
 
   ``a`` is tiled ``1 x 128`` (activations, gradients), ``b`` ``1 x 128`` or ``128 x 128``
@@ -161,6 +168,10 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, grouping_b: grouped.Groupin
     out_dtype: the product's dtype (the float32 accumulator is rounded once to it).
     interpret: run the kernel in Pallas' interpreter, with an ordinary float32 dot in
       place of the tensor-core one (any platform; for tests).
+    tile: the output tile of one program, :data:`TILE` by default (benchmarks try
+      others; ``wgmma`` wants multiples of 64 rows with 4 warps per 64).
+    num_warps: Triton's warps per program.
+    num_stages: Triton's pipelining depth.
 
   Returns:
     ``(B, P, Q)`` in ``out_dtype``, ``P`` and ``Q`` as ``a`` and ``b`` hold them.
@@ -168,7 +179,7 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, grouping_b: grouped.Groupin
   pallas = _pallas()
   batch, p, c = a.data.shape
   q_ = b.data.shape[1]
-  tile_p, tile_q = TILE
+  tile_p, tile_q = tile
   rows_p, rows_q = -(-p // tile_p) * tile_p, -(-q_ // tile_q) * tile_q
   blocks = c // BLOCK
   sa = _pad_rows(a.scale, rows_p)                                  # (B, P', C/128)
@@ -186,16 +197,16 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, grouping_b: grouped.Groupin
           pallas.BlockSpec((None, blocks, tile_q), lambda n, i, j: (n, 0, j)),
       ],
       out_specs=pallas.BlockSpec((None, tile_p, tile_q), lambda n, i, j: (n, i, j)),
-      compiler_params=_compiler_params(),
+      compiler_params=_compiler_params(num_warps, num_stages),
       interpret=interpret,
       name="jaxmp_block_fp8_gemm",
   )(_pad_rows(a.data, rows_p), _pad_rows(b.data, rows_q), sa, sb)
   return out[:, :p, :q_]
 
 
-def _compiler_params() -> Any:
+def _compiler_params(num_warps: int, num_stages: int) -> Any:
   from jax.experimental.pallas import triton as pallas_triton  # pylint: disable=g-import-not-at-top
-  return pallas_triton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+  return pallas_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 __all__ = ("BLOCK", "TILE", "gemm", "supports")
