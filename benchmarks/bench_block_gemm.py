@@ -8,7 +8,8 @@ product) it times, side by side (``timing.interleaved``):
 * ``fp8 per-tensor``: the fp8 operands with one scale, bfloat16 output (cuBLASLt);
 * ``block TPxTQ/Ww/Ss``: jaxmp's kernel (``jaxmp/_src/fp8/block_gemm.py``) on 1x128
   tiled activations and 128x128 blocked weights (the forward and input-gradient
-  GEMMs' layout), for each tile / warps / stages of :data:`CONFIGS`;
+  GEMMs' layout), for each tile / warps / stages / form of the weight scales of
+  :data:`CONFIGS` (", b scale/tile": ``one_b_scale_per_tile``);
 * ``block 1x128 x 1x128``: the kernel at its default configuration on two 1x128-tiled
   operands (the weight-gradient GEMM's layout).
 
@@ -41,9 +42,10 @@ SHAPES = {
 }
 """``(M, N, K)`` per preset: tokens x output features x contracted."""
 
-CONFIGS = [((64, 128), 4, 4), ((64, 128), 4, 3), ((64, 128), 4, 5), ((128, 128), 8, 4),
-           ((128, 256), 8, 3)]
-"""``(tile, num_warps, num_stages)`` of the kernel to try (the first is the default)."""
+CONFIGS = [((64, 128), 4, 4, False), ((64, 128), 4, 4, True), ((64, 128), 4, 3, True),
+           ((64, 128), 4, 5, True), ((128, 128), 8, 4, False), ((128, 128), 8, 4, True)]
+"""``(tile, num_warps, num_stages, one_b_scale_per_tile)`` of the kernel to try (the first
+is jaxmp's default)."""
 
 TILE, BLOCK = grouped.Grouping(1, 128), grouped.Grouping(128, 128)
 
@@ -71,11 +73,11 @@ def variants(m: int, n: int, k: int, interpret: bool):
                        * jnp.bfloat16(0.5))
   steps = {"bf16": (lambda: jax.block_until_ready(bf16(xb, wb)), None),
            "fp8 per-tensor": (lambda: jax.block_until_ready(per_tensor(a.data, b.data)), None)}
-  for tile, warps, stages in CONFIGS[:1] if interpret else CONFIGS:
+  for tile, warps, stages, per_tile in CONFIGS[:2] if interpret else CONFIGS:
     fn = jax.jit(functools.partial(block_gemm.gemm, grouping_b=BLOCK, out_dtype=jnp.bfloat16,
                                    interpret=interpret, tile=tile, num_warps=warps,
-                                   num_stages=stages))
-    name = f"block {tile[0]}x{tile[1]}/{warps}w/{stages}s"
+                                   num_stages=stages, one_b_scale_per_tile=per_tile))
+    name = f"block {tile[0]}x{tile[1]}/{warps}w/{stages}s" + (", b scale/tile" if per_tile else "")
     steps[name] = (functools.partial(lambda f: jax.block_until_ready(f(a, b)), fn),
                    error(fn(a, b)))
   _, _, (a2, b2) = _operands(m, n, k, TILE)

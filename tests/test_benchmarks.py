@@ -98,7 +98,8 @@ def test_bench_block_gemm_times_the_kernel_beside_bf16_and_checks_its_products()
   results = bench_block_gemm.main(["--preset", "smoke", "--rounds", "1", "--calls", "1"])
   (shape, rows), = results.items()
   assert shape == (64, 128, 256)
-  assert list(rows) == ["bf16", "fp8 per-tensor", "block 64x128/4w/4s", "block 1x128 x 1x128"]
+  assert list(rows) == ["bf16", "fp8 per-tensor", "block 64x128/4w/4s",
+                        "block 64x128/4w/4s, b scale/tile", "block 1x128 x 1x128"]
   for name, (t, error) in rows.items():
     assert t.ms > 0
     # The kernel's products, rounded once to bfloat16: within 2^-9 of each value.

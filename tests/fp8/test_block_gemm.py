@@ -54,6 +54,18 @@ def test_the_kernel_sums_the_same_products_as_the_dequantized_gemm(role, a_shape
   assert np.count_nonzero(np.asarray(out)) > out.size // 2  # not a product of zeros
 
 
+def test_one_weight_scale_per_tile_gives_the_same_bits_and_needs_blocks_as_wide_as_the_tile():
+  k = jax.random.split(jax.random.key(3), 2)
+  a = _operand(jax.random.normal(k[0], (1, 70, 384)), TILE, power_of_two=False)
+  b = _operand(jax.random.normal(k[1], (1, 200, 384)), BLOCK, power_of_two=False)
+  per_row = block_gemm.gemm(a, b, BLOCK, jnp.float32, interpret=True)
+  per_tile = block_gemm.gemm(a, b, BLOCK, jnp.float32, interpret=True, one_b_scale_per_tile=True)
+  np.testing.assert_array_equal(np.asarray(per_tile), np.asarray(per_row))
+  with pytest.raises(ValueError, match=r"needs b's blocks to be the tile's 128 columns, got "
+                     r"Grouping\(rows=1, cols=128\)"):
+    block_gemm.gemm(a, a, TILE, jnp.float32, interpret=True, one_b_scale_per_tile=True)
+
+
 def test_the_kernel_rounds_once_to_the_output_dtype_for_any_scales():
   # DeepSeek-V3's scales (amax / 448) are not powers of two: the kernel scales each
   # block's exact float32 sum, the dequantized GEMM multiplies rounded float32
@@ -111,9 +123,11 @@ _PTX_CHECK = textwrap.dedent("""\
                           jax.ShapeDtypeStruct((1, P, C // 128), jnp.float32))
     b = grouped.Quantized(jax.ShapeDtypeStruct((1, Q, C), jnp.float8_e4m3fn),
                           jax.ShapeDtypeStruct((1, Q // 128, C // 128), jnp.float32))
-    report = audit.audit(lambda a, b: block_gemm.gemm(a, b, grouped.Grouping(128, 128),
-                                                      jnp.bfloat16), a, b, target="h100")
-    print("gemms", [(g.backend, g.fp8, g.shape) for g in report.gemms])
+    for per_tile in (False, True):
+      report = audit.audit(lambda a, b: block_gemm.gemm(
+          a, b, grouped.Grouping(128, 128), jnp.bfloat16, one_b_scale_per_tile=per_tile),
+                           a, b, target="h100")
+      print(f"gemms{int(per_tile)}", [(g.backend, g.fp8, g.shape) for g in report.gemms])
     ptx = "".join(open(f).read() for f in glob.glob(os.path.join(sys.argv[1], "*.ptx")))
     for pattern in (r"wgmma\\.mma_async[\\w.]*e4m3\\.e4m3", r"mma\\.sync[\\w.]*",
                     r"cvt[\\w.]*e4m3x2"):
@@ -137,7 +151,9 @@ def test_the_kernel_compiles_to_fp8_wgmma_for_an_h100(tmp_path):
   if not audit_targets.cuda_plugin_installed():
     pytest.skip("needs the jax[cuda12] plugin (make gpu-report builds .venv-cuda)")
   lines = dict(line.split(" ", 1) for line in _deviceless(_PTX_CHECK, str(tmp_path)).splitlines())
-  assert lines["gemms"] == "[('jaxmp block-scaled fp8 (Triton wgmma)', True, '1*512x512x512')]"
+  for per_tile in "01":
+    assert lines["gemms" + per_tile] == \
+        "[('jaxmp block-scaled fp8 (Triton wgmma)', True, '1*512x512x512')]"
   assert lines[r"wgmma\.mma_async[\w.]*e4m3\.e4m3"] == \
       "['wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3']"
   # Not Ampere's MMA on operands widened to float16 (what Pallas' own dot gives).

@@ -154,7 +154,8 @@ def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
 
 def gemm(a: grouped.Quantized, b: grouped.Quantized, grouping_b: grouped.Grouping,
          out_dtype: Any, *, interpret: bool = False, tile: tuple[int, int] = TILE,
-         num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES) -> jax.Array:
+         num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
+         one_b_scale_per_tile: bool = False) -> jax.Array:
   """``(B, P, C) x (B, Q, C) -> (B, P, Q)`` of two block-scaled fp8 operands.
 
   ``a`` is tiled ``1 x 128`` (activations, gradients), ``b`` ``1 x 128`` or ``128 x 128``
@@ -172,9 +173,18 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, grouping_b: grouped.Groupin
       others; ``wgmma`` wants multiples of 64 rows with 4 warps per 64).
     num_warps: Triton's warps per program.
     num_stages: Triton's pipelining depth.
+    one_b_scale_per_tile: load ``b``'s scales as one per block and tile (for a
+      ``128 x 128``-blocked ``b`` whose blocks are the tile's columns) rather than
+      repeated per row: the same products, bit for bit, with one scale loaded per
+      block instead of ``tile[1]`` and one multiplication per element fewer. Not
+      measured on a GPU yet (``benchmarks/bench_block_gemm.py`` times both), so off.
 
   Returns:
     ``(B, P, Q)`` in ``out_dtype``, ``P`` and ``Q`` as ``a`` and ``b`` hold them.
+
+  Raises:
+    ValueError: for ``one_b_scale_per_tile`` where ``b``'s blocks are not ``tile[1]``
+      rows.
   """
   pallas = _pallas()
   batch, p, c = a.data.shape
@@ -183,7 +193,13 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, grouping_b: grouped.Groupin
   rows_p, rows_q = -(-p // tile_p) * tile_p, -(-q_ // tile_q) * tile_q
   blocks = c // BLOCK
   sa = _pad_rows(a.scale, rows_p)                                  # (B, P', C/128)
-  sb = jnp.swapaxes(_row_scales(b, grouping_b, rows_q), 1, 2)      # (B, C/128, Q')
+  if one_b_scale_per_tile:
+    if grouping_b.rows != tile_q:
+      raise ValueError(f"block_gemm.gemm: one_b_scale_per_tile needs b's blocks to be "
+                       f"the tile's {tile_q} columns, got {grouping_b}.")
+    sb, sb_columns = jnp.swapaxes(b.scale, 1, 2), 1                # (B, C/128, Q'/128)
+  else:
+    sb, sb_columns = jnp.swapaxes(_row_scales(b, grouping_b, rows_q), 1, 2), tile_q
   kernel = functools.partial(_kernel, blocks=blocks,
                              dot=_reference_dot if interpret else _triton_dot)
   out = pallas.pallas_call(
@@ -194,7 +210,7 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, grouping_b: grouped.Groupin
           pallas.BlockSpec((None, tile_p, c), lambda n, i, j: (n, i, 0)),
           pallas.BlockSpec((None, tile_q, c), lambda n, i, j: (n, j, 0)),
           pallas.BlockSpec((None, tile_p, blocks), lambda n, i, j: (n, i, 0)),
-          pallas.BlockSpec((None, blocks, tile_q), lambda n, i, j: (n, 0, j)),
+          pallas.BlockSpec((None, blocks, sb_columns), lambda n, i, j: (n, 0, j)),
       ],
       out_specs=pallas.BlockSpec((None, tile_p, tile_q), lambda n, i, j: (n, i, j)),
       compiler_params=_compiler_params(num_warps, num_stages),

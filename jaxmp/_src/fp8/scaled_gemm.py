@@ -11,16 +11,16 @@ Per recipe (operands canonical, ``(B, P, C) x (B, Q, C) -> (B, P, Q)``, see
   elementwise kernel (:func:`rescaled_dot`).
 - **blocks** (``BlockScaling``): scales vary along the contracted dimension and XLA
   has no block-scaled fp8 GEMM. On Hopper targets (``support.Target.block_fp8``), for
-  the recipes it takes (:func:`.block_gemm.supports`), the product is jaxmp's kernel (:mod:`.block_gemm`: fp8
-  tensor-core products per 128-element block, scaled and summed in float32, as
-  DeepGEMM), in a ``lax.platform_dependent`` branch for CUDA. Elsewhere the operands
-  are dequantized (float32, or bfloat16 where power-of-two scales make it exact) and
-  multiplied with float32 accumulation: the same sum of the same products, by a wider
-  GEMM. Emulating the published kernel with XLA's GEMMs instead, as per-block partial
-  products (a batched fp8 GEMM with ``K / 128`` float32 partial outputs, then scaled
-  and summed), compiles for an H100 to fp8 GEMMs but writes ``K / 128`` times the
-  output to memory: about 6x slower than the dequantized GEMM at 4096^3 by the
-  audit's estimate.
+  the recipes it takes (:func:`.block_gemm.supports`), the product is jaxmp's kernel
+  (:mod:`.block_gemm`: fp8 tensor-core products per 128-element block, scaled and
+  summed in float32, as DeepGEMM), in a ``lax.platform_dependent`` branch for CUDA.
+  Elsewhere the operands are dequantized (float32, or bfloat16 where power-of-two
+  scales make it exact) and multiplied with float32 accumulation: the same sum of the
+  same products, by a wider GEMM. Emulating the published kernel with XLA's GEMMs
+  instead, as per-block partial products (a batched fp8 GEMM with ``K / 128`` float32
+  partial outputs, then scaled and summed), compiles for an H100 to fp8 GEMMs but
+  writes ``K / 128`` times the output to memory: about 6x slower than the dequantized
+  GEMM at 4096^3 by the audit's estimate.
 - **MX** (``MXScaling``): :func:`jaxmp._src.fp8.mx.gemm`.
 - **int8** (``Int8Scaling``): the int8 operands multiply with an int32 accumulator
   (exact), and the product, converted to float32, is multiplied by the outer product
