@@ -95,6 +95,21 @@ def test_hopper_targets_run_block_scaling_in_fp8_where_the_kernel_is_the_faster_
   assert found.kind == "fallback" and "block_size 128" in found.detail
 
 
+def test_without_the_pallas_internals_it_needs_block_scaling_falls_back_and_says_why(
+    monkeypatch):
+  monkeypatch.setattr(block_gemm, "available", lambda: False)
+  found = support.lowering(fp8.BlockScaling(), support.TARGETS["h100"])
+  assert (found.kind, found.detail) == ("fallback", "a float32 GEMM on dequantized operands "
+                                        "(jaxmp's block-scaled fp8 GEMM needs Pallas Triton "
+                                        "internals this JAX lacks)")
+  x, w = jnp.ones((8, 128)), jnp.ones((128, 8))
+  with fp8.compile_target("h100"), pytest.warns(fp8.Fp8FallbackWarning,
+                                                 match="needs Pallas Triton internals"):
+    text = jax.jit(lambda x, w: fp8.fp8_dot_general(
+        x, w, (((1,), (0,)), ((), ())), recipe=fp8.BlockScaling())).trace(x, w).jaxpr
+  assert "jaxmp_block_fp8_gemm" not in text.pretty_print()
+
+
 def test_a_function_traced_for_hopper_still_runs_here_with_the_same_numbers():
   # On an h100 target the GEMMs are the kernel under lax.platform_dependent; on this
   # CPU the same program takes the dequantizing branch.

@@ -42,6 +42,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import jax
@@ -83,8 +84,28 @@ def supports(recipe: Any) -> bool:
   power-of-two scales make the bfloat16 GEMM on dequantized operands exact, and on an
   H200 a bfloat16 GEMM ran 1.2-1.4x faster than this kernel (benchmarks/RESULTS.md),
   while the float32 GEMM that other scales need instead is several times slower.
+  And only where this JAX has the Pallas Triton internals the kernel's dot uses
+  (:func:`available`).
   """
-  return recipe.block_size == BLOCK and not recipe.power_of_two
+  return recipe.block_size == BLOCK and not recipe.power_of_two and available()
+
+
+@functools.cache
+def available() -> bool:
+  """Whether this JAX has what the kernel's dot is built from (private Pallas modules).
+
+  Checked once: Pallas' Triton lowering rules, and Triton's ``tt.dot`` builder taking
+  ``max_num_imprecise_acc``. Where a JAX release moves them, ``BlockScaling`` keeps the
+  dequantized GEMM (and says so in its fallback warning) rather than failing.
+  """
+  try:
+    from jax._src.pallas.triton import lowering as triton_lowering  # pylint: disable=g-import-not-at-top
+    from jaxlib.triton import dialect as tt  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return False
+  return (callable(getattr(triton_lowering, "register_lowering", None))
+          and callable(getattr(triton_lowering, "_zeros", None))
+          and "max_num_imprecise_acc" in inspect.signature(tt.dot).parameters)
 
 
 @functools.cache

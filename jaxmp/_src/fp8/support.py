@@ -209,9 +209,11 @@ def lowering(recipe: Any, target: Target) -> Lowering:
              f"jaxmp's block-scaled fp8 GEMM runs on Hopper GPUs, sm_90, with block_size "
              f"{block_gemm.BLOCK} and scales that are not powers of two")
       return Lowering("fallback", f"a bfloat16 GEMM on dequantized operands ({why})")
+    why = ("needs Pallas Triton internals this JAX lacks"
+           if target.block_fp8 and recipe.block_size == block_gemm.BLOCK else
+           f"runs on Hopper GPUs, sm_90, with block_size {block_gemm.BLOCK}")
     return Lowering("fallback", f"a float32 GEMM on dequantized operands (jaxmp's "
-                    f"block-scaled fp8 GEMM runs on Hopper GPUs, sm_90, with block_size "
-                    f"{block_gemm.BLOCK})")
+                    f"block-scaled fp8 GEMM {why})")
   if isinstance(recipe, recipes_lib.MXScaling):
     if target.mx:
       return Lowering("mx", "cuDNN's MXFP8 block-scaled GEMM")
