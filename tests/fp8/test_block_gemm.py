@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +94,11 @@ def test_hopper_targets_run_block_scaling_in_fp8_where_the_kernel_is_the_faster_
     assert support.lowering(fp8.BlockScaling(), support.TARGETS[name]).kind == "fallback"
   found = support.lowering(fp8.BlockScaling(block_size=64), support.TARGETS["h100"])
   assert found.kind == "fallback" and "block_size 128" in found.detail
+  # A local GPU: sm_90 only (the kernel's PTX is checked for Hopper's wgmma).
+  gpus = {cc: support.target_for_device(types.SimpleNamespace(
+      platform="gpu", device_kind="NVIDIA GPU", compute_capability=cc)).block_fp8
+          for cc in ("8.9", "9.0", "10.0")}
+  assert gpus == {"8.9": False, "9.0": True, "10.0": False}
 
 
 def test_without_the_pallas_internals_it_needs_block_scaling_falls_back_and_says_why(
