@@ -18,6 +18,7 @@ from jaxmp._src.fp8 import quantize as q
 from jaxmp._src.fp8 import scaled_gemm
 from jaxmp._src.fp8 import support
 from jaxmp._src.tools import targets as audit_targets
+from tests.fp8 import reference
 
 TILE = grouped.Grouping(1, 128)
 BLOCK = grouped.Grouping(128, 128)
@@ -53,6 +54,27 @@ def test_the_kernel_sums_the_same_products_as_the_dequantized_gemm(role, a_shape
   assert out.shape == expected.shape and out.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
   assert np.count_nonzero(np.asarray(out)) > out.size // 2  # not a product of zeros
+
+
+def test_the_kernel_matches_deepseek_v3_s_block_scaled_product_by_the_reference_formulas():
+  # DeepSeek-V3's formulas in NumPy (tests/fp8/reference.py): amax / 448 scales per
+  # 1x128 tile and 128x128 block, E4M3 codes; the product of the dequantized operands
+  # in float64. The kernel gets the operands quantized by those formulas.
+  rng = np.random.default_rng(4)
+  x, w = rng.standard_normal((1, 70, 300)), rng.standard_normal((1, 200, 300))  # partial
+  (xc, xs), (wc, ws) = (reference.quantize_groups(v, r, 128, "e4m3") for v, r in
+                        ((x, 1), (w, 128)))
+  exact = np.einsum("bpc,bqc->bpq", reference.dequantize_groups(xc, xs, 1, 128, "e4m3"),
+                    reference.dequantize_groups(wc, ws, 128, 128, "e4m3"))[:, :70, :200]
+  fp8_data = lambda codes: jax.lax.bitcast_convert_type(jnp.asarray(codes, jnp.uint8),
+                                                        jnp.float8_e4m3fn)
+  a = grouped.Quantized(fp8_data(xc), jnp.asarray(xs))
+  b = grouped.Quantized(fp8_data(wc), jnp.asarray(ws))
+  out = np.asarray(block_gemm.gemm(a, b, BLOCK, jnp.float32, interpret=True))[:, :70, :200]
+  np.testing.assert_allclose(out, exact, rtol=1e-5, atol=1e-6 * np.abs(exact).max())
+  # ... and jaxmp's own quantization gives those operands.
+  jx = _operand(x, TILE, power_of_two=False)
+  np.testing.assert_array_equal(np.asarray(jx.data).view(np.uint8), xc)
 
 
 def test_one_weight_scale_per_tile_gives_the_same_bits_and_needs_blocks_as_wide_as_the_tile():
