@@ -224,7 +224,7 @@ def _wrapped_train_case(model, rules, x_shape, tx, donate: bool = False) -> Case
 
 
 def llama_cases(preset_name: str = "gpu", layers: int = 1) -> dict[str, Case]:
-  """A Llama-3-8B-shaped decoder layer (or stack), train step with SGD, eight ways.
+  """A Llama-3-8B-shaped decoder layer (or stack), train step with SGD, nine ways.
 
   Each jaxmp variant wraps the same unchanged model (:mod:`llama_layer`) in rules;
   Flax's fp8 is the model written in bfloat16 with ``nn.Fp8DirectDotGeneralOp``.
@@ -260,6 +260,8 @@ def llama_cases(preset_name: str = "gpu", layers: int = 1) -> dict[str, Case]:
       "fp8 per-tensor": jaxmp_case(rules(fp8_rule(delayed))),
       "fp8 per-tensor + causal attention": jaxmp_case(rules(causal, fp8_rule(delayed))),
       "fp8 rowwise + causal attention": jaxmp_case(rules(causal, fp8_rule(rowwise))),
+      "fp8 block 1x128/128x128 + causal attention": jaxmp_case(
+          rules(causal, fp8_rule(fp8.BlockScaling()))),
       "Flax fp8": Case(flax_step, flax_make),
   }
 
@@ -643,7 +645,7 @@ def main(argv=None) -> None:
       help=f"comma-separated, from: {', '.join(WORKLOADS)} (default: all). demo: the "
            "demo's train step in five precisions; dense: one 8192^3 Dense fwd+bwd; block: a "
            "transformer block; llama: a Llama-3-8B-shaped decoder layer and a stack of "
-           "two at context 4096, eight ways; memory: that layer's train step's peak "
+           "two at context 4096, nine ways; memory: that layer's train step's peak "
            "memory with seven ways to store params and AdamW's state; traffic: jaxmp's fp8 against Flax's, non-GEMM bytes; tpu: "
            "matmuls compiled for TPU v5e-v7. All of them compile for about half an hour on "
            "2 cores; progress goes to stderr.")

@@ -95,6 +95,19 @@ def test_bench_fp8_times_every_variant_of_both_workloads():
     assert all(t.ms > 0 and t.ratio > 0 for t in timings.values()), timings
 
 
+def test_bench_block_gemm_times_the_kernel_beside_bf16_and_checks_its_products():
+  import bench_block_gemm  # pylint: disable=g-import-not-at-top
+  results = bench_block_gemm.main(["--preset", "smoke", "--rounds", "1", "--calls", "1"])
+  (shape, rows), = results.items()
+  assert shape == (64, 128, 256)
+  assert list(rows) == ["bf16", "fp8 per-tensor", "block 64x128/4w/4s",
+                        "block 64x128/4w/4s, b scale/tile", "block 1x128 x 1x128"]
+  for name, (t, error) in rows.items():
+    assert t.ms > 0
+    # The kernel's products, rounded once to bfloat16: within 2^-9 of each value.
+    assert (error is None) == (not name.startswith("block")) and (error or 0) <= 2 ** -8, rows
+
+
 @pytest.mark.slow
 def test_bench_linen_times_the_wrapper_beside_the_hand_written_model():
   import bench_linen  # pylint: disable=g-import-not-at-top

@@ -399,7 +399,8 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array,
       raise ValueError(
           f"fp8_dot_general: out_sharding={out_sharding!r} is supported by the per-tensor "
           f"recipes only, not by {recipe!r}; shard the operands instead.")
-    cfg = per_gemm_lib.config(lhs, rhs, dimension_numbers, recipe, out_dtype, target.mx)
+    cfg = per_gemm_lib.config(lhs, rhs, dimension_numbers, recipe, out_dtype, target.mx,
+                              target.block_fp8)
     return per_gemm_lib.dot(lhs, rhs, cfg)
   cfg = _Config(dimension_numbers, recipe, np.dtype(lhs.dtype), np.dtype(rhs.dtype),
                 out_dtype, out_sharding, state_avals, sharding.varying_axes(lhs),

@@ -69,6 +69,7 @@ class Config(NamedTuple):
   block_scaled_gemm: bool = False
   lhs_varying: frozenset = frozenset()
   rhs_varying: frozenset = frozenset()
+  block_fp8: bool = False
 
 
 def operand_recipe(recipe: Any, role: str) -> Any:
@@ -137,7 +138,8 @@ def _gemm(a: Operand, b: Operand, recipe: Any, roles: tuple, shape: tuple, out_d
                                     accumulate_exactly_on_gpus=roles[0] == GRADIENT)
   groupings = tuple(grouping(recipe, role) for role in roles)
   return scaled_gemm.gemm(a, b, recipe, groupings, shape, out_dtype, cfg.block_scaled_gemm,
-                          accumulate_exactly_on_gpus=roles[0] == GRADIENT)
+                          accumulate_exactly_on_gpus=roles[0] == GRADIENT,
+                          block_fp8=cfg.block_fp8)
 
 
 def _forward(lhs: jax.Array, rhs: jax.Array, cfg: Config):
@@ -177,13 +179,13 @@ dot = jax.jit(_dot, static_argnums=(2,))
 
 def config(lhs: jax.Array, rhs: jax.Array, dimension_numbers: tuple,
            recipes: recipes_lib.GemmRecipes, out_dtype: np.dtype,
-           block_scaled_gemm: bool) -> Config:
+           block_scaled_gemm: bool, block_fp8: bool = False) -> Config:
   """The static configuration of ``dot(lhs, rhs, ...)``."""
   (lc, rc), (lb, rb) = dimension_numbers
   return Config(recipes, dimension_numbers, layout_lib.Layout.of(lhs.shape, lc, lb),
                 layout_lib.Layout.of(rhs.shape, rc, rb), np.dtype(lhs.dtype),
                 np.dtype(rhs.dtype), np.dtype(out_dtype), block_scaled_gemm,
-                sharding.varying_axes(lhs), sharding.varying_axes(rhs))
+                sharding.varying_axes(lhs), sharding.varying_axes(rhs), block_fp8)
 
 
 __all__ = ("Config", "config", "dot", "fp8_format", "grouping", "operand_recipe", "quantize")

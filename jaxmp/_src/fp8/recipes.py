@@ -265,9 +265,12 @@ class BlockScaling:
   from its own elements (equivalently: zero-padded to a multiple, as zeros never raise
   an amax and add nothing to a product).
 
-  XLA has no block-scaled fp8 GEMM, so the product is computed from the dequantized
-  operands (float32, or bfloat16 where power-of-two scales make that exact) with
-  float32 accumulation: the same sum of the same fp8 products, in a wider GEMM.
+  XLA has no block-scaled fp8 GEMM. On Hopper GPUs with ``block_size`` 128 (and scales
+  that are not powers of two) the product is jaxmp's own fp8 kernel (fp8 tensor-core
+  products per block, scaled and summed in float32, as DeepSeek-V3's DeepGEMM);
+  elsewhere it is computed from the dequantized operands (float32, or bfloat16 where
+  power-of-two scales make that exact) with float32 accumulation: the same sum of the
+  same fp8 products, in a wider GEMM.
 
   Attributes:
     block_size: the tile and block edge, an int >= 1 (DeepSeek-V3: 128).

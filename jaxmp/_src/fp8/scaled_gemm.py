@@ -10,13 +10,17 @@ Per recipe (operands canonical, ``(B, P, C) x (B, Q, C) -> (B, P, Q)``, see
   GEMM (cuBLASLt on Hopper and Blackwell) with the scaling in the epilogue or a fused
   elementwise kernel (:func:`rescaled_dot`).
 - **blocks** (``BlockScaling``): scales vary along the contracted dimension and XLA
-  has no block-scaled fp8 GEMM, so the operands are dequantized (float32, or
-  bfloat16 where power-of-two scales make it exact) and multiplied with float32
-  accumulation: the same sum of the same products, by a wider GEMM. Emulating the
-  published kernel instead, as per-block partial products (a batched fp8 GEMM with
-  ``K / 128`` float32 partial outputs, then scaled and summed), compiles for an H100
-  to fp8 GEMMs but writes ``K / 128`` times the output to memory: about 6x slower
-  than the dequantized GEMM at 4096^3 by the audit's estimate.
+  has no block-scaled fp8 GEMM. On Hopper targets (``support.Target.block_fp8``), for
+  the recipes it takes (:func:`.block_gemm.supports`), the product is jaxmp's kernel
+  (:mod:`.block_gemm`: fp8 tensor-core products per 128-element block, scaled and
+  summed in float32, as DeepGEMM), in a ``lax.platform_dependent`` branch for CUDA.
+  Elsewhere the operands are dequantized (float32, or bfloat16 where power-of-two
+  scales make it exact) and multiplied with float32 accumulation: the same sum of the
+  same products, by a wider GEMM. Emulating the published kernel with XLA's GEMMs
+  instead, as per-block partial products (a batched fp8 GEMM with ``K / 128`` float32
+  partial outputs, then scaled and summed), compiles for an H100 to fp8 GEMMs but
+  writes ``K / 128`` times the output to memory: about 6x slower than the dequantized
+  GEMM at 4096^3 by the audit's estimate.
 - **MX** (``MXScaling``): :func:`jaxmp._src.fp8.mx.gemm`.
 - **int8** (``Int8Scaling``): the int8 operands multiply with an int32 accumulator
   (exact), and the product, converted to float32, is multiplied by the outer product
@@ -41,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src.fp8 import block_gemm
 from jaxmp._src.fp8 import grouped
 from jaxmp._src.fp8 import int8
 from jaxmp._src.fp8 import mx
@@ -213,9 +218,22 @@ def _dequantized_dot(a: grouped.Quantized, b: grouped.Quantized, grouping_a: gro
   return out.astype(out_dtype)
 
 
+def _block_dot(a: grouped.Quantized, b: grouped.Quantized, grouping_a: grouped.Grouping,
+               grouping_b: grouped.Grouping, out_dtype: Any, recipe: Any,
+               block_fp8: bool) -> jax.Array:
+  """A ``BlockScaling`` product: the fp8 kernel when lowering for CUDA on Hopper."""
+  dequantized = functools.partial(_dequantized_dot, grouping_a=grouping_a,
+                                  grouping_b=grouping_b, out_dtype=out_dtype,
+                                  exact=recipe.power_of_two)
+  if not (block_fp8 and block_gemm.supports(recipe)):
+    return dequantized(a, b)
+  kernel = functools.partial(block_gemm.gemm, grouping_b=grouping_b, out_dtype=out_dtype)
+  return jax.lax.platform_dependent(a, b, cuda=kernel, default=dequantized)
+
+
 def gemm(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, groupings: tuple,
          shape: tuple, out_dtype: Any, block_scaled_gemm: bool = False,
-         accumulate_exactly_on_gpus: bool = False) -> jax.Array:
+         accumulate_exactly_on_gpus: bool = False, block_fp8: bool = False) -> jax.Array:
   """The product of two quantized canonical operands under ``recipe``.
 
   Args:
@@ -228,6 +246,9 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, groupings: tup
     out_dtype: the product's dtype.
     block_scaled_gemm: for MX, use the block-scaled GEMM when lowering for CUDA.
     accumulate_exactly_on_gpus: as for :func:`rescaled_dot` (gradient GEMMs).
+    block_fp8: for a ``BlockScaling`` the kernel takes (:func:`.block_gemm.supports`),
+      use :func:`~.block_gemm.gemm` when lowering for CUDA (Hopper targets: the fp8
+      support module decides).
 
   Returns:
     ``(B, P, Q)`` in ``out_dtype``.
@@ -239,7 +260,7 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, groupings: tup
     out = int8_dot(a, b, out_dtype)
   elif isinstance(recipe, recipes_lib.BlockScaling):
     grouping_a, grouping_b = groupings
-    out = _dequantized_dot(a, b, grouping_a, grouping_b, out_dtype, recipe.power_of_two)
+    out = _block_dot(a, b, grouping_a, grouping_b, out_dtype, recipe, block_fp8)
   else:
     out = rescaled_dot(a.data, b.data, CANONICAL, _outer(a.scale, b.scale), out_dtype,
                        exact_scale=recipe.power_of_two,

@@ -10,7 +10,8 @@ recipe              H100 (sm_90)              B200 (sm_100)             TPU v7
 ==================  ========================  ========================  =================
 per tensor          fp8 GEMM (cuBLASLt)       fp8 GEMM (cuBLASLt)       fp8 GEMM
 per row             fp8 GEMM (cuBLASLt)       fp8 GEMM (cuBLASLt)       fp8 GEMM
-1x128 / 128x128     fallback: f32/bf16 GEMM   fallback: f32/bf16 GEMM   fallback
+1x128 / 128x128     fp8 GEMM (jaxmp kernel)   fallback: f32/bf16 GEMM   fallback
+  power-of-two      fallback: bf16 GEMM       fallback: bf16 GEMM       fallback
 MXFP8               fallback: bf16 GEMM       MX GEMM (cuDNN >= 9.10)   fallback: bf16
 ==================  ========================  ========================  =================
 
@@ -28,9 +29,10 @@ v7 (:attr:`Target.int8`). jaxmp makes no claim about int8 speed on GPUs (no warn
 (``jaxmp.tools.audit(..., target=...)`` sets it for its compile), else the first device
 of JAX's default backend (its platform, compute capability or TPU kind). A deviceless
 compile runs with ``JAX_PLATFORMS=cpu`` and would see the CPU: name the chip with
-``compile_target``. The choice it makes at trace time is only the MX GEMM's
-implementation, and that one is wrapped in ``lax.platform_dependent``, so a function
-traced for one target still lowers on any other. A recipe whose GEMMs fall back on
+``compile_target``. The choices it makes at trace time are only the MX GEMM's
+implementation and whether ``BlockScaling`` uses jaxmp's block-scaled fp8 kernel
+(:attr:`Target.block_fp8`), and both are wrapped in ``lax.platform_dependent``, so a
+function traced for one target still lowers on any other. A recipe whose GEMMs fall back on
 the target warns once (:class:`Fp8FallbackWarning`), naming the target and what runs.
 
 Example:
@@ -55,6 +57,7 @@ from typing import Any
 import jax
 
 from jaxmp._src import dtypes as dtypes_lib
+from jaxmp._src.fp8 import block_gemm
 from jaxmp._src.fp8 import recipes as recipes_lib
 
 
@@ -75,6 +78,9 @@ class Target:
     description: what the chip is, for messages.
     int8: int8 GEMMs run faster than bfloat16 ones (TPU v5e, v5p, v6e by libtpu's cost
       model); ``None`` where jaxmp makes no claim.
+    block_fp8: ``BlockScaling``'s GEMMs run as jaxmp's block-scaled fp8 kernel
+      (:mod:`~jaxmp._src.fp8.block_gemm`: Triton's ``wgmma``, Hopper, sm_90) where
+      :func:`~jaxmp._src.fp8.block_gemm.supports` the recipe.
   """
 
   name: str
@@ -83,11 +89,12 @@ class Target:
   mx: bool
   description: str
   int8: bool | None = None
+  block_fp8: bool = False
 
 
 TARGETS = {
-    "h100": Target("h100", "gpu", True, False, "NVIDIA H100, sm_90"),
-    "h200": Target("h200", "gpu", True, False, "NVIDIA H200, sm_90"),
+    "h100": Target("h100", "gpu", True, False, "NVIDIA H100, sm_90", block_fp8=True),
+    "h200": Target("h200", "gpu", True, False, "NVIDIA H200, sm_90", block_fp8=True),
     "b200": Target("b200", "gpu", True, True, "NVIDIA B200, sm_100, cuDNN >= 9.10"),
     "a100": Target("a100", "gpu", False, False, "NVIDIA A100, sm_80: no fp8 tensor cores"),
     "v5e": Target("v5e", "tpu", False, False, "TPU v5e: fp8 at the bfloat16 rate", True),
@@ -164,7 +171,7 @@ def target_for_device(device: Any) -> Target:
   cudnn = _cudnn_version()
   mx = capability >= (10, 0) and (cudnn is None or cudnn >= 91000)
   return Target(kind, "gpu", capability >= (8, 9), mx,
-                f"{kind}, sm_{capability[0]}{capability[1]}")
+                f"{kind}, sm_{capability[0]}{capability[1]}", block_fp8=capability == (9, 0))
 
 
 def current_target() -> Target:
@@ -194,9 +201,19 @@ def lowering(recipe: Any, target: Target) -> Lowering:
   if target.fp8 is None:
     return Lowering("unknown", f"fp8 support of {target.description} is not described")
   if isinstance(recipe, recipes_lib.BlockScaling):
-    dtype = "bfloat16" if recipe.power_of_two else "float32"
-    return Lowering("fallback", f"a {dtype} GEMM on dequantized operands (XLA has no "
-                    "1x128/128x128 block-scaled fp8 GEMM)")
+    if target.block_fp8 and block_gemm.supports(recipe):
+      return Lowering("fp8", "jaxmp's block-scaled fp8 GEMM (a Pallas Triton kernel, wgmma)")
+    if recipe.power_of_two:
+      why = ("exact with power-of-two scales, and faster than jaxmp's block-scaled fp8 "
+             "GEMM, which runs the other scales" if target.block_fp8 else
+             f"jaxmp's block-scaled fp8 GEMM runs on Hopper GPUs, sm_90, with block_size "
+             f"{block_gemm.BLOCK} and scales that are not powers of two")
+      return Lowering("fallback", f"a bfloat16 GEMM on dequantized operands ({why})")
+    why = ("needs Pallas Triton internals this JAX lacks"
+           if target.block_fp8 and recipe.block_size == block_gemm.BLOCK else
+           f"runs on Hopper GPUs, sm_90, with block_size {block_gemm.BLOCK}")
+    return Lowering("fallback", f"a float32 GEMM on dequantized operands (jaxmp's "
+                    f"block-scaled fp8 GEMM {why})")
   if isinstance(recipe, recipes_lib.MXScaling):
     if target.mx:
       return Lowering("mx", "cuDNN's MXFP8 block-scaled GEMM")

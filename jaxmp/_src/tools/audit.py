@@ -410,6 +410,34 @@ def _block_scaled_gemm(module, ins) -> Gemm:
               2 * math.prod(batch) * m * n * k, nbytes, _rate(compute, ""))
 
 
+BLOCK_FP8_KERNEL = "jaxmp_block_fp8_gemm"
+"""The name of jaxmp's block-scaled fp8 kernel (``fp8/block_gemm.py``) in a program's HLO."""
+
+
+def _is_block_fp8_gemm(ins) -> bool:
+  return (ins.custom_call_target == "__gpu$xla.gpu.triton"
+          and ins.attribute(rf'op_name="([^"]*{BLOCK_FP8_KERNEL})') is not None)
+
+
+def _block_fp8_gemm(module, ins) -> Gemm:
+  """jaxmp's block-scaled fp8 GEMM: a Pallas Triton kernel, ``(B, P, C) x (B, Q, C)``.
+
+  Its first two operands are the fp8 data (the last two the scales, one per row and
+  128-element block); it runs on Hopper's fp8 tensor cores (``wgmma``, checked in its
+  PTX by the tests), so it is costed at the fp8 rate.
+  """
+  a, b = (module.instruction(o) for o in ins.operands[:2])
+  (batch, p, c), q_ = a.first_array[1], b.first_array[1][1]
+  held = tuple(_dtype_name(_held_dtype(module, x, None)) for x in (a, b))
+  compute = tuple(_dtype_name(x.first_array[0]) for x in (a, b))
+  nbytes = sum(hlo_lib.nbytes(module.instruction(o).type) for o in ins.operands) + \
+      hlo_lib.nbytes(ins.type)
+  out_dtype, out_dims = ins.first_array
+  return Gemm(ins.name, "jaxmp block-scaled fp8 (Triton wgmma)", held, compute,
+              _dtype_name(out_dtype), _shape((batch, p, c), out_dims, [2], 1),
+              2 * batch * p * q_ * c, nbytes, _rate(compute, ""))
+
+
 def _fused_gemm(module, ins, dots, platform: str) -> Gemm:
   dot = max(dots, key=lambda d: math.prod(d.first_array[1]))
   a, b = (module.instruction(o) for o in dot.operands[:2])
@@ -488,6 +516,9 @@ def _kernels(module: hlo_lib.Module, computation: str, count: int, platform: str
       continue
     if op == "custom-call" and ins.custom_call_target == "__cudnn$blockScaledDot":
       gemms.append(dataclasses.replace(_block_scaled_gemm(module, ins), count=count))
+      continue
+    if op == "custom-call" and _is_block_fp8_gemm(ins):
+      gemms.append(dataclasses.replace(_block_fp8_gemm(module, ins), count=count))
       continue
     if op == "custom-call" and (ins.custom_call_target or "").startswith("__cudnn$fmha"):
       gemms.append(dataclasses.replace(_fused_attention(module, ins), count=count))

@@ -1,0 +1,120 @@
+"""BlockScaling's GEMM on a GPU: jaxmp's block-scaled fp8 kernel beside bf16 and per-tensor fp8.
+
+At the GEMM shapes of a Llama-3-8B layer (``llama_layer.py``; 8192 tokens: the
+q/o, k/v, gate/up and down projections, and a 4096 x 4096 x 8192 weight-gradient-like
+product) it times, side by side (``timing.interleaved``):
+
+* ``bf16``: a bfloat16 GEMM with a bfloat16 output (what the bf16 policy runs);
+* ``fp8 per-tensor``: the fp8 operands with one scale, bfloat16 output (cuBLASLt);
+* ``block TPxTQ/Ww/Ss``: jaxmp's kernel (``jaxmp/_src/fp8/block_gemm.py``) on 1x128
+  tiled activations and 128x128 blocked weights (the forward and input-gradient
+  GEMMs' layout), for each tile / warps / stages / form of the weight scales of
+  :data:`CONFIGS` (", b scale/tile": ``one_b_scale_per_tile``);
+* ``block 1x128 x 1x128``: the kernel at its default configuration on two 1x128-tiled
+  operands (the weight-gradient GEMM's layout).
+
+Each kernel's product is checked against the float32 product of the dequantized
+operands (largest difference over the largest magnitude: bfloat16 output rounding
+is 2^-9 of a value). Prints a Markdown table of ms, TFLOP/s and the ratio to bf16.
+
+Run on a GPU: ``python benchmarks/bench_block_gemm.py`` (``--preset gpu``). ``--preset
+smoke``: tiny shapes with the kernel interpreted (any platform; the tests run it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import timing  # pylint: disable=g-import-not-at-top
+
+from jaxmp._src.fp8 import block_gemm
+from jaxmp._src.fp8 import grouped
+from jaxmp._src.fp8 import quantize as q
+
+SHAPES = {
+    "gpu": [(8192, 4096, 4096), (8192, 1024, 4096), (8192, 14336, 4096),
+            (8192, 4096, 14336), (4096, 4096, 8192)],
+    "smoke": [(64, 128, 256)],
+}
+"""``(M, N, K)`` per preset: tokens x output features x contracted."""
+
+CONFIGS = [((64, 128), 4, 4, False), ((64, 128), 4, 4, True), ((64, 128), 4, 3, True),
+           ((64, 128), 4, 5, True), ((128, 128), 8, 4, False), ((128, 128), 8, 4, True)]
+"""``(tile, num_warps, num_stages, one_b_scale_per_tile)`` of the kernel to try (the first
+is jaxmp's default)."""
+
+TILE, BLOCK = grouped.Grouping(1, 128), grouped.Grouping(128, 128)
+
+
+def _operands(m: int, n: int, k: int, weight: grouped.Grouping):
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (1, m, k), jnp.float32)
+  w = jax.random.normal(kw, (1, n, k), jnp.float32)
+  quantized = [grouped.quantize(v, g, q.E4M3, grouped.scales(v, g, q.E4M3))
+               for v, g in ((x, TILE), (w, weight))]
+  return x, w, quantized
+
+
+def variants(m: int, n: int, k: int, interpret: bool):
+  """``{name: (fn, check)}``: zero-argument steps and each kernel's relative error."""
+  x, w, (a, b) = _operands(m, n, k, BLOCK)
+  xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+  exact = jnp.einsum("bpc,bqc->bpq", grouped.dequantize(a, TILE),
+                     grouped.dequantize(b, BLOCK), precision="highest")
+  error = lambda out: float(jnp.max(jnp.abs(out.astype(jnp.float32) - exact))
+                            / jnp.max(jnp.abs(exact)))
+  bf16 = jax.jit(lambda x, w: jnp.einsum("bpc,bqc->bpq", x, w))
+  per_tensor = jax.jit(lambda a, b: jax.lax.dot_general(
+      a, b, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.bfloat16)
+                       * jnp.bfloat16(0.5))
+  steps = {"bf16": (lambda: jax.block_until_ready(bf16(xb, wb)), None),
+           "fp8 per-tensor": (lambda: jax.block_until_ready(per_tensor(a.data, b.data)), None)}
+  for tile, warps, stages, per_tile in CONFIGS[:2] if interpret else CONFIGS:
+    fn = jax.jit(functools.partial(block_gemm.gemm, grouping_b=BLOCK, out_dtype=jnp.bfloat16,
+                                   interpret=interpret, tile=tile, num_warps=warps,
+                                   num_stages=stages, one_b_scale_per_tile=per_tile))
+    name = f"block {tile[0]}x{tile[1]}/{warps}w/{stages}s" + (", b scale/tile" if per_tile else "")
+    steps[name] = (functools.partial(lambda f: jax.block_until_ready(f(a, b)), fn),
+                   error(fn(a, b)))
+  _, _, (a2, b2) = _operands(m, n, k, TILE)
+  fn = jax.jit(functools.partial(block_gemm.gemm, grouping_b=TILE, out_dtype=jnp.bfloat16,
+                                 interpret=interpret))
+  exact2 = jnp.einsum("bpc,bqc->bpq", grouped.dequantize(a2, TILE), grouped.dequantize(b2, TILE),
+                      precision="highest")
+  steps["block 1x128 x 1x128"] = (
+      functools.partial(lambda f: jax.block_until_ready(f(a2, b2)), fn),
+      float(jnp.max(jnp.abs(fn(a2, b2).astype(jnp.float32) - exact2)) / jnp.max(jnp.abs(exact2))))
+  return steps
+
+
+def main(argv=None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--preset", choices=sorted(SHAPES), default="gpu")
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--calls", type=int, default=10)
+  args = parser.parse_args(argv)
+  interpret = jax.devices()[0].platform != "gpu"
+  print(f"jax {jax.__version__}; {timing.device_description()}"
+        + ("; kernel interpreted (no GPU)" if interpret else ""))
+  print("\n| M x N x K | variant | ms | TFLOP/s | vs bf16 | max error / max |\n"
+        "|---|---|---:|---:|---:|---:|")
+  results = {}
+  for m, n, k in SHAPES[args.preset]:
+    steps = variants(m, n, k, interpret)
+    timings = timing.interleaved({name: fn for name, (fn, _) in steps.items()},
+                                 baseline="bf16", rounds=args.rounds, calls=args.calls)
+    flops = 2 * math.prod((m, n, k))
+    for name, t in timings.items():
+      check = steps[name][1]
+      print(f"| {m}x{n}x{k} | {name} | {t.ms:.3f} | {flops / t.ms / 1e9:.0f} | "
+            f"{1 / t.ratio:.2f}x | {'' if check is None else f'{check:.1e}'} |")
+    results[(m, n, k)] = {name: (t, steps[name][1]) for name, t in timings.items()}
+  return results
+
+
+if __name__ == "__main__":
+  main()

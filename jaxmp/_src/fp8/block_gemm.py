@@ -1,0 +1,249 @@
+"""A block-scaled fp8 GEMM that runs on Hopper's fp8 tensor cores (DeepGEMM's scheme).
+
+``BlockScaling``'s scales vary along the contracted dimension, one per 128 elements,
+so no fp8 GEMM of XLA's can apply them in its epilogue. DeepSeek-V3's kernels
+(DeepGEMM) apply them while accumulating: for every 128-element block of the
+contracted dimension the tensor cores multiply the fp8 tiles into a fresh float32
+partial product, which is multiplied by the block's scales and added to a float32
+accumulator on the CUDA cores. This module is that kernel, written in Pallas for the
+Triton back end: for canonical operands ``a`` ``(B, P, C)`` and ``b`` ``(B, Q, C)``
+with one scale per row and 128-element block (``a.scale`` ``(B, P, C / 128)``; ``b``'s
+``128 x 128`` block scales are repeated to one per row),
+
+  ``out[p, q] = sum_k  a.scale[p, k] * b.scale[q, k] * (a[p, kblk] . b[q, kblk])``
+
+in float32, rounded once to the output dtype. Every product of two fp8 values is exact
+in float32; the only difference from the dequantized GEMM is the order and precision of
+the sums: within a block, the tensor cores' own accumulation (on Hopper, fewer bits
+than float32 keeps, as in DeepSeek-V3, which promotes to float32 every 128 elements
+for that reason), across blocks a float32 sum of the scaled partial products.
+
+**What makes it an fp8 GEMM.** Triton lowers an fp8 ``tt.dot`` to Hopper's ``wgmma``
+(fp8 operands, float32 accumulator) only if the dot may accumulate at least 32 products
+in the tensor cores' own precision (its ``max_num_imprecise_acc``); Pallas' own
+``dot`` leaves that at 0, and the dot is then an Ampere-style ``mma.sync`` on operands
+widened to float16 (compiled for an H100: 128 ``mma.sync...f16`` and 192
+``cvt.rn.f16x2.e4m3x2`` instead of 4 ``wgmma...e4m3.e4m3`` per block). So the kernel's
+dot is a primitive of this module whose Triton lowering rule asks for 128 (one block,
+promoted to float32 after it, DeepGEMM's choice). The rule is registered with Pallas
+when a kernel is first traced for Triton (not on import, nor in interpret mode); it
+uses Pallas' Triton lowering module, which is not public API.
+
+Example:
+  >>> from jaxmp._src.fp8 import block_gemm, grouped, quantize as q
+  >>> x = jnp.ones((1, 2, 128))
+  >>> a = grouped.quantize(x, grouped.Grouping(1, 128), q.E4M3, jnp.full((1, 2, 1), 0.5))
+  >>> b = grouped.quantize(x, grouped.Grouping(1, 128), q.E4M3, jnp.full((1, 2, 1), 2.0))
+  >>> block_gemm.gemm(a, b, grouped.Grouping(1, 128), jnp.float32, interpret=True)
+  Array([[[128., 128.],
+          [128., 128.]]], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import jax
+import jax.core
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp._src.fp8 import grouped
+
+BLOCK = 128
+"""The contracted block of the kernel: the recipes' ``block_size`` it runs."""
+
+TILE = (64, 128)
+"""The output tile each program computes (rows of ``a``, rows of ``b``).
+
+One warpgroup multiplies it with ``wgmma`` m64n128k32. Measured on an H200 at the
+Llama-3-8B layer's GEMMs (benchmarks/RESULTS.md) it ran 2x faster than 128 x 128 tiles
+on two warpgroups (8 warps) or 128 x 256 ones, and 4x faster than 128 x 128 on one.
+"""
+
+NUM_WARPS = 4
+"""One warpgroup (``wgmma`` is issued by 4 warps together)."""
+
+NUM_STAGES = 4
+"""Triton's software pipelining depth: loads of the next blocks overlap the current one."""
+
+IMPRECISE_ACCUMULATION = BLOCK
+"""Products the tensor cores may sum in their own precision before float32 (one block)."""
+
+F32 = np.dtype(np.float32)
+_CANONICAL_2D = (((1,), (1,)), ((), ()))
+
+
+def supports(recipe: Any) -> bool:
+  """Whether a ``BlockScaling`` GEMM runs as this kernel on a Hopper GPU.
+
+  For ``block_size`` :data:`BLOCK`, and scales that are not rounded to powers of two:
+  power-of-two scales make the bfloat16 GEMM on dequantized operands exact, and on an
+  H200 a bfloat16 GEMM ran 1.2-1.4x faster than this kernel (benchmarks/RESULTS.md),
+  while the float32 GEMM that other scales need instead is several times slower.
+  And only where this JAX has the Pallas Triton internals the kernel's dot uses
+  (:func:`available`).
+  """
+  return recipe.block_size == BLOCK and not recipe.power_of_two and available()
+
+
+@functools.cache
+def available() -> bool:
+  """Whether this JAX has what the kernel's dot is built from (private Pallas modules).
+
+  Checked once: Pallas' Triton lowering rules, and Triton's ``tt.dot`` builder taking
+  ``max_num_imprecise_acc``. Where a JAX release moves them, ``BlockScaling`` keeps the
+  dequantized GEMM (and says so in its fallback warning) rather than failing.
+  """
+  try:
+    from jax._src.pallas.triton import lowering as triton_lowering  # pylint: disable=g-import-not-at-top
+    from jaxlib.triton import dialect as tt  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return False
+  return (callable(getattr(triton_lowering, "register_lowering", None))
+          and callable(getattr(triton_lowering, "_zeros", None))
+          and "max_num_imprecise_acc" in inspect.signature(tt.dot).parameters)
+
+
+@functools.cache
+def _fp8_dot_primitive() -> jax.extend.core.Primitive:
+  """``(m, k) x (n, k) -> (m, n)`` float32, lowered by Triton to an fp8 ``wgmma`` on Hopper.
+
+  Built and registered with Pallas' Triton lowering once, on first use.
+  """
+  # Private modules: Pallas has no public way to set a dot's max_num_imprecise_acc.
+  from jax._src.pallas.triton import lowering as triton_lowering  # pylint: disable=g-import-not-at-top
+  from jaxlib.mlir import ir  # pylint: disable=g-import-not-at-top
+  from jaxlib.triton import dialect as tt  # pylint: disable=g-import-not-at-top
+
+  primitive = jax.extend.core.Primitive("jaxmp_fp8_block_dot")
+  primitive.def_abstract_eval(
+      lambda a, b: jax.core.ShapedArray((a.shape[0], b.shape[0]), F32))
+
+  def lower(ctx, a, b):
+    del ctx
+    b = tt.trans(b, (1, 0))  # (k, n): tt.dot's layout; Triton keeps both K-major for wgmma
+    m, n = ir.RankedTensorType(a.type).shape[0], ir.RankedTensorType(b.type).shape[1]
+    zeros = triton_lowering._zeros(ir.RankedTensorType.get([m, n], ir.F32Type.get()))  # pylint: disable=protected-access
+    return tt.dot(a, b, zeros, max_num_imprecise_acc=IMPRECISE_ACCUMULATION)
+
+  triton_lowering.register_lowering(primitive)(lower)
+  return primitive
+
+
+def _triton_dot(a: jax.Array, b: jax.Array) -> jax.Array:
+  return _fp8_dot_primitive().bind(a, b)
+
+
+def _reference_dot(a: jax.Array, b: jax.Array) -> jax.Array:
+  return jax.lax.dot_general(a, b, _CANONICAL_2D, preferred_element_type=F32)
+
+
+def _kernel(a_ref, b_ref, sa_ref, sb_ref, out_ref, *, blocks: int, dot):
+  """One ``TILE`` of the product: a float32 sum over the contracted blocks."""
+  pallas = _pallas()
+
+  def step(k, acc):
+    cols = pallas.ds(k * BLOCK, BLOCK)
+    partial = dot(a_ref[:, cols], b_ref[:, cols])
+    # a's scales arrive as a column, b's as a row: their outer product scales the block.
+    return acc + partial * (sa_ref[:, pallas.ds(k, 1)] * sb_ref[pallas.ds(k, 1), :])
+
+  acc = jax.lax.fori_loop(0, blocks, step, jnp.zeros(out_ref.shape, F32))
+  out_ref[...] = acc.astype(out_ref.dtype)
+
+
+def _pallas():
+  """``jax.experimental.pallas``, imported on first use (it is not needed to import jaxmp)."""
+  from jax.experimental import pallas  # pylint: disable=g-import-not-at-top
+  return pallas
+
+
+def _row_scales(x: grouped.Quantized, grouping: grouped.Grouping, rows: int) -> jax.Array:
+  """One scale per row and block, ``(B, rows, C / 128)``: block scales repeated per row."""
+  assert grouping.rows is not None  # a tile or a block, never a whole column
+  scale = x.scale if grouping.rows == 1 else jnp.repeat(x.scale, grouping.rows, axis=1)
+  return _pad_rows(scale, rows)
+
+
+def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
+  return x if x.shape[1] == rows else jnp.pad(x, ((0, 0), (0, rows - x.shape[1]), (0, 0)))
+
+
+def gemm(a: grouped.Quantized, b: grouped.Quantized, grouping_b: grouped.Grouping,
+         out_dtype: Any, *, interpret: bool = False, tile: tuple[int, int] = TILE,
+         num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
+         one_b_scale_per_tile: bool = False) -> jax.Array:
+  """``(B, P, C) x (B, Q, C) -> (B, P, Q)`` of two block-scaled fp8 operands.
+
+  ``a`` is tiled ``1 x 128`` (activations, gradients), ``b`` ``1 x 128`` or ``128 x 128``
+  (weights); both padded along ``C`` to whole blocks, as :func:`~.grouped.quantize`
+  leaves them. Rows are padded to whole tiles here (the product is sliced back).
+
+  Args:
+    a: the first operand (``grouped.Quantized``, ``Grouping(1, 128)``).
+    b: the second operand.
+    grouping_b: ``b``'s grouping, ``Grouping(1, 128)`` or ``Grouping(128, 128)``.
+    out_dtype: the product's dtype (the float32 accumulator is rounded once to it).
+    interpret: run the kernel in Pallas' interpreter, with an ordinary float32 dot in
+      place of the tensor-core one (any platform; for tests).
+    tile: the output tile of one program, :data:`TILE` by default (benchmarks try
+      others; ``wgmma`` wants multiples of 64 rows with 4 warps per 64).
+    num_warps: Triton's warps per program.
+    num_stages: Triton's pipelining depth.
+    one_b_scale_per_tile: load ``b``'s scales as one per block and tile (for a
+      ``128 x 128``-blocked ``b`` whose blocks are the tile's columns) rather than
+      repeated per row: the same products, bit for bit, with one scale loaded per
+      block instead of ``tile[1]`` and one multiplication per element fewer. Not
+      measured on a GPU yet (``benchmarks/bench_block_gemm.py`` times both), so off.
+
+  Returns:
+    ``(B, P, Q)`` in ``out_dtype``, ``P`` and ``Q`` as ``a`` and ``b`` hold them.
+
+  Raises:
+    ValueError: for ``one_b_scale_per_tile`` where ``b``'s blocks are not ``tile[1]``
+      rows.
+  """
+  pallas = _pallas()
+  batch, p, c = a.data.shape
+  q_ = b.data.shape[1]
+  tile_p, tile_q = tile
+  rows_p, rows_q = -(-p // tile_p) * tile_p, -(-q_ // tile_q) * tile_q
+  blocks = c // BLOCK
+  sa = _pad_rows(a.scale, rows_p)                                  # (B, P', C/128)
+  if one_b_scale_per_tile:
+    if grouping_b.rows != tile_q:
+      raise ValueError(f"block_gemm.gemm: one_b_scale_per_tile needs b's blocks to be "
+                       f"the tile's {tile_q} columns, got {grouping_b}.")
+    sb, sb_columns = jnp.swapaxes(b.scale, 1, 2), 1                # (B, C/128, Q'/128)
+  else:
+    sb, sb_columns = jnp.swapaxes(_row_scales(b, grouping_b, rows_q), 1, 2), tile_q
+  kernel = functools.partial(_kernel, blocks=blocks,
+                             dot=_reference_dot if interpret else _triton_dot)
+  out = pallas.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((batch, rows_p, rows_q), out_dtype),
+      grid=(batch, rows_p // tile_p, rows_q // tile_q),
+      in_specs=[
+          pallas.BlockSpec((None, tile_p, c), lambda n, i, j: (n, i, 0)),
+          pallas.BlockSpec((None, tile_q, c), lambda n, i, j: (n, j, 0)),
+          pallas.BlockSpec((None, tile_p, blocks), lambda n, i, j: (n, i, 0)),
+          pallas.BlockSpec((None, blocks, sb_columns), lambda n, i, j: (n, 0, j)),
+      ],
+      out_specs=pallas.BlockSpec((None, tile_p, tile_q), lambda n, i, j: (n, i, j)),
+      compiler_params=_compiler_params(num_warps, num_stages),
+      interpret=interpret,
+      name="jaxmp_block_fp8_gemm",
+  )(_pad_rows(a.data, rows_p), _pad_rows(b.data, rows_q), sa, sb)
+  return out[:, :p, :q_]
+
+
+def _compiler_params(num_warps: int, num_stages: int) -> Any:
+  from jax.experimental.pallas import triton as pallas_triton  # pylint: disable=g-import-not-at-top
+  return pallas_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+__all__ = ("BLOCK", "TILE", "gemm", "supports")
