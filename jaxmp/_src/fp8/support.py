@@ -79,8 +79,8 @@ class Target:
     int8: int8 GEMMs run faster than bfloat16 ones (TPU v5e, v5p, v6e by libtpu's cost
       model); ``None`` where jaxmp makes no claim.
     block_fp8: ``BlockScaling``'s GEMMs run as jaxmp's block-scaled fp8 kernel
-      (:mod:`~jaxmp._src.fp8.block_gemm`: Triton's ``wgmma``, Hopper, sm_90) where
-      :func:`~jaxmp._src.fp8.block_gemm.supports` the recipe.
+      (``jaxmp._src.fp8.block_gemm``: Triton's ``wgmma``, Hopper, sm_90) where
+      ``block_gemm.supports`` the recipe.
   """
 
   name: str
