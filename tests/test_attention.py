@@ -128,6 +128,38 @@ def test_causal_attention_on_nnx():
   np.testing.assert_allclose(causal(X), plain(X, mask=MASK), atol=1e-6)
 
 
+def _sliding_causal_mask(length: int, window: int) -> jax.Array:
+  """Each query attends to itself and the ``window - 1`` keys before it."""
+  i, j = np.arange(length)[:, None], np.arange(length)[None, :]
+  return jnp.asarray((j <= i) & (i - j < window))[None, None]
+
+
+@pytest.mark.parametrize("window", [1, 3, 6])
+def test_attention_window_attends_to_a_sliding_band(window):
+  rule = jaxmp.Rule(nn.MultiHeadDotProductAttention, causal_attention=True,
+                    attention_window=window)
+  model = jaxmp.linen.mixed_precision(nn.MultiHeadDotProductAttention(num_heads=2),
+                                      jaxmp.PolicyRules(F32, [rule]))
+  plain = jaxmp.linen.mixed_precision(nn.MultiHeadDotProductAttention(num_heads=2),
+                                      jaxmp.PolicyRules(F32))
+  variables = plain.init(jax.random.key(0), X)
+  band = _sliding_causal_mask(X.shape[1], window)
+  np.testing.assert_allclose(model.apply(variables, X, mask=MASK),
+                             plain.apply(variables, X, mask=band), atol=1e-6)
+  loss = lambda m, mask: lambda v: jnp.sum(m.apply(v, X, mask=mask) ** 2)
+  for a, b in zip(jax.tree.leaves(jax.grad(loss(model, MASK))(variables)),
+                  jax.tree.leaves(jax.grad(loss(plain, band))(variables))):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_window_on_nnx():
+  layer = lambda: nnx.MultiHeadAttention(2, 16, decode=False, rngs=nnx.Rngs(0))
+  rule = jaxmp.Rule(nnx.MultiHeadAttention, causal_attention=True, attention_window=2)
+  windowed = jaxmp.nnx.mixed_precision(layer(), jaxmp.PolicyRules(F32, [rule]))
+  plain = jaxmp.nnx.mixed_precision(layer(), jaxmp.PolicyRules(F32))
+  np.testing.assert_allclose(windowed(X), plain(X, mask=_sliding_causal_mask(6, 2)), atol=1e-6)
+
+
 def _published_lm1b(rules, mode="eval"):
   from tests.published import models  # pylint: disable=import-outside-toplevel
   return jaxmp.linen.mixed_precision(models._lm1b_module(mode), rules)  # pylint: disable=protected-access
@@ -149,6 +181,34 @@ def test_causal_attention_on_published_lm1b_with_right_padding():
   real = np.asarray(left > 0)
   assert not np.allclose(np.asarray(causal.apply(variables, left))[real],
                          np.asarray(plain.apply(variables, left))[real], atol=1e-3)
+
+
+def test_attention_window_on_published_lm1b():
+  # A window as long as the sequence is the causal rule itself; a shorter one changes
+  # what the published model's real tokens see.
+  tokens = jax.random.randint(jax.random.key(2), (2, 8), 1, 64)
+  window = lambda w: jaxmp.Rule(nn.MultiHeadDotProductAttention, causal_attention=True,
+                                attention_window=w)
+  causal = _published_lm1b(jaxmp.PolicyRules(F32, [CAUSAL]))
+  variables = causal.init(jax.random.key(0), tokens)
+  full = _published_lm1b(jaxmp.PolicyRules(F32, [window(8)]))
+  np.testing.assert_array_equal(full.apply(variables, tokens), causal.apply(variables, tokens))
+  short = _published_lm1b(jaxmp.PolicyRules(F32, [window(2)]))
+  logits = np.asarray(short.apply(variables, tokens))
+  reference = np.asarray(causal.apply(variables, tokens))
+  # The first two positions see the same keys either way; the rest see fewer.
+  np.testing.assert_allclose(logits[:, :2], reference[:, :2], atol=1e-5)
+  assert not np.allclose(logits[:, 2:], reference[:, 2:], atol=1e-3)
+
+
+def test_attention_window_is_not_applied_when_decoding_with_a_cache_and_says_so():
+  rule = jaxmp.Rule(nn.MultiHeadDotProductAttention, causal_attention=True, attention_window=2)
+  decode = _published_lm1b(jaxmp.PolicyRules(F32, [rule]), "decode")
+  tokens = jax.random.randint(jax.random.key(2), (2, 8), 1, 64)
+  variables = _published_lm1b(F32).init(jax.random.key(0), tokens)
+  cache = _published_lm1b(F32, "decode").init(jax.random.key(0), tokens)["cache"]
+  with pytest.warns(UserWarning, match="attention_window=2 is not applied to a query of length 1"):
+    decode.apply({**variables, "cache": cache}, tokens[:, :1], mutable=["cache"])
 
 
 def test_causal_attention_decoding_with_a_cache_uses_the_mask():
@@ -231,6 +291,7 @@ _CAUSAL_CHECK = textwrap.dedent("""\
     import flax.linen as nn, jax, jax.numpy as jnp, jaxmp
     S = jax.ShapeDtypeStruct
     BF16 = "params=float32,compute=bfloat16,output=float32"
+    last_hlo = []
     def attention(rules):
       model = jaxmp.linen.mixed_precision(nn.MultiHeadDotProductAttention(num_heads=4), rules)
       variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.ones((2, 128, 256))))
@@ -238,19 +299,24 @@ _CAUSAL_CHECK = textwrap.dedent("""\
         mask = nn.make_causal_mask(x[..., 0])
         return jax.grad(lambda v: jnp.sum(model.apply(v, x, mask=mask).astype(jnp.float32)))(v)
       report = jaxmp.tools.audit(step, variables, S((2, 128, 256), jnp.float32), target="h100")
+      last_hlo[:] = [report.hlo]
       return (re.findall(r'custom_call_target="(__cudnn[$]fmha\\w*)"', report.hlo),
               re.findall(r'"mask_type":\\s*"(\\w+)"', report.hlo),
               [g.shape for g in report.gemms if g.backend.startswith("cuDNN")])
     print(attention(jaxmp.PolicyRules(BF16, fused_attention=True)))
     print(attention(jaxmp.PolicyRules(
         BF16, [jaxmp.Rule(nn.MultiHeadDotProductAttention, causal_attention=True)])))
+    print(attention(jaxmp.PolicyRules(
+        BF16, [jaxmp.Rule(nn.MultiHeadDotProductAttention, causal_attention=True,
+                          attention_window=32)]))
+          + (re.findall(r'"sliding_window_length":\\s*"?(\\w+)', last_hlo[0]),))
     """)
 
 
 def test_h100_deviceless_causal_attention_runs_cudnns_causal_mode_with_no_bias():
   out = _run_deviceless(_CAUSAL_CHECK)
   assert out.returncode == 0, out.stderr[-4000:]
-  with_mask, causal = out.stdout.strip().splitlines()
+  with_mask, causal, windowed = out.stdout.strip().splitlines()
   # The mask as a tensor: cuDNN reads it as a dense bias, every tile computed.
   assert with_mask == str((["__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"],
                            ["NO_MASK", "NO_MASK"],
@@ -259,6 +325,10 @@ def test_h100_deviceless_causal_attention_runs_cudnns_causal_mode_with_no_bias()
   assert causal == str((["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"],
                         ["CAUSAL", "CAUSAL"],
                         ["attention 2*4*128x128x64 causal"] * 2)), causal
+  # A sliding window: the same causal kernels, told the window's length; no bias.
+  assert windowed == str((["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"],
+                          ["CAUSAL", "CAUSAL"],
+                          ["attention 2*4*128x128x64 causal"] * 2, ["32", "32"])), windowed
 
 
 _FLOAT32_CHECK = textwrap.dedent("""\

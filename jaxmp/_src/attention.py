@@ -62,7 +62,7 @@ CAUSAL_ATTENTION = "Rule(causal_attention=True)"
 """The settings that ask for fused attention, as the fallback warnings name them."""
 
 
-def _cudnn_refusal(query, key, value, bias, mask, is_causal) -> str | None:
+def _cudnn_refusal(query, key, value, bias, mask, is_causal, local_window_size) -> str | None:
   """Why JAX's cuDNN attention refuses these arguments (traced abstractly), or None.
 
   Returns ``""`` where there is no cuDNN to ask (a machine without JAX's CUDA plugin):
@@ -70,7 +70,7 @@ def _cudnn_refusal(query, key, value, bias, mask, is_causal) -> str | None:
   """
   try:
     jax.eval_shape(functools.partial(jax.nn.dot_product_attention, implementation="cudnn",
-                                     is_causal=is_causal),
+                                     is_causal=is_causal, local_window_size=local_window_size),
                    query, key, value, bias, mask)
   except (ValueError, TypeError, NotImplementedError) as refusal:
     return str(refusal).strip() or type(refusal).__name__  # a dtype or shape it rejects
@@ -81,7 +81,8 @@ def _cudnn_refusal(query, key, value, bias, mask, is_causal) -> str | None:
 
 def attend(query: jax.Array, key: jax.Array, value: jax.Array,
            bias: jax.Array | None = None, mask: jax.Array | None = None,
-           is_causal: bool = False, asked_by: str = FUSED_ATTENTION) -> jax.Array:
+           is_causal: bool = False, asked_by: str = FUSED_ATTENTION,
+           local_window_size: tuple[int, int] | None = None) -> jax.Array:
   """``softmax(q k^T / sqrt(d) + bias, masked) v``: cuDNN's fused kernel on GPUs, else XLA's.
 
   Args:
@@ -93,13 +94,16 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array,
     is_causal: also mask every key after its query (cuDNN then skips those blocks).
     asked_by: the setting that asked for the fused kernel, named by the warning when
       cuDNN refuses it.
+    local_window_size: ``(left, right)``: each query also attends only to the
+      ``left`` keys before it and the ``right`` after it (cuDNN's sliding window).
 
   Returns:
     ``[batch, q_length, heads, depth]`` in the inputs' dtype.
   """
-  implementation = functools.partial(jax.nn.dot_product_attention, is_causal=is_causal)
+  implementation = functools.partial(jax.nn.dot_product_attention, is_causal=is_causal,
+                                     local_window_size=local_window_size)
   xla = functools.partial(implementation, implementation="xla")
-  refusal = _cudnn_refusal(query, key, value, bias, mask, is_causal)
+  refusal = _cudnn_refusal(query, key, value, bias, mask, is_causal, local_window_size)
   if refusal is None:
     return jax.lax.platform_dependent(
         query, key, value, bias, mask,
@@ -132,8 +136,8 @@ def _warn(message: str, asked_by: str) -> None:
   warnings.warn(f"{asked_by}: {message}.", UserWarning, stacklevel=4)
 
 
-def fused_attention_fn(original: Callable[..., Any], causal: bool = False
-                       ) -> Callable[..., Any]:
+def fused_attention_fn(original: Callable[..., Any], causal: bool = False,
+                       window: int | None = None) -> Callable[..., Any]:
   """A Flax-compatible ``attention_fn`` computing with :func:`attend`.
 
   Takes the keyword arguments Flax's linen and NNX attention layers pass their
@@ -145,6 +149,10 @@ def fused_attention_fn(original: Callable[..., Any], causal: bool = False
     causal: the layer is declared causal (``Rule(causal_attention=True)``): where the
       query and keys have the same length, attend with ``is_causal=True`` and leave the
       mask the layer was handed unread, so no dense mask reaches the kernel.
+    window: with ``causal``, each query attends to itself and the ``window - 1`` keys
+      before it (``Rule(attention_window=...)``: cuDNN's causal sliding window). Where
+      the query and keys differ in length (decoding with a cache) the window cannot be
+      placed, and the layer's mask runs without it, with a warning.
 
   Returns:
     The function to set as the layer's ``attention_fn`` for the call.
@@ -170,10 +178,16 @@ def fused_attention_fn(original: Callable[..., Any], causal: bool = False
       return original(query, key, value, **kwargs)
     dtype = jnp.result_type(query, key, value) if dtype is None else dtype
     query, key, value = (x.astype(dtype) for x in (query, key, value))
+    local_window_size = None
     if causal and query.shape[-3] == key.shape[-3]:
       mask, is_causal = None, True  # the declared causal mask, as cuDNN's CAUSAL mode
+      local_window_size = None if window is None else (window - 1, 0)
+    elif window is not None:
+      _warn(f"attention_window={window} is not applied to a query of length "
+            f"{query.shape[-3]} against {key.shape[-3]} keys (no position to place it "
+            "from); the layer's own mask runs", CAUSAL_ATTENTION)
     mask = None if mask is None else mask.astype(bool)
-    return attend(query, key, value, bias, mask, is_causal, asked_by)
+    return attend(query, key, value, bias, mask, is_causal, asked_by, local_window_size)
 
   return attention
 

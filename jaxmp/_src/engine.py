@@ -298,7 +298,8 @@ class Call:
     if (not (self.rules.fused_attention or causal) or not callable(value)
         or attention_lib.is_fused(value)):
       return NOT_A_DTYPE_FIELD
-    return attention_lib.fused_attention_fn(value, causal=causal)
+    return attention_lib.fused_attention_fn(value, causal=causal,
+                                            window=precision.attention_window)
 
   def _cast_leaf(self, x: Any, dtype: np.dtype) -> Any:
     if not tree_lib.is_float_array(x) or x.dtype == dtype:

@@ -85,6 +85,23 @@ Match = type | tuple | str
 _OUTPUT_KEY = re.compile(r"(^|,)\s*(o|output)\s*=")
 
 
+def _check_attention_window(rule: Any) -> None:
+  """A Rule's ``attention_window``: None, or a positive int with causal attention."""
+  window = rule.attention_window
+  if window is None:
+    return
+  if isinstance(window, bool) or not isinstance(window, (int, np.integer)):
+    raise TypeError(f"Rule({rule.match!r}) attention_window must be a positive int or None, "
+                    f"got {window!r} of type {type(window).__name__}.")
+  if window < 1:
+    raise ValueError(f"Rule({rule.match!r}) attention_window must be a positive int (the "
+                     f"keys each query attends to, itself included), got {window}.")
+  if not rule.causal_attention:
+    raise ValueError(f"Rule({rule.match!r}) attention_window={window} needs "
+                     "causal_attention=True: the window is placed on the causal mask.")
+  object.__setattr__(rule, "attention_window", int(window))
+
+
 def _check_match(match: Any) -> re.Pattern | None:
   """Validates a rule's match; returns the compiled regex for a string match."""
   if isinstance(match, str):
@@ -139,6 +156,12 @@ class Rule:
       padded positions); left padding and packed sequences are not: keep the mask
       for those. A call whose query and keys differ in length (decoding with a cache)
       uses the mask it is given. Default ``False``.
+    attention_window: with ``causal_attention=True``, a sliding window: each query
+      attends to itself and the ``attention_window - 1`` keys before it (Mistral's
+      ``sliding_window``; cuDNN's causal sliding-window mode on GPUs, which skips the
+      blocks outside the band). A positive int, or ``None`` (default) for the whole
+      causal prefix. A call whose query and keys differ in length (decoding with a
+      cache) cannot place the window: the layer's mask runs, and a warning says so.
 
   Raises:
     TypeError: for a match that is neither a class nor a string, a bad fp8 recipe, or
@@ -160,6 +183,7 @@ class Rule:
   output_dtype: np.dtype | None
   float32_ops: frozenset | None
   causal_attention: bool
+  attention_window: int | None
   _regex: re.Pattern | None = dataclasses.field(
       default=None, init=False, repr=False, compare=False)
 
@@ -168,10 +192,12 @@ class Rule:
   def __init__(self, match: Match, policy: policy_lib.PolicyLike | None = None,
                fp8: recipes_lib.Recipe | None = None,
                output_dtype: dtypes_lib.DTypeLike | None = None,
-               float32_ops: Collection[str] | None = None, causal_attention: bool = False):
+               float32_ops: Collection[str] | None = None, causal_attention: bool = False,
+               attention_window: int | None = None):
     for name, value in (("match", match), ("policy", policy), ("fp8", fp8),
                         ("output_dtype", output_dtype), ("float32_ops", float32_ops),
-                        ("causal_attention", causal_attention)):
+                        ("causal_attention", causal_attention),
+                        ("attention_window", attention_window)):
       object.__setattr__(self, name, value)
     self.__post_init__()
 
@@ -181,6 +207,7 @@ class Rule:
     if not isinstance(self.causal_attention, bool):
       raise TypeError(f"Rule({self.match!r}) causal_attention must be True or False, got "
                       f"{self.causal_attention!r} of type {type(self.causal_attention).__name__}.")
+    _check_attention_window(self)
     if self.float32_ops is not None:
       object.__setattr__(self, "float32_ops",
                          float32_ops_lib.check(self.float32_ops, f"Rule({self.match!r})"))
@@ -227,6 +254,8 @@ class ModulePrecision:
     float32_ops: the ops that compute in float32 inside the module.
     causal_attention: whether the module's attention is declared causal
       (:class:`Rule`'s ``causal_attention``).
+    attention_window: the declared sliding window (:class:`Rule`'s
+      ``attention_window``), or ``None``.
   """
 
   policy: policy_lib.Policy
@@ -235,6 +264,7 @@ class ModulePrecision:
   rule: Rule | None
   float32_ops: frozenset = frozenset(float32_ops_lib.DEFAULT)
   causal_attention: bool = False
+  attention_window: int | None = None
 
 
 def _normalization_policy(default: policy_lib.Policy) -> policy_lib.Policy:
@@ -336,7 +366,7 @@ class PolicyRules:
         policy = self.default if rule.policy is None else rule.policy
         ops = self.float32_ops if rule.float32_ops is None else rule.float32_ops
         return ModulePrecision(policy, rule.output_dtype, rule.fp8, rule, ops,
-                               rule.causal_attention)
+                               rule.causal_attention, rule.attention_window)
     if self.float32_normalization and is_normalization(module_type):
       return ModulePrecision(_normalization_policy(self.default), None, None, None,
                              self.float32_ops)
