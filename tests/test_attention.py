@@ -114,9 +114,14 @@ def test_causal_attention_attends_causally_and_reads_no_mask():
                              plain.apply(variables, X, mask=MASK), atol=1e-6)
   np.testing.assert_allclose(model.apply(variables, X), plain.apply(variables, X, mask=MASK),
                              atol=1e-6)
+  _assert_same_gradients(model, everything, plain, MASK, variables)
+
+
+def _assert_same_gradients(model, model_mask, plain, plain_mask, variables):
+  """``model`` under ``model_mask`` has ``plain``'s gradients under ``plain_mask``."""
   loss = lambda m, mask: lambda v: jnp.sum(m.apply(v, X, mask=mask) ** 2)
-  for a, b in zip(jax.tree.leaves(jax.grad(loss(model, everything))(variables)),
-                  jax.tree.leaves(jax.grad(loss(plain, MASK))(variables))):
+  for a, b in zip(jax.tree.leaves(jax.grad(loss(model, model_mask))(variables)),
+                  jax.tree.leaves(jax.grad(loss(plain, plain_mask))(variables))):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
@@ -146,10 +151,7 @@ def test_attention_window_attends_to_a_sliding_band(window):
   band = _sliding_causal_mask(X.shape[1], window)
   np.testing.assert_allclose(model.apply(variables, X, mask=MASK),
                              plain.apply(variables, X, mask=band), atol=1e-6)
-  loss = lambda m, mask: lambda v: jnp.sum(m.apply(v, X, mask=mask) ** 2)
-  for a, b in zip(jax.tree.leaves(jax.grad(loss(model, MASK))(variables)),
-                  jax.tree.leaves(jax.grad(loss(plain, band))(variables))):
-    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+  _assert_same_gradients(model, MASK, plain, band, variables)
 
 
 def test_attention_window_on_nnx():
