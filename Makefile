@@ -16,7 +16,7 @@ CUDA_VENV  ?= .venv-cuda
 CUDA_PY    := $(CUDA_VENV)/bin/python
 CUDA_STAMP := $(CUDA_VENV)/.installed
 
-.PHONY: test lint demo env gpu-report clean
+.PHONY: test test-fast golden lint demo env gpu-report clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +32,21 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check jaxmp
 	$(VENV)/bin/pyright --warnings --project pyproject.toml --pythonpath $(PY)
 
+# The whole suite, spread over the machine's cores (pytest-xdist; -n auto starts one worker
+# per core). --dist loadfile keeps each test file on one worker, so a module's shared fixture
+# (a compiled model, an 8-device subprocess) runs once.
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --dist loadfile
+
+# The inner loop: everything but the tests marked slow (end-to-end runs of examples,
+# benchmarks and published models), in parallel.
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" -n auto --dist loadfile
+
+# Rewrites tests/golden/ from the current code with the installed JAX and Flax (their
+# first line names the versions; the test fails when they are not the installed ones).
+golden: $(STAMP)
+	PYTHONPATH=. $(PY) tests/nonfinite_golden.py --write
 
 demo: $(STAMP)
 	$(PY) examples/train_lm.py

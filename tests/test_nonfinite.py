@@ -5,6 +5,7 @@ Locating overflows end to end (linen, NNX, published models, sharded) is in
 """
 
 import chex
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -251,10 +252,31 @@ def test_nnx_wrapper_has_a_row_per_module_and_public_method():
 
 @pytest.mark.parametrize("framework", sorted(nonfinite_golden.JAXPRS))
 def test_tracing_off_builds_the_jaxpr_of_jaxmp_before_tracing(framework):
-  if {"jax": jax.__version__, "flax": __import__("flax").__version__} != nonfinite_golden.VERSIONS:
-    pytest.skip(f"the golden jaxprs were written with {nonfinite_golden.VERSIONS}")
-  golden = nonfinite_golden.golden_path(framework).read_text()
+  golden = nonfinite_golden.read(nonfinite_golden.golden_path(framework))
   assert nonfinite_golden.JAXPRS[framework]() == golden
+
+
+def test_a_golden_file_of_other_versions_fails_naming_them_and_the_command(tmp_path):
+  stale = tmp_path / "stale.jaxpr.txt"
+  stale.write_text("# jax 0.4.1, flax 0.8.0; regenerate: make golden\n{ lambda ; }")
+  with pytest.raises(pytest.fail.Exception) as failed:  # a failure, not a skip
+    nonfinite_golden.read(stale)
+  assert str(failed.value) == (
+      f"{stale} was written with jax 0.4.1, flax 0.8.0, but jax {jax.__version__}, flax "
+      f"{flax.__version__} is installed: regenerate it with `make golden` (it writes what the "
+      "current code builds with tracing off; check the diff before committing it).")
+  unlabelled = tmp_path / "unlabelled.jaxpr.txt"
+  unlabelled.write_text("{ lambda ; }")
+  with pytest.raises(pytest.fail.Exception, match="regenerate it with `make golden`"):
+    nonfinite_golden.read(unlabelled)
+
+
+def test_a_regenerated_golden_file_names_the_installed_versions_and_reads_back(tmp_path):
+  path = tmp_path / "off.jaxpr.txt"
+  nonfinite_golden.write(path, "{ lambda ; }")
+  assert path.read_text().splitlines()[0] == (
+      f"# jax {jax.__version__}, flax {flax.__version__}; regenerate: make golden")
+  assert nonfinite_golden.read(path) == "{ lambda ; }"
 
 
 @pytest.mark.parametrize("framework", sorted(nonfinite_golden.JAXPRS))

@@ -241,6 +241,9 @@ def _grads(entry, rules):
   return jax.tree.leaves(nnx.jit(nnx.grad(loss))(model))
 
 
+# Slow: compiles each published model's forward and backward twice (float32, bfloat16); the
+# jaxpr checks above cover the policy in `make test-fast`.
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ENTRIES, ids=IDS)
 def test_gradients_are_float32_and_match_float32s(entry):
   reference = _grads(entry, None)
@@ -377,6 +380,7 @@ def test_dropout_flag(entry):
 STATS = [e for e in ENTRIES if registry.BATCH_STATS in e.surfaces]
 
 
+@pytest.mark.slow  # compiles and runs a published model's train step
 @pytest.mark.parametrize("entry", STATS, ids=[e.name for e in STATS])
 def test_batch_statistics_update_in_float32(entry):
   def stats(obj):

@@ -129,6 +129,37 @@ def test_sensitivity_with_call_kwargs():
   assert {r.path for r in report.rows} == {"", "dense"}
 
 
+def _without_seconds(line):
+  return re.sub(r" \(\d+\.\d s\)$", " (_ s)", line)
+
+
+def test_sensitivity_reports_each_module_on_stderr_by_default_or_to_a_callable(capsys):
+  variables = Net().init(jax.random.key(0), X)
+  messages = []
+  report = jaxmp.tools.sensitivity(Net(), variables, X, candidates=["bfloat16"],
+                                   modules="fragile|head", progress=messages.append)
+  text = lambda path: f"{report.deviation(path, 'bfloat16'):.2e}"
+  assert [_without_seconds(m) for m in messages] == [
+      "2 module(s) x 1 dtype(s): 4 compilations",
+      f"module 1/2 fragile (Fragile): bfloat16 {text('fragile')} (_ s)",
+      f"module 2/2 head (Dense): bfloat16 {text('head')} (_ s)",
+      f"whole model: bfloat16 {report.whole_model[0]:.2e} (_ s)",
+  ]
+  assert capsys.readouterr() == ("", "")
+
+  jaxmp.tools.sensitivity(Net(), variables, X, candidates=["bfloat16"], modules="fragile|head")
+  out, err = capsys.readouterr()
+  assert out == ""  # stdout stays the caller's (for the printed report)
+  lines = err.splitlines()
+  assert all(re.match(r"\[jaxmp\.tools\.sensitivity \d\d:\d\d:\d\d\] ", line) for line in lines)
+  assert [_without_seconds(line.split("] ", 1)[1]) for line in lines] == [
+      _without_seconds(m) for m in messages]
+
+  jaxmp.tools.sensitivity(Net(), variables, X, candidates=["bfloat16"], modules="fragile",
+                          progress=False)
+  assert capsys.readouterr() == ("", "")
+
+
 class NnxFragile(nnx.Module):
 
   def __call__(self, x):
@@ -175,6 +206,9 @@ def test_sensitivity_nnx():
      "modules='nothing' matches none"),
     (lambda v: jaxmp.tools.sensitivity(Net(), v, X, modules="("), ValueError, "modules='('"),
     (lambda v: jaxmp.tools.sensitivity(Net(), v, X, modules=3), TypeError, "got 3 of type int"),
+    (lambda v: jaxmp.tools.sensitivity(Net(), v, X, progress="yes"), TypeError,
+     "progress must be True (lines on stderr), False (quiet) or a callable taking each message, "
+     "got 'yes' of type str"),
     (lambda v: jaxmp.tools.sensitivity(Net(), v, X, modules="head",
                                  metric=lambda r, o: jnp.abs(r - o)), ValueError,
      "metric must return a scalar"),

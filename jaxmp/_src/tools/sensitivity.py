@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import sys
+import time
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -274,6 +276,26 @@ class SensitivityReport:
     return "\n".join(lines)
 
 
+def _progress_fn(progress: Any) -> Callable[[str], object]:
+  """What reports each step: a line on stderr (``True``), nothing, or the caller's function."""
+  if progress is True:
+    # sys.stderr is looked up at each line, so a redirect made after the call still gets it.
+    return lambda message: print(
+        f"[jaxmp.tools.sensitivity {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr,
+        flush=True)
+  if progress is False:
+    return lambda message: None
+  if callable(progress):
+    return progress
+  raise TypeError(f"sensitivity: progress must be True (lines on stderr), False (quiet) or a "
+                  f"callable taking each message, got {progress!r} of type "
+                  f"{type(progress).__name__}.")
+
+
+def _deviations_text(names: Sequence[str], deviations: Sequence[float]) -> str:
+  return ", ".join(f"{name} {_format_value(d)}" for name, d in zip(names, deviations))
+
+
 def _check_threshold(threshold: Any) -> float:
   if isinstance(threshold, (bool, np.bool_)) or not isinstance(threshold, (int, float, np.number)):
     raise TypeError(f"threshold must be a number, got {threshold!r} of type "
@@ -309,6 +331,7 @@ def _select_paths(paths: list[tuple[str, str]], modules: str | None) -> list[tup
 def sensitivity(model_or_wrapper: Any, variables: Any, *args,
                 candidates: Sequence[dtypes_lib.DTypeLike] = ("bfloat16", "float16"),
                 metric: Metric | None = None, modules: str | None = None,
+                progress: bool | Callable[[str], None] = True,
                 **kwargs) -> SensitivityReport:
   """Ranks modules by how much computing each alone in half precision moves the output.
 
@@ -321,7 +344,8 @@ def sensitivity(model_or_wrapper: Any, variables: Any, *args,
   output. Each configuration is jitted once: one compilation per (module, candidate)
   pair, plus the reference and one whole-model run per candidate (the demo
   transformer's 26 modules and two candidates take about 40 s on a 2-core CPU,
-  nearly all of it compiling). Pick modules with ``modules=`` to measure fewer. The
+  nearly all of it compiling). Pick modules with ``modules=`` to measure fewer; a line
+  on stderr reports each module as it is measured (``progress=``). The
   numbers are those of the compiled programs, as in a jitted training step: XLA
   may fuse or simplify operations (it removes ``(x + c) - c`` in float16 on a CPU).
 
@@ -341,6 +365,11 @@ def sensitivity(model_or_wrapper: Any, variables: Any, *args,
       outputs cast to float32; by default :func:`relative_error`.
     modules: a regex ``re.fullmatch``-ed against the module paths to measure; all
       modules by default (the root module's path is ``""``).
+    progress: ``True`` (default) prints a line to stderr (stdout stays free for the
+      report) when the modules are listed, after each module and after the whole-model
+      runs, with the deviations and the seconds each took: a large model takes
+      minutes. ``False`` prints nothing; a callable gets each message (without the
+      ``[jaxmp.tools.sensitivity HH:MM:SS]`` prefix of the stderr lines) instead.
     **kwargs: keyword arguments of the call (``train=False``, ``method=``, ``rngs=``).
       The call must be deterministic: the same inputs give the same output.
 
@@ -350,7 +379,8 @@ def sensitivity(model_or_wrapper: Any, variables: Any, *args,
 
   Raises:
     TypeError: for a model that is not a Flax module or wrapper, missing (linen) or
-      extra (NNX) variables, a non-callable metric, or bad candidates.
+      extra (NNX) variables, a non-callable metric, bad candidates, or a ``progress``
+      that is neither a bool nor callable.
     ValueError: for an unknown candidate dtype, a ``modules`` regex that matches no
       module, or a metric that does not return a scalar.
 
@@ -366,27 +396,37 @@ def sensitivity(model_or_wrapper: Any, variables: Any, *args,
     ...     return Fragile(name="fragile")(nn.Dense(4, name="dense")(x))
     >>> x = jnp.linspace(-1, 1, 12).reshape(4, 3)
     >>> variables = Net().init(jax.random.key(0), x)
-    >>> report = jaxmp.tools.sensitivity(Net(), variables, x, candidates=["bfloat16"])
+    >>> report = jaxmp.tools.sensitivity(Net(), variables, x, candidates=["bfloat16"],
+    ...                                  progress=False)
     >>> report.rows[0].path, report.rows[0].deviations[0] > 0.5
     ('fragile', True)
     >>> [rule.match for rule in report.recommended_rules(threshold=0.05).rules]
     ['fragile']
   """
   parsed = _candidates(candidates)
+  report = _progress_fn(progress)
   runner = _Runner(model_or_wrapper, variables, args, kwargs,
                    relative_error if metric is None else metric, "sensitivity")
   paths = _select_paths(runner.module_paths(), modules)
+  names = tuple(d.name for d in parsed)
+  report(f"{len(paths)} module(s) x {len(parsed)} dtype(s): "
+         f"{len(paths) * len(parsed) + len(parsed) + 1} compilations")
   rows = []
-  for path, module in paths:
+  for number, (path, module) in enumerate(paths, 1):
+    start = time.perf_counter()
     deviations = tuple(runner.deviation(rules_lib.PolicyRules(
         "float32", [rules_lib.Rule(re.escape(path), _module_policy(d))])) for d in parsed)
     rows.append(SensitivityRow(path, module, deviations))
+    report(f"module {number}/{len(paths)} {path or ROOT} ({module}): "
+           f"{_deviations_text(names, deviations)} ({time.perf_counter() - start:.1f} s)")
   rows.sort(key=lambda r: -r.worst)  # stable: ties keep call order
+  start = time.perf_counter()
   whole = tuple(runner.deviation(rules_lib.PolicyRules(
       policy_lib.Policy(np.float32, d, np.float32), float32_normalization=False))
       for d in parsed)
-  return SensitivityReport(type(runner.model).__name__, tuple(d.name for d in parsed),
-                           _metric_name(metric), tuple(rows), whole)
+  report(f"whole model: {_deviations_text(names, whole)} ({time.perf_counter() - start:.1f} s)")
+  return SensitivityReport(type(runner.model).__name__, names, _metric_name(metric),
+                           tuple(rows), whole)
 
 
 def deviation(model_or_wrapper: Any, variables: Any, *args,
