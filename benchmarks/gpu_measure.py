@@ -61,6 +61,9 @@ from jaxmp._src.tools import targets as targets_lib  # noqa: E402
 
 WORKLOADS = ("llama", "attention", "memory", "demo")
 MEMORY_STEPS = 3
+# Interleaved timing rounds per preset: a smoke run checks that the script runs, and its
+# figures mean nothing, so it times one round.
+ROUNDS = {"gpu": 7, "smoke": 1}
 
 
 def reference_gemm_tflops(size: int = 8192, calls: int = 20) -> float:
@@ -201,7 +204,7 @@ def profile_table(runs: dict, measured: dict, directory: pathlib.Path, results: 
 
 def time_table(title: str, cases: dict[str, gpu_report.Case], results: dict,
                baselines: tuple[str, ...] = ("float32", "bf16"),
-               profile: pathlib.Path | None = None) -> None:
+               profile: pathlib.Path | None = None, rounds: int = 7) -> None:
   """Compiles, counts and times every case of one table; prints it, with each row's
   speed against each of ``baselines`` (rows of the table)."""
   runs, reports = {}, {}
@@ -210,7 +213,8 @@ def time_table(title: str, cases: dict[str, gpu_report.Case], results: dict,
     compiled, args = _compile(case)
     reports[name], runs[name] = _report(compiled), _runner(compiled, args)
     gpu_report.progress(f"compiled {title}: {name} in {time.perf_counter() - start:.0f} s")
-  measured = timing.interleaved(runs, baseline=next(iter(runs)), rounds=7, calls=10, warmup=3)
+  measured = timing.interleaved(runs, baseline=next(iter(runs)), rounds=rounds, calls=10,
+                                warmup=3)
   base = {b: measured[b].ms for b in baselines if b in measured}
   print(f"\n### {title}\n\nmeasured on {timing.device_description()}, jax {jax.__version__}, "
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}\n")
@@ -305,16 +309,19 @@ def main(argv=None) -> None:
     gpu_report.progress(f"workload {workload}")
     if workload == "llama":
       time_table(f"llama: one decoder layer, batch {batch} x context {context}, train step "
-                 "(SGD)", gpu_report.llama_cases(args.preset), results, profile=args.profile)
+                 "(SGD)", gpu_report.llama_cases(args.preset), results, profile=args.profile,
+                 rounds=ROUNDS[args.preset])
     elif workload == "attention":
       time_table(f"attention alone (the llama layer's), batch {batch} x context {context}, "
                  "forward + backward, bfloat16", gpu_report.attention_cases(args.preset),
-                 results, baselines=("cuDNN, causal mask tensor",), profile=args.profile)
+                 results, baselines=("cuDNN, causal mask tensor",), profile=args.profile,
+                 rounds=ROUNDS[args.preset])
     elif workload == "memory":
       memory_table(args.preset, results)
     else:
       time_table(f"demo train step, examples/train_lm.py --preset {args.preset} (AdamW)",
-                 gpu_report.demo_cases(args.preset), results, profile=args.profile)
+                 gpu_report.demo_cases(args.preset), results, profile=args.profile,
+                 rounds=ROUNDS[args.preset])
     if args.json:
       pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
 
