@@ -39,13 +39,38 @@ F32 = np.dtype(np.float32)
 INT8_MAX = 127
 """The symmetric int8 range is ``[-127, 127]`` (AQT's; -128 is never produced)."""
 
+_BITS = {2: (np.dtype(np.int16), 0x7FFF), 4: (np.dtype(np.int32), 0x7FFFFFFF)}
+"""Per float width: the signed integer of that width, and the mask that clears the sign."""
+
+
+def row_amax(x: jax.Array) -> jax.Array:
+  """``max|row|`` of every row of ``x`` (``(B, R, C)``), float32, ``(B, R, 1)``; inf if NaN.
+
+  The same values as :func:`~.grouped.amax` per row, reduced on the bits: with the sign
+  bit cleared, a float's bits, read as a signed integer of its width, order as its
+  magnitude, and NaN's bits lie above inf's. So the largest of them, capped at inf's
+  bits, is the amax with NaN read as inf, and it takes neither an ``isnan`` select
+  nor a float ``max`` whose NaN handling varies by backend (XLA:CPU's skips NaN). For
+  TPU v5e this is why: XLA shared ``grouped.amax``'s NaN select between an activation's
+  row and column amaxes (forward and weight-gradient GEMMs) through a packed NaN mask,
+  one more pass over the operand (libtpu's cost model, benchmarks/RESULTS.md).
+  """
+  if x.dtype.itemsize not in _BITS:  # fp8 and float64 inputs: no bits trick needed
+    return grouped.amax(x, grouped.ROW)
+  integer, mask = _BITS[x.dtype.itemsize]
+  magnitude = jax.lax.bitcast_convert_type(x, integer) & jnp.asarray(mask, integer)
+  inf = jax.lax.bitcast_convert_type(jnp.asarray(jnp.inf, x.dtype), integer)
+  top = jnp.minimum(jnp.max(magnitude, axis=2, keepdims=True), inf)
+  return jax.lax.bitcast_convert_type(top, x.dtype).astype(F32)
+
+
 def scales(x: jax.Array) -> jax.Array:
   """``max|row| / 127`` of every row of ``x`` (``(B, R, C)``), float32, ``(B, R, 1)``.
 
   1 where that is zero (an all-zero row, or an amax that small); inf for a row holding
   inf or NaN.
   """
-  amax = grouped.amax(x, grouped.ROW)
+  amax = row_amax(x)
   # Divide by a select, not by a broadcast constant: XLA rewrites ``a / broadcast(127)``
   # into ``a * broadcast(1 / 127)``, which differs from ``a / 127`` in the last bit.
   scale = amax / jnp.where(amax > 0, np.float32(INT8_MAX), np.float32(1))
@@ -67,4 +92,4 @@ def quantize(x: jax.Array) -> grouped.Quantized:
   return grouped.Quantized(data, scale)
 
 
-__all__ = ("INT8", "INT8_MAX", "INT32", "quantize", "scales")
+__all__ = ("INT8", "INT8_MAX", "INT32", "quantize", "row_amax", "scales")
