@@ -80,6 +80,28 @@ def test_row_amax_is_the_largest_magnitude_and_inf_for_any_nan(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_quantizing_swapped_is_swapping_then_quantizing_bit_for_bit(dtype):
+  # The backward GEMMs' operands are quantized in their forward layout and the codes
+  # swapped (int8.quantize_swapped): codes and scales must be those of the reference
+  # applied to the swapped operand, non-finite columns included.
+  x = np.array(_random(12, (2, 6, 40)), np.float32)
+  x[0, 1, 3] = np.nan
+  x[1, 4, 7] = np.inf
+  x[0, :, 9] = 0.0
+  x = np.asarray(jnp.asarray(x, dtype))
+  got = int8.quantize_swapped(jnp.asarray(x))
+  assert got.data.shape == (2, 40, 6) and got.scale.shape == (2, 40, 1)
+  for b in range(2):
+    finite = np.isfinite(x[b].astype(np.float32)).all(axis=0)  # the reference's columns
+    codes, scale = reference.int8_quantize_rows(x[b].astype(np.float32).T[finite])
+    np.testing.assert_array_equal(np.asarray(got.data[b])[finite], codes)
+    np.testing.assert_array_equal(np.asarray(got.scale[b, :, 0])[finite], scale)
+  # A column holding inf or NaN: scale inf, every code 0 (its products are NaN).
+  assert (np.asarray(got.data[0, 3]) == 0).all() and (np.asarray(got.data[1, 7]) == 0).all()
+  assert np.isinf(np.asarray(got.scale[[0, 1], [3, 7], 0])).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_forward_is_the_int32_gemm_rescaled_exactly(dtype):
   x, w = _random(1, (6, 40), dtype), _random(2, (40, 5), dtype)
   got = fp8.fp8_dot_general(x, w, DIMS, recipe=INT8, preferred_element_type=jnp.float32)
