@@ -55,6 +55,52 @@ def test_quantization_is_the_reference_bit_for_bit_ties_to_even():
   assert scale[-1] == 1                                       # an all-zero row
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_row_amax_is_the_largest_magnitude_and_inf_for_any_nan(dtype):
+  # int8's amax reduces the bits (int8.row_amax); it must read every value as NumPy's
+  # max|row| does, NaN of either sign and any payload as inf.
+  x = np.array(_random(11, (8, 9)), np.float32)
+  x[1, 2] = np.nan
+  x[2, 4] = -np.inf
+  x[3] = 0.0
+  x[4] = -0.0
+  x[5, :] = -np.abs(x[5, :])                    # an all-negative row
+  x[6, 0] = np.finfo(np.float32).smallest_subnormal if dtype == jnp.float32 else 0
+  x[6, 1:] = 0
+  x = np.asarray(jnp.asarray(x, dtype))
+  bits = x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize]).copy()
+  bits[7, 3] = bits[1, 2] | (1 << (8 * x.itemsize - 1)) | 1  # -NaN with another payload
+  x = bits.view(x.dtype)
+  got = np.asarray(int8.row_amax(jnp.asarray(x)[None]))[0, :, 0]
+  want = np.max(np.abs(x.astype(np.float32)), axis=1)
+  want = np.where(np.isnan(want), np.inf, want).astype(np.float32)
+  assert got.dtype == np.float32
+  np.testing.assert_array_equal(got, want)
+  assert np.isinf(got[[1, 2, 7]]).all() and (got[[3, 4]] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_quantizing_swapped_is_swapping_then_quantizing_bit_for_bit(dtype):
+  # The backward GEMMs' operands are quantized in their forward layout and the codes
+  # swapped (int8.quantize_swapped): codes and scales must be those of the reference
+  # applied to the swapped operand, non-finite columns included.
+  x = np.array(_random(12, (2, 6, 40)), np.float32)
+  x[0, 1, 3] = np.nan
+  x[1, 4, 7] = np.inf
+  x[0, :, 9] = 0.0
+  x = np.asarray(jnp.asarray(x, dtype))
+  got = int8.quantize_swapped(jnp.asarray(x))
+  assert got.data.shape == (2, 40, 6) and got.scale.shape == (2, 40, 1)
+  for b in range(2):
+    finite = np.isfinite(x[b].astype(np.float32)).all(axis=0)  # the reference's columns
+    codes, scale = reference.int8_quantize_rows(x[b].astype(np.float32).T[finite])
+    np.testing.assert_array_equal(np.asarray(got.data[b])[finite], codes)
+    np.testing.assert_array_equal(np.asarray(got.scale[b, :, 0])[finite], scale)
+  # A column holding inf or NaN: scale inf, every code 0 (its products are NaN).
+  assert (np.asarray(got.data[0, 3]) == 0).all() and (np.asarray(got.data[1, 7]) == 0).all()
+  assert np.isinf(np.asarray(got.scale[[0, 1], [3, 7], 0])).all()
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_forward_is_the_int32_gemm_rescaled_exactly(dtype):
   x, w = _random(1, (6, 40), dtype), _random(2, (40, 5), dtype)

@@ -39,17 +39,58 @@ F32 = np.dtype(np.float32)
 INT8_MAX = 127
 """The symmetric int8 range is ``[-127, 127]`` (AQT's; -128 is never produced)."""
 
+_BITS = {2: (np.dtype(np.int16), 0x7FFF), 4: (np.dtype(np.int32), 0x7FFFFFFF)}
+"""Per float width: the signed integer of that width, and the mask that clears the sign."""
+
+
+def _amax(x: jax.Array, axis: int) -> jax.Array:
+  """``max|x|`` along ``axis`` (kept, as 1), float32; inf where NaN: see :func:`row_amax`."""
+  if x.dtype.itemsize not in _BITS:  # fp8, float64: float32 first (rounding is monotonic)
+    x = x.astype(F32)
+  integer, mask = _BITS[x.dtype.itemsize]
+  magnitude = jax.lax.bitcast_convert_type(x, integer) & jnp.asarray(mask, integer)
+  inf = jax.lax.bitcast_convert_type(jnp.asarray(jnp.inf, x.dtype), integer)
+  top = jnp.minimum(jnp.max(magnitude, axis=axis, keepdims=True), inf)
+  return jax.lax.bitcast_convert_type(top, x.dtype).astype(F32)
+
+
+def row_amax(x: jax.Array) -> jax.Array:
+  """``max|row|`` of every row of ``x`` (``(B, R, C)``), float32, ``(B, R, 1)``; inf if NaN.
+
+  The same values as :func:`~.grouped.amax` per row, reduced on the bits: with the sign
+  bit cleared, a float's bits, read as a signed integer of its width, order as its
+  magnitude, and NaN's bits lie above inf's. So the largest of them, capped at inf's
+  bits, is the amax with NaN read as inf, and it takes neither an ``isnan`` select
+  nor a float ``max`` whose NaN handling varies by backend (XLA:CPU's skips NaN). For
+  TPU v5e this is why: XLA shared ``grouped.amax``'s NaN select between an activation's
+  row and column amaxes (forward and weight-gradient GEMMs) through a packed NaN mask,
+  one more pass over the operand (libtpu's cost model, benchmarks/RESULTS.md).
+  """
+  return _amax(x, 2)
+
+
+def _scales(amax: jax.Array) -> jax.Array:
+  # Divide by a select, not by a broadcast constant: XLA rewrites ``a / broadcast(127)``
+  # into ``a * broadcast(1 / 127)``, which differs from ``a / 127`` in the last bit.
+  scale = amax / jnp.where(amax > 0, np.float32(INT8_MAX), np.float32(1))
+  return jnp.where(scale > 0, scale, np.float32(1))
+
+
 def scales(x: jax.Array) -> jax.Array:
   """``max|row| / 127`` of every row of ``x`` (``(B, R, C)``), float32, ``(B, R, 1)``.
 
   1 where that is zero (an all-zero row, or an amax that small); inf for a row holding
   inf or NaN.
   """
-  amax = grouped.amax(x, grouped.ROW)
-  # Divide by a select, not by a broadcast constant: XLA rewrites ``a / broadcast(127)``
-  # into ``a * broadcast(1 / 127)``, which differs from ``a / 127`` in the last bit.
-  scale = amax / jnp.where(amax > 0, np.float32(INT8_MAX), np.float32(1))
-  return jnp.where(scale > 0, scale, np.float32(1))
+  return _scales(row_amax(x))
+
+
+def _codes(x: jax.Array, scale: jax.Array) -> jax.Array:
+  # A NaN quotient (inf or NaN in x, whose row's scale is inf) converts to 0: XLA's
+  # float-to-int conversion saturates and maps NaN to 0. Selecting 0 explicitly would
+  # do the same, but on TPU v5e it made XLA lay the int8 operand out so that the GEMM
+  # ran at the bfloat16 rate (libtpu's cost model).
+  return jnp.clip(jnp.round(x.astype(F32) / scale), -INT8_MAX, INT8_MAX).astype(INT8)
 
 
 def quantize(x: jax.Array) -> grouped.Quantized:
@@ -59,12 +100,31 @@ def quantize(x: jax.Array) -> grouped.Quantized:
   (their row's scale is inf).
   """
   scale = scales(x)
-  # A NaN quotient (inf or NaN in x, whose row's scale is inf) converts to 0: XLA's
-  # float-to-int conversion saturates and maps NaN to 0. Selecting 0 explicitly would
-  # do the same, but on TPU v5e it made XLA lay the int8 operand out so that the GEMM
-  # ran at the bfloat16 rate (libtpu's cost model).
-  data = jnp.clip(jnp.round(x.astype(F32) / scale), -INT8_MAX, INT8_MAX).astype(INT8)
-  return grouped.Quantized(data, scale)
+  return grouped.Quantized(_codes(x, scale), scale)
 
 
-__all__ = ("INT8", "INT8_MAX", "INT32", "quantize", "scales")
+def quantize_swapped(x: jax.Array) -> grouped.Quantized:
+  """``quantize(swapaxes(x, 1, 2))``, bit for bit, computed in ``x``'s own layout.
+
+  The scales are ``x``'s column scales (amax along the rows), the codes are divided
+  out in ``x``'s layout, and only the int8 codes are swapped. The same values as
+  swapping first; but for TPU v5e XLA then quantizes both ways from one read of ``x``
+  and moves int8 rather than a float32 copy of ``x`` (swapping first, it widened ``x``
+  to float32 once for both quantizations and transposed that copy): the Llama-shaped
+  layer's int8 train step 8% fewer cycles by libtpu's cost model (benchmarks/RESULTS.md).
+
+  Example:
+    >>> from jaxmp._src.fp8 import int8
+    >>> x = jnp.array([[[1.0, -0.5], [0.25, 2.0]]])
+    >>> q = int8.quantize_swapped(x)
+    >>> q.data, q.scale * 127
+    (Array([[[127,  32],
+            [-32, 127]]], dtype=int8), Array([[[1.],
+            [2.]]], dtype=float32))
+  """
+  scale = _scales(_amax(x, 1))                                   # (B, 1, C)
+  return grouped.Quantized(jnp.swapaxes(_codes(x, scale), 1, 2), jnp.swapaxes(scale, 1, 2))
+
+
+__all__ = ("INT8", "INT8_MAX", "INT32", "quantize", "quantize_swapped", "row_amax",
+           "scales")

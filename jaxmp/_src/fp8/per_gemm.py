@@ -117,6 +117,17 @@ def quantize(x: jax.Array, recipe: Any, role: str) -> Operand:
   return grouped.quantize(x, group, fmt, scale)
 
 
+def quantize_swapped(x: jax.Array, recipe: Any, role: str) -> Operand:
+  """``quantize(layout.swap(x), recipe, role)``: ``x`` as a backward GEMM reads it.
+
+  int8 quantizes in ``x``'s layout and swaps the codes (:func:`.int8.quantize_swapped`:
+  the same values, fewer passes on TPUs); every other recipe swaps first.
+  """
+  if isinstance(operand_recipe(recipe, role), recipes_lib.Int8Scaling):
+    return int8.quantize_swapped(x)
+  return quantize(layout_lib.swap(x), recipe, role)
+
+
 def _gemm(a: Operand, b: Operand, recipe: Any, roles: tuple, shape: tuple, out_dtype: Any,
           cfg: Config) -> jax.Array:
   """``(B, P, C) x (B, Q, C) -> (B, P, Q)`` under ``recipe``, or in the operands' dtype."""
@@ -148,8 +159,8 @@ def _forward(lhs: jax.Array, rhs: jax.Array, cfg: Config):
   out = _gemm(quantize(x, forward, INPUT), quantize(w, forward, KERNEL), forward,
               (INPUT, KERNEL), (cfg.lhs.rows, cfg.rhs.rows), cfg.out_dtype, cfg)
   out = jnp.reshape(out, layout_lib.output_shape(cfg.lhs, cfg.rhs))
-  residuals = (quantize(layout_lib.swap(w), input_grad, KERNEL),   # (B, K, N)
-               quantize(layout_lib.swap(x), weight_grad, INPUT))   # (B, K, M)
+  residuals = (quantize_swapped(w, input_grad, KERNEL),   # (B, K, N)
+               quantize_swapped(x, weight_grad, INPUT))   # (B, K, M)
   return out, residuals
 
 
@@ -160,7 +171,7 @@ def _backward(cfg: Config, residuals, g):
   g = jnp.reshape(g, (cfg.lhs.batch, m, n))
   d_lhs = _gemm(quantize(g, input_grad, GRADIENT), w_t, input_grad, (GRADIENT, KERNEL),
                 (m, k), cfg.lhs_dtype, cfg)                                  # (B, M, K)
-  d_rhs = _gemm(quantize(layout_lib.swap(g), weight_grad, GRADIENT), x_t, weight_grad,
+  d_rhs = _gemm(quantize_swapped(g, weight_grad, GRADIENT), x_t, weight_grad,
                 (GRADIENT, INPUT), (n, k), cfg.rhs_dtype, cfg)               # (B, N, K)
   d_lhs = sharding.like_primal(cfg.lhs.from_canonical(d_lhs), cfg.lhs_varying, jax.lax.psum)
   d_rhs = sharding.like_primal(cfg.rhs.from_canonical(d_rhs), cfg.rhs_varying, jax.lax.psum)
@@ -188,4 +199,5 @@ def config(lhs: jax.Array, rhs: jax.Array, dimension_numbers: tuple,
                 sharding.varying_axes(lhs), sharding.varying_axes(rhs), block_fp8)
 
 
-__all__ = ("Config", "config", "dot", "fp8_format", "grouping", "operand_recipe", "quantize")
+__all__ = ("Config", "config", "dot", "fp8_format", "grouping", "operand_recipe", "quantize",
+           "quantize_swapped")
