@@ -4,7 +4,8 @@
 TPU v7 and Hopper whatever the model. A narrow type makes the GEMMs cheaper but adds
 scaling passes (amax reductions, quantizations) around them, and whether the sum is
 faster depends on the step: by libtpu's cost model, int8 makes a Llama-shaped layer's
-GEMMs cheaper but its whole train step slower on every TPU (``benchmarks/RESULTS.md``).
+train step slower than bf16 on every TPU at 1 x 1024 tokens and faster on v5e and v5p
+at 2 x 4096 (``benchmarks/RESULTS.md``).
 :func:`recommend_precision` asks the compiler about the user's own step instead:
 
 1. For each candidate (a name and its :class:`~jaxmp.PolicyRules`), ``build(rules)``
