@@ -140,13 +140,6 @@ def _gemm(a: Operand, b: Operand, recipe: Any, roles: tuple, shape: tuple, out_d
   a, b = cast(grouped.Quantized, a), cast(grouped.Quantized, b)
   # The gradient GEMMs accumulate without cuBLASLt's fast accumulation, as in Flax and
   # TransformerEngine (scaled_gemm.rescaled_dot).
-  if isinstance(recipe, recipes_lib.OperandRecipes):
-    # Per row or per tensor (OPERAND_RECIPE_TYPES): nothing padded, no scale along C.
-    exact = all(operand_recipe(recipe, role).power_of_two for role in roles)
-    return scaled_gemm.rescaled_dot(a.data, b.data, scaled_gemm.CANONICAL,
-                                    a.scale * jnp.swapaxes(b.scale, 1, 2), out_dtype,
-                                    exact_scale=exact,
-                                    accumulate_exactly_on_gpus=roles[0] == GRADIENT)
   groupings = tuple(grouping(recipe, role) for role in roles)
   return scaled_gemm.gemm(a, b, recipe, groupings, shape, out_dtype, cfg.block_scaled_gemm,
                           accumulate_exactly_on_gpus=roles[0] == GRADIENT,

@@ -463,6 +463,11 @@ class OperandRecipes:
     """The recipe of the operand in ``role``."""
     return getattr(self, role)
 
+  @property
+  def power_of_two(self) -> bool:
+    """Whether both operands' scales are powers of two: their product is then exact."""
+    return all(self.recipe(role).power_of_two for role in self.roles)
+
 
 GEMM_RECIPE_TYPES = (CurrentScaling, RowwiseScaling, BlockScaling, MXScaling, Int8Scaling,
                      OperandRecipes)

@@ -3,7 +3,8 @@
 Per recipe (operands canonical, ``(B, P, C) x (B, Q, C) -> (B, P, Q)``, see
 :mod:`~jaxmp._src.fp8.layout`):
 
-- **per tensor, per row** (``CurrentScaling``, ``RowwiseScaling``): no scale varies
+- **per tensor, per row** (``CurrentScaling``, ``RowwiseScaling``, and
+  ``OperandRecipes`` mixing them, one per operand): no scale varies
   along the contracted dimension, so the GEMM multiplies the fp8 operands themselves
   (float32 accumulation) and the product is multiplied by the outer product of the
   two operands' scales: ``acc * (scale_a[p] * scale_b[q])``. XLA lowers this to an fp8
