@@ -465,7 +465,7 @@ class OperandRecipes:
 
   @property
   def power_of_two(self) -> bool:
-    """Whether both operands' scales are powers of two: their product is then exact."""
+    """Whether both operands' scales are powers of two, which makes their product exact."""
     return all(self.recipe(role).power_of_two for role in self.roles)
 
 
