@@ -7,7 +7,13 @@ functions) on the local GPU and prints what it **measured**:
 * time per step: every variant of a table compiled once (``jit(...).lower().compile()``,
   XLA autotuning on the real chip), warmed up, then timed in interleaved rounds
   (:func:`timing.interleaved`: medians of per-round means, ratios taken round by
-  round), each step fed the state the previous one returned;
+  round), each step fed the state the previous one returned (a train step's state
+  donated, as a training loop runs it). Two times per step: ten steps dispatched back to
+  back and waited for once (what a training loop that does not read every step's loss
+  gets: the host prepares the next step while the GPU runs this one), and each step
+  waited for before the next is dispatched (the host's time per step, dispatch and
+  command-buffer updates, then adds to the GPU's; an H200 run of the demo step showed
+  13-24 ms of such host time per step). Ratios are taken from the first;
 * what that real compile runs: kernels launched per step, GEMMs in fp8 / all, and the
   GEMM TFLOP/s the measured time implies (FLOPs from the optimized HLO);
 * memory (``memory`` workload): each run's train step in a fresh process (the
@@ -19,11 +25,12 @@ functions) on the local GPU and prints what it **measured**:
   tables are read against (``--preset gpu``);
 * with ``--profile DIR``, each timed variant traced for a few steps
   (``jax.profiler``): the GPU's busy time per step split into GEMM, attention and other
-  kernels, the idle rest of the measured step (launch gaps, host work), and the
-  kernels that took longest, by name and HLO op.
+  kernels, the idle rest of the measured (back-to-back) step, and the kernels that took
+  longest, by name and HLO op; each trace is also copied to ``DIR/<table>/<variant>
+  .trace.json.gz``.
 
-Run on a machine with a GPU: ``python benchmarks/gpu_measure.py`` (all three workloads)
-or ``--workloads llama,memory``; ``--preset smoke`` runs tiny shapes (on a CPU too: a
+Run on a machine with a GPU: ``python benchmarks/gpu_measure.py`` (every workload)
+or ``--workloads llama,memory``, ``--variants "bf16;fp8 per-tensor"`` for some rows only; ``--preset smoke`` runs tiny shapes (on a CPU too: a
 check that the script runs; its figures mean nothing). Output is Markdown on stdout,
 progress on stderr; ``--json PATH`` also writes every figure.
 
@@ -36,15 +43,17 @@ GEMM configurations, not its tuned ones).
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -96,26 +105,43 @@ def _zeros_like_shapes(tree: Any) -> Any:
   return jax.tree_util.tree_map(zeros, tree)
 
 
-def _compile(case: gpu_report.Case, zeros: bool = False) -> tuple[Any, tuple]:
-  """The case's step compiled for the local device, and its arguments (on the device)."""
+def _returns_its_state(fn: Any, args: tuple) -> bool:
+  """Whether ``fn(*args)`` returns a tuple whose first element has ``args[0]``'s
+  structure, shapes and dtypes (a train step: its state comes back, to be fed to the
+  next call)."""
+  out = jax.eval_shape(fn, *args)
+  shapes = lambda tree: jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), tree)
+  return (isinstance(out, tuple) and len(out) > 1
+          and jax.tree_util.tree_structure(out[0]) == jax.tree_util.tree_structure(args[0])
+          and shapes(out[0]) == shapes(args[0]))
+
+
+def _compile(case: gpu_report.Case, zeros: bool = False) -> tuple[Any, tuple, bool]:
+  """The case's step compiled for the local device, its arguments (on the device), and
+  whether the step returns its state.
+
+  A train step given as a plain function is compiled as a training loop runs it (and as
+  ``examples/train_lm.py`` does): its state donated, so each step writes its new state
+  into the buffers of the old one. A case that is already jitted keeps its own options.
+  """
   args = _zeros_like_shapes(jax.eval_shape(case.make)) if zeros else case.make()
-  fn = case.fn if hasattr(case.fn, "trace") else jax.jit(case.fn)
-  return fn.trace(*args).lower().compile(), args
+  feeds_back = _returns_its_state(case.fn, args)
+  fn = case.fn if hasattr(case.fn, "trace") else jax.jit(
+      case.fn, donate_argnums=(0,) if feeds_back else ())
+  return fn.trace(*args).lower().compile(), args, feeds_back
 
 
-def _runner(compiled: Any, args: tuple):
-  """A zero-argument step that feeds each call the state the previous call returned."""
+def _runner(compiled: Any, args: tuple, feeds_back: bool) -> Callable[[int], None]:
+  """``run(steps)``: that many steps, each fed the state the previous one returned,
+  dispatched back to back (as a training loop that does not read every step's loss);
+  it returns when the last one has finished."""
   box = list(args)
-  # Whether the step returns its state first is read once: a structure check at every
-  # call would be host work inside the timed loop.
-  out_tree = compiled.out_tree
-  feeds_back = (out_tree.num_nodes > 1 and out_tree.children()[0]
-                == jax.tree_util.tree_structure(box[0]))
 
-  def run():
-    out = compiled(*box)
-    if feeds_back:
-      box[0] = out[0]
+  def run(steps: int = 1) -> None:
+    for _ in range(steps):
+      out = compiled(*box)
+      if feeds_back:
+        box[0] = out[0]
     jax.block_until_ready(out)
   return run
 
@@ -128,6 +154,8 @@ def _report(compiled: Any) -> jaxmp.tools.AuditReport:
 
 
 PROFILED_STEPS = 3
+# Steps per timed round (dispatched back to back, or each waited for).
+STEPS = 10
 _GEMM = re.compile(r"gemm|xmma|cutlass|cublas|wgmma|sm90_", re.I)
 _ATTENTION = re.compile(r"fmha|cudnn|flash|sdpa", re.I)
 
@@ -183,12 +211,14 @@ def profile_table(runs: dict, measured: dict, directory: pathlib.Path, results: 
   for name, run in runs.items():
     where = directory / re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
     with jax.profiler.trace(str(where)):
-      for _ in range(PROFILED_STEPS):
-        run()
+      run(PROFILED_STEPS)
     trace_file = max(where.glob("plugins/profile/*/*.trace.json.gz"), key=os.path.getmtime)
+    # A copy beside the folder: the profiler's own path is six folders deep.
+    shutil.copyfile(trace_file, where.parent / f"{where.name}.trace.json.gz")
     kernels = device_kernels(json.loads(gzip.open(trace_file).read()))
     summaries[name] = profile_summary(kernels, PROFILED_STEPS, measured[name].ms)
-  print("\nprofiled (jax.profiler, 3 steps each; ms per step; idle = measured step - GPU busy)\n")
+  print(f"\nprofiled (jax.profiler, {PROFILED_STEPS} steps dispatched back to back; ms per "
+        "step; idle = measured step (back to back) - GPU busy)\n")
   print("| variant | kernels | GPU busy | GEMM | attention | other | idle |\n"
         "|---|---:|---:|---:|---:|---:|---:|")
   for name, row in summaries.items():
@@ -208,27 +238,40 @@ def time_table(title: str, cases: dict[str, gpu_report.Case], results: dict,
   """Compiles, counts and times every case of one table; prints it, with each row's
   speed against each of ``baselines`` (rows of the table)."""
   runs, reports = {}, {}
+  # Ratios against each baseline the table runs; with none of them chosen, its first row.
+  baselines = tuple(b for b in baselines if b in cases) or tuple(cases)[:1]
   for name, case in cases.items():
     start = time.perf_counter()
-    compiled, args = _compile(case)
-    reports[name], runs[name] = _report(compiled), _runner(compiled, args)
+    compiled, args, feeds_back = _compile(case)
+    reports[name], runs[name] = _report(compiled), _runner(compiled, args, feeds_back)
     gpu_report.progress(f"compiled {title}: {name} in {time.perf_counter() - start:.0f} s")
-  measured = timing.interleaved(runs, baseline=next(iter(runs)), rounds=rounds, calls=10,
-                                warmup=3)
-  base = {b: measured[b].ms for b in baselines if b in measured}
+  first = next(iter(runs))
+  # Back to back: a round's STEPS steps dispatched, then waited for once, as a training
+  # loop runs; the host prepares step n+1 while the GPU runs step n. One at a time: each
+  # step waited for (as a loop that reads every loss does), so the host's time per step
+  # (dispatch, command-buffer updates) adds to the GPU's.
+  back_to_back = timing.interleaved({n: functools.partial(r, STEPS) for n, r in runs.items()},
+                                    baseline=first, rounds=rounds, calls=1, warmup=1)
+  measured = {n: t._replace(ms=t.ms / STEPS) for n, t in back_to_back.items()}
+  one_at_a_time = timing.interleaved(runs, baseline=first, rounds=rounds, calls=STEPS,
+                                     warmup=3)
+  base = {b: measured[b].ms for b in baselines}
   print(f"\n### {title}\n\nmeasured on {timing.device_description()}, jax {jax.__version__}, "
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}\n")
   print(f"| variant | ms/step | {' | '.join(f'vs {b}' for b in base)} | TFLOP/s (GEMMs) | "
-        f"kernels | GEMMs fp8/all |\n|---|---:|{'---:|' * len(base)}---:|---:|---|")
+        f"kernels | GEMMs fp8/all | ms/step, one at a time |\n"
+        f"|---|---:|{'---:|' * len(base)}---:|---:|---|---:|")
   table = results.setdefault(title, {})
   for name, t in measured.items():
     r = reports[name]
     tflops = r.gemm_flops / (t.ms * 1e-3) / 1e12
     fp8 = sum(g.fp8 * g.count for g in r.gemms)
     ratios = " | ".join(f"{ms / t.ms:.2f}x" for ms in base.values())
+    synced = one_at_a_time[name].ms
     print(f"| {name} | {t.ms:.3f} | {ratios} | {tflops:.0f} | "
-          f"{r.launches} | {fp8}/{sum(g.count for g in r.gemms)} |")
-    table[name] = {"ms": t.ms, "tflops": tflops, "kernels": r.launches, "fp8_gemms": fp8}
+          f"{r.launches} | {fp8}/{sum(g.count for g in r.gemms)} | {synced:.3f} |")
+    table[name] = {"ms": t.ms, "tflops": tflops, "kernels": r.launches, "fp8_gemms": fp8,
+                   "ms_one_at_a_time": synced}
   sys.stdout.flush()
   if profile is not None:
     profile_table(runs, measured, profile / re.sub(r"\W+", "_", title.split(":")[0]),
@@ -237,10 +280,8 @@ def time_table(title: str, cases: dict[str, gpu_report.Case], results: dict,
 
 def memory_run(name: str, preset: str) -> dict:
   """One ``memory`` run in this (fresh) process: the allocator's peak and XLA's."""
-  compiled, args = _compile(gpu_report.memory_cases(preset)[name], zeros=True)
-  run = _runner(compiled, args)
-  for _ in range(MEMORY_STEPS):
-    run()
+  compiled, args, feeds_back = _compile(gpu_report.memory_cases(preset)[name], zeros=True)
+  _runner(compiled, args, feeds_back)(MEMORY_STEPS)
   stats = jax.devices()[0].memory_stats() or {}
   memory = memory_lib.compiled_memory(compiled)
   return {"peak_bytes_in_use": stats.get("peak_bytes_in_use"),
@@ -280,11 +321,39 @@ def memory_table(preset: str, results: dict) -> None:
   sys.stdout.flush()
 
 
+def check_variants(names: str | None, workloads: list[str], preset: str) -> list[str] | None:
+  """The semicolon-separated ``names`` as a list (``None``: every variant).
+
+  Raises:
+    ValueError: a name that none of the chosen timed ``workloads`` has; the message
+      lists the names they accept.
+  """
+  if names is None:
+    return None
+  wanted = [n.strip() for n in names.split(";") if n.strip()]
+  known = {n for w in workloads if w in _CASES for n in _CASES[w](preset)}
+  unknown = [n for n in wanted if n not in known]
+  if unknown:
+    raise ValueError(f"unknown variant(s) {unknown}; the chosen workloads have: "
+                     f"{sorted(known)}")
+  return wanted
+
+
+# The timed workloads' cases, by workload (building them compiles and runs nothing).
+_CASES = {"llama": gpu_report.llama_cases, "attention": gpu_report.attention_cases,
+          "demo": gpu_report.demo_cases}
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--workloads", default=",".join(WORKLOADS),
                       help=f"comma-separated, from: {', '.join(WORKLOADS)}")
   parser.add_argument("--preset", choices=("gpu", "smoke"), default="gpu")
+  parser.add_argument("--variants",
+                      help="semicolon-separated variant names (exact, as the tables print "
+                           "them; some contain commas) "
+                           "to run instead of every variant of each chosen workload; the "
+                           "first one a table runs is its baseline")
   parser.add_argument("--json", help="also write every figure to this file")
   parser.add_argument("--profile", type=pathlib.Path,
                       help="also trace each timed variant (jax.profiler) into this folder "
@@ -298,6 +367,10 @@ def main(argv=None) -> None:
   unknown = [w for w in chosen if w not in WORKLOADS]
   if unknown:
     parser.error(f"unknown workload(s) {unknown}; accepted: {', '.join(WORKLOADS)}")
+  try:
+    wanted = check_variants(args.variants, chosen, args.preset)
+  except ValueError as e:
+    parser.error(str(e))
   results: dict = {"device": timing.device_description(), "jax": jax.__version__,
                    "xla_flags": os.environ.get("XLA_FLAGS", "")}
   if args.preset == "gpu":
@@ -306,21 +379,26 @@ def main(argv=None) -> None:
           f"{results['reference_bf16_gemm_tflops']:.0f} TFLOP/s in this process.")
   batch, context = gpu_report.LLAMA_TOKENS[args.preset]
   for workload in chosen:
+    cases = _CASES[workload](args.preset) if workload in _CASES else {}
+    if wanted is not None:
+      cases = {n: cases[n] for n in wanted if n in cases}  # in the order asked
+      if not cases and workload != "memory":
+        continue
     gpu_report.progress(f"workload {workload}")
     if workload == "llama":
       time_table(f"llama: one decoder layer, batch {batch} x context {context}, train step "
-                 "(SGD)", gpu_report.llama_cases(args.preset), results, profile=args.profile,
+                 "(SGD)", cases, results, profile=args.profile,
                  rounds=ROUNDS[args.preset])
     elif workload == "attention":
       time_table(f"attention alone (the llama layer's), batch {batch} x context {context}, "
-                 "forward + backward, bfloat16", gpu_report.attention_cases(args.preset),
+                 "forward + backward, bfloat16", cases,
                  results, baselines=("cuDNN, causal mask tensor",), profile=args.profile,
                  rounds=ROUNDS[args.preset])
     elif workload == "memory":
       memory_table(args.preset, results)
     else:
       time_table(f"demo train step, examples/train_lm.py --preset {args.preset} (AdamW)",
-                 gpu_report.demo_cases(args.preset), results, profile=args.profile,
+                 cases, results, profile=args.profile,
                  rounds=ROUNDS[args.preset])
     if args.json:
       pathlib.Path(args.json).write_text(json.dumps(results, indent=1))

@@ -251,10 +251,20 @@ def _forward(lhs, rhs, state, cfg: _Config):
     scales = q.scale_from_amax(q.amax_from_history(jnp.stack(old), algo), previous,
                                (q.E4M3, q.E4M3, q.E5M2), margin, pow2)
     x_scale, k_scale, g_scale = scales[0], scales[1], scales[2]
-    x_history = q.record_amax(
-        st.input_amax_history, q.shared_amax(lhs, st.input_amax_history))
-    k_history = q.record_amax(
-        st.kernel_amax_history, q.shared_amax(rhs, st.kernel_amax_history))
+    q_lhs = q.quantize(lhs, q.E4M3, x_scale)
+    q_rhs = q.quantize(rhs, q.E4M3, k_scale)
+    # The kernel's amax is computed before its quantization is used (a barrier): left
+    # free, XLA fuses it with the optimizer's update of that kernel (the last other
+    # reader of the parameter), and with a donated state the updated parameter can
+    # then not be written in place: every fp8 kernel was copied once per step (1.6 GiB
+    # on a Llama-3-8B layer, 0.43 ms of an H200's 8.8 ms step). Undonated, the
+    # separate amax pass costs 0.65 GiB there (compiled H100 HLO); the input's amax
+    # needs no barrier (XLA fuses it with the input's producer either way).
+    x_amax, k_amax = (q.shared_amax(lhs, st.input_amax_history),
+                      q.shared_amax(rhs, st.kernel_amax_history))
+    q_rhs, k_amax = jax.lax.optimization_barrier((q_rhs, k_amax))
+    x_history = q.record_amax(st.input_amax_history, x_amax)
+    k_history = q.record_amax(st.kernel_amax_history, k_amax)
     g_history = q.valid_history(st.output_grad_amax_history)
     histories = (x_history, k_history, g_history)
   else:
@@ -262,8 +272,8 @@ def _forward(lhs, rhs, state, cfg: _Config):
     x_scale = q.scale_from_amax(q.amax(lhs), one, q.E4M3, recipe.margin, recipe.power_of_two)
     k_scale = q.scale_from_amax(q.amax(rhs), one, q.E4M3, recipe.margin, recipe.power_of_two)
     g_scale, histories = None, None
-  q_lhs = q.quantize(lhs, q.E4M3, x_scale)
-  q_rhs = q.quantize(rhs, q.E4M3, k_scale)
+    q_lhs = q.quantize(lhs, q.E4M3, x_scale)
+    q_rhs = q.quantize(rhs, q.E4M3, k_scale)
   out = scaled_gemm.rescaled_dot(q_lhs, q_rhs, cfg.dimension_numbers, x_scale * k_scale,
                                  cfg.out_dtype, exact_scale=recipe.power_of_two,
                                  out_sharding=cfg.out_sharding)
