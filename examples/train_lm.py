@@ -164,6 +164,16 @@ def step(state, tokens):
   return state.apply_gradients(grads), loss
 
 
+def logged_step(state, tokens):
+  """:func:`step`, returning the loss scale beside the loss.
+
+  The loop donates the state (the next state is written into its buffers), so a value
+  read after later steps have run has to be an output of its own.
+  """
+  state, loss = step(state, tokens)
+  return state, (loss, state.loss_scale.loss_scale)
+
+
 def train(run: Run, args, config, corpus, val_batches, fused_attention: bool = False):
   model = make_model(run, config, fused_attention)
   first = next(batches(corpus, args.batch, config.context, args.seed))
@@ -171,25 +181,30 @@ def train(run: Run, args, config, corpus, val_batches, fused_attention: bool = F
   state = jaxmp.linen.TrainState.create(apply_fn=model.apply, variables=variables,
                                         tx=make_optimizer(run, args.lr, args.steps))
 
-  compiled = jax.jit(step, donate_argnums=0).lower(state, first).compile()
+  compiled = jax.jit(logged_step, donate_argnums=0).lower(state, first).compile()
   memory = compiled.memory_analysis()
   evaluate = jax.jit(lambda variables, tokens: loss_fn(model.apply, variables, tokens))
 
+  # Steps are dispatched back to back and their losses read at the end (and every 20
+  # steps for the progress bar), as a training loop that does not wait for each step:
+  # the host builds the next batch and launches the next step while this one runs.
+  # Waiting for every step instead adds the host's launch time to each (measured on
+  # an H200 with the fp8 step: 38.4 ms waited for, 33.1 ms back to back).
   losses, scales = [], []
   data = batches(corpus, args.batch, config.context, args.seed)
-  seconds = 0.0
   bar = tqdm(range(args.steps), desc=f"{run.name:<24}", ncols=100, mininterval=1.0)
   for i in bar:
-    tokens = next(data)
-    start = time.perf_counter()
-    state, loss = compiled(state, tokens)
-    loss = float(loss)  # waits for the step; the data pipeline stays out of the timing
-    if i > 0:  # the first call warms caches up
-      seconds += time.perf_counter() - start
+    state, (loss, scale) = compiled(state, next(data))
     losses.append(loss)
-    scales.append(float(state.loss_scale.loss_scale))
+    scales.append(scale)
+    if i == 0:  # the first call warms caches up: the clock starts when it is done
+      jax.block_until_ready(loss)
+      start = time.perf_counter()
     if i % 20 == 0:
-      bar.set_postfix(loss=f"{loss:.3f}", scale=f"{scales[-1]:g}")
+      bar.set_postfix(loss=f"{float(loss):.3f}", scale=f"{float(scales[-1]):g}")
+  jax.block_until_ready(state)
+  seconds = time.perf_counter() - start
+  losses, scales = [float(x) for x in losses], [float(x) for x in scales]
 
   val = float(np.mean([evaluate(state.variables, t) for t in val_batches]))
   metrics = (jaxmp.loss_scaling_metrics(state.opt_state) if run.loss_scale is not None

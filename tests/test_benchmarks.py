@@ -219,24 +219,32 @@ def _check_deviceless(code: str, timeout: int) -> str:
 _FP8_KERNELS = textwrap.dedent("""\
     import sys
     sys.argv = ["gpu_report"]
-    import gpu_report
+    import jax, jaxmp, gpu_report
     cases = gpu_report.llama_cases("smoke")
-    for name in ("bf16", "fp8 per-tensor"):
-      r = gpu_report.audit(cases[name], "cuBLAS")
-      print(f"{name}|{r.launches}|{sum(g.fp8 for g in r.gemms)}")
+    for donate in ((), (0,)):
+      for name in ("bf16", "fp8 per-tensor"):
+        step = jax.jit(cases[name].fn, donate_argnums=donate)
+        r = jaxmp.tools.audit(step, *jax.eval_shape(cases[name].make), target="h100",
+                              compiler_options=gpu_report.MODES["cuBLAS"])
+        print(f"{name}{' donated' if donate else ''}|{r.launches}|{sum(g.fp8 for g in r.gemms)}")
     """)
 
 
 @NEEDS_CUDA_PLUGIN
-def test_h100_fp8_train_step_launches_less_than_twice_bf16_s_kernels():
-  # Delayed scaling's per-tensor state updates run as a few kernels over every
+def test_h100_fp8_train_step_launches_at_most_twice_bf16_s_kernels():
+  # Delayed scaling's per-tensor state updates run as a few reductions over every
   # layer's state at once (fp8.state.merge) and each op's three scales as one
   # reduction: a small Llama layer's fp8 step compiled for an H100 launched 187
-  # kernels against bf16's 60 (3.1x) when each op updated its own state.
+  # kernels against bf16's 60 (3.1x) when each op updated its own state. With the
+  # state donated (as training loops run a step), the selects go leaf by leaf (a
+  # select over leaves laid end to end copied each leaf: 158 kernels, 2.6x); the
+  # amaxes behind a barrier cost a few kernels (109 -> 119 undonated) and won 0.6
+  # ms of 8.7 on an H200 (RESULTS.md).
   rows = {name: (int(launches), int(fp8)) for name, launches, fp8 in
           (line.split("|") for line in _check_deviceless(_FP8_KERNELS, 600).splitlines())}
   assert rows["fp8 per-tensor"][1] == 21, rows  # the 7 Dense layers' 3 GEMMs, in fp8
-  assert rows["fp8 per-tensor"][0] <= 1.9 * rows["bf16"][0], rows
+  assert rows["fp8 per-tensor"][0] <= 2.0 * rows["bf16"][0], rows
+  assert rows["fp8 per-tensor donated"][0] <= 2.4 * rows["bf16 donated"][0], rows
 
 
 _DONATED_COPIES = textwrap.dedent("""\
