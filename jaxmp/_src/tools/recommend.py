@@ -71,7 +71,7 @@ class PrecisionRecommendation:
     target: the chip compiled for (``"v5e"``, ``"h100"``...; the local platform for
       ``target=None``).
     unit: ``"seconds"`` or ``"cycles"`` (the TPU cost model's), for every estimate.
-    source: how the estimates were made, e.g. ``"GPU roofline estimate + 20 us per
+    source: how the estimates were made, e.g. ``"GPU roofline estimate + 4 us per
       kernel launch"``.
     candidates: every candidate's estimate, in the order given.
     baseline: the baseline's name.
@@ -103,15 +103,16 @@ class PrecisionRecommendation:
             + f"\nchosen: {self.chosen} (compiler/cost-model estimates, not measurements)")
 
 
-# The seconds :func:`recommend_precision` adds per kernel on a GPU by default. Not a
-# launch latency (about 2-5 us) but what measured steps cost beyond their roofline per
-# kernel: on an H200 (benchmarks/RESULTS.md, "On a real H200") the demo step ran 20.5 ms
-# above its H100 estimate in bf16 (985 kernels) and 35.1 ms in fp8 (1384); at 20 us per
-# kernel the estimates order bf16 and fp8 as measured on the demo step (fp8 slower: 0.82x
-# measured, 0.93x estimated) and on the Llama-3-8B layer with causal attention (fp8
-# faster: 1.18x measured, 1.12x estimated), where 2 us ordered the demo step wrongly
-# (fp8 1.16x faster).
-GPU_PER_KERNEL_S = 20e-6
+# The seconds :func:`recommend_precision` adds per kernel on a GPU by default: what
+# steps measured on an H200 cost beyond their H100 roofline estimate, per kernel, in the
+# form that orders bf16 and fp8 as the chip did (benchmarks/RESULTS.md, "Third run":
+# the state donated, steps dispatched back to back, as a training loop runs them). The
+# demo step measured fp8 1.08x bf16 and is estimated at 1.07x with 4 us (24.6 / 20.5 ms
+# of roofline, 985 / 1568 kernels); the Llama-3-8B layer with causal attention measured
+# 1.29x and is estimated at 1.26x (7.7 / 5.6 ms, 61 / 164 kernels). Each step waited
+# for before the next was launched, the host's time per step came on top (20 us per
+# kernel fitted those earlier runs).
+GPU_PER_KERNEL_S = 4e-6
 
 
 def _report_cycles(report: audit_lib.AuditReport) -> int | None:
@@ -231,9 +232,9 @@ def recommend_precision(
       :func:`~jaxmp.tools.audit`), or None for the local backend.
     baseline: the candidate kept unless another is estimated faster.
     per_launch: seconds added per kernel on GPU targets (0 or more). The default,
-      20 us, is fitted to steps measured on an H200: with it the estimates order bf16
-      and fp8 as the chip did on both steps measured; the roofline alone (0) favours
-      many small kernels.
+      4 us, is fitted to train steps measured on an H200 (state donated, steps
+      dispatched back to back): with it the estimates order bf16 and fp8 as the chip
+      did on both steps measured; the roofline alone (0) favours many small kernels.
     compiler_options: XLA options for every compile (see
       :func:`~jaxmp.tools.audit`).
 
