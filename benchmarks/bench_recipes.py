@@ -50,6 +50,7 @@ RECIPES = {
     "MXFP8": fp8.MXScaling(),
     "MXFP8, ceil scales": fp8.MXScaling(scale_rounding="ceil"),
     "MXFP8, rceil scales": fp8.MXScaling(scale_rounding="rceil"),
+    "MXFP8, even scales": fp8.MXScaling(scale_rounding="even"),
 }
 
 

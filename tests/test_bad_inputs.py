@@ -340,9 +340,10 @@ CASES = [
      ValueError, "'fp8'"),
     ("MXScaling unknown scale rounding", lambda: fp8.MXScaling(scale_rounding="round"),
      ValueError, "unknown scale_rounding 'round'; accepted values are 'floor', 'ceil', "
-     "'rceil'"),
+     "'rceil', 'even'"),
     ("MXScaling scale rounding not a string", lambda: fp8.MXScaling(scale_rounding=None),
-     TypeError, "scale_rounding must be a string, one of ('floor', 'ceil', 'rceil'), got None"),
+     TypeError, "scale_rounding must be a string, one of ('floor', 'ceil', 'rceil', 'even'), "
+     "got None"),
     ("OperandRecipes MX operand", lambda: fp8.OperandRecipes(
         input=fp8.MXScaling(), kernel=fp8.RowwiseScaling()), TypeError,
      "input must be None or one of CurrentScaling, RowwiseScaling (a recipe with one scale "

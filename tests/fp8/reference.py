@@ -181,7 +181,23 @@ def e8m0_rceil(amax, fmt: str, quotient: str = "reciprocal") -> np.ndarray:
   return _f32_to_e8m0_round_up(q)
 
 
-E8M0_RULES = {"floor": e8m0_floor, "ceil": e8m0_ceil, "rceil": e8m0_rceil}
+def e8m0_even(amax, fmt: str) -> np.ndarray:
+  """torchao EVEN (torchao/prototype/mx_formats/mx_tensor.py, ``to_mx``): to amax's
+  float32 bits add ``1 << (23 - mbits - 1)`` (``mbits``: the element format's
+  significand bits), clear the significand (``& (((1 << (8 + 1)) - 1) << 23)``), then
+  the floor rule on the result's exponent field, clamped and biased; 0xFF where amax is
+  not finite. An exponent field of 0 (amax zero or subnormal, not carried) reads as
+  ``2**-126``, as torchao's ``+ eps`` (the smallest normal) makes it, and clamps.
+  """
+  a = np.asarray(amax, F32)
+  bits = a.view(np.uint32).astype(np.int64)
+  rounded = (bits + (1 << (23 - FORMATS[fmt][1] - 1))) & (((1 << (8 + 1)) - 1) << 23)
+  field = (rounded >> 23) & 0xFF
+  shared = np.clip(np.maximum(field, 1) - 127 - EMAX[fmt], -127, 127)
+  return np.where(np.isfinite(a), shared + 127, 0xFF).astype(np.uint8)
+
+
+E8M0_RULES = {"floor": e8m0_floor, "ceil": e8m0_ceil, "rceil": e8m0_rceil, "even": e8m0_even}
 
 
 def mx_quantize(x: np.ndarray, fmt: str, rounding: str = "floor"):

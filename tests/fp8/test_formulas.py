@@ -163,7 +163,7 @@ def test_all_zero_and_non_finite_groups_get_scale_one_and_stay_non_finite():
   assert np.asarray(rows.scale)[0, 1, 0] == 1.0 and not _bits(rows.data)[0, 1].any()
 
 
-ROUNDINGS = ("floor", "ceil", "rceil")
+ROUNDINGS = ("floor", "ceil", "rceil", "even")
 
 
 @pytest.mark.parametrize("rounding", ROUNDINGS)
@@ -181,7 +181,9 @@ def test_mx_blocks_match_the_ocp_conversion(fmt, rounding):
   _assert_same_codes(got.data, codes, fmt)
   assert got.data.shape == (2, 3, 96) and got.scale.shape == (2, 3, 3)
   top = ref.decode(_bits(got.data), fmt)[1, 2, 0]
-  if rounding == "floor":
+  # even rounds 1.9 to the element format's significand bits: 1.875 for E4M3 (its scale
+  # stays floor's), 2 for E5M2 (one binade up, as ceil's).
+  if rounding == "floor" or (rounding == "even" and fmt == "e4m3"):
     # Saturation: amax 1.9 * 2**10 -> e = 10 - emax, elements up to 1.9 * 2**emax, clamped.
     assert _bits(got.scale)[1, 2, 0] == 127 + 10 - ref.EMAX[fmt]
     assert top == -ref.FORMATS[fmt][2]
@@ -214,6 +216,9 @@ def test_rounding_mx_scales_up_cuts_the_product_error_on_gaussian_data():
     error[rounding] = np.linalg.norm(np.asarray(y, np.float64) - exact) / np.linalg.norm(exact)
   assert 0.040 < error["floor"] < 0.042, error
   assert 0.037 < error["rceil"] < 0.038 and abs(error["ceil"] - error["rceil"]) < 1e-6, error
+  # E4M3 blocks saturate where amax's significand is in [1.75, 2) under floor, in
+  # [1.75, 1.9375) under even: 3.90%, between the two.
+  assert 0.0385 < error["even"] < 0.0395, error
 
 
 def _binade(exponent):
@@ -254,6 +259,13 @@ def test_mx_scale_roundings_match_the_published_formulas(fmt, rounding):
     assert ((scaled >= 2.0**ref.EMAX[fmt]) & (scaled < 2.0**(ref.EMAX[fmt] + 1))).all()
   elif rounding == "ceil":
     assert ((scaled > 2.0**(ref.EMAX[fmt] - 1)) & (scaled <= 2.0**ref.EMAX[fmt])).all()
+  elif rounding == "even":
+    # floor's rule, one binade up where amax rounded to the element format's precision
+    # is the next power of two: the scaled block max lies in [1 - 2**-(mbits + 2),
+    # 2 - 2**-(mbits + 1)) * 2**emax (0.96875 to 1.9375 for E4M3).
+    mbits = ref.FORMATS[fmt][1]
+    low, high = 1 - 2.0**-(mbits + 2), 2 - 2.0**-(mbits + 1)
+    assert ((scaled >= low * 2.0**ref.EMAX[fmt]) & (scaled < high * 2.0**ref.EMAX[fmt])).all()
   else:
     assert ((scaled > bound / 2) & (scaled <= bound)).all()
 

@@ -187,7 +187,7 @@ _MX_ROUNDINGS_CHECK = textwrap.dedent("""\
     from jaxmp import fp8
     S = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
     dims = (((1,), (0,)), ((), ()))
-    for rounding in ("floor", "ceil", "rceil"):
+    for rounding in ("floor", "ceil", "rceil", "even"):
       recipe = fp8.MXScaling(gradient_format="e5m2", scale_rounding=rounding)
       def step(x, w, g, recipe=recipe):
         y, vjp = jax.vjp(lambda x, w: fp8.fp8_dot_general(x, w, dims, recipe=recipe), x, w)
@@ -205,11 +205,11 @@ def test_every_mx_scale_rounding_reaches_cudnn_s_block_scaled_gemm_on_a_b200():
   if not audit_targets.cuda_plugin_installed():
     pytest.skip("needs the jax[cuda12] plugin (make gpu-report builds .venv-cuda)")
   lines = dict(line.split(" ", 1) for line in _deviceless(_MX_ROUNDINGS_CHECK).stdout.splitlines()
-               if line.split(" ", 1)[0] in ("floor", "ceil", "rceil"))
+               if line.split(" ", 1)[0] in ("floor", "ceil", "rceil", "even"))
   mx = "MX cuDNN block-scaled GEMM"
   expected = (f"{mx}:float8_e4m3fn,float8_e4m3fn|{mx}:float8_e5m2,float8_e4m3fn|"
               f"{mx}:float8_e5m2,float8_e4m3fn __cudnn$blockScaledDot")  # sorted
-  assert lines == dict.fromkeys(("floor", "ceil", "rceil"), expected), lines
+  assert lines == dict.fromkeys(("floor", "ceil", "rceil", "even"), expected), lines
 
 
 @pytest.mark.parametrize("target, warns", [

@@ -26,7 +26,7 @@ does) changes a bit. Dequantizing a block with scale ``2**-127`` multiplies by a
 subnormal float32, which such a backend reads as 0: only blocks whose amax is below
 ``2**-118`` are affected.
 
-**Scale rounding.** Step 2 is the OCP rule, ``"floor"``. Two other rules are in use,
+**Scale rounding.** Step 2 is the OCP rule, ``"floor"``. Three other rules are in use,
 named as torchao's ``ScaleCalculationMode`` names them
 (torchao/prototype/mx_formats/config.py):
 
@@ -55,6 +55,13 @@ named as torchao's ``ScaleCalculationMode`` names them
   amaxes were compared once in NumPy; the tests compare every significand of several
   binades, that amax included). XLA:CPU would also flush the subnormal quotients below
   ``2**-126`` to zero; the exact form does not depend on the backend.
+- ``"even"``: ``e = floor(log2(round(amax))) - emax``, where ``round`` rounds amax's
+  significand half up to the element format's precision (3 bits for E4M3, 2 for E5M2):
+  torchao EVEN, which adds ``1 << (23 - mbits - 1)`` to amax's float32 bits and clears
+  the significand before floor's rule. The exponent goes up only where amax's
+  significand is at least 1.9375 (E4M3) or 1.875 (E5M2), so a block whose maximum sits
+  on a grid point keeps its scale while its values drift by an ulp either way; block
+  maxima between ``fp8_max`` and ``1.9375 * 2**emax`` (E4M3) saturate, as with floor.
 
 On Gaussian data the product of two MXFP8 operands has a relative error of 4.1% with
 floor and 3.75% with ceil or rceil (tested): floor's saturated block maxima are the
@@ -130,11 +137,17 @@ def _significand_threshold(fp8_dtype: Any, rounding: str) -> int:
   ``amax``'s significand exceeds ``fp8_max``'s: with ``amax = m * 2**E`` and
   ``fp8_max = M * 2**emax`` (``m``, ``M`` in ``[1, 2)``), ``amax / fp8_max = (m / M) *
   2**(E - emax)`` and ``m / M`` lies in ``(1/2, 2)``, so ``ceil(log2(amax / fp8_max))``
-  is ``E - emax`` when ``m <= M`` and one more when ``m > M``.
+  is ``E - emax`` when ``m <= M`` and one more when ``m > M``; ``even`` where ``m``
+  rounded half up to the element format's significand bits is 2.
   """
   if rounding == "rceil":
     max_bits = np.array(dtypes_lib.float_format(fp8_dtype).max, F32).view(np.uint32)
     return int(max_bits & np.uint32(0x7FFFFF))
+  if rounding == "even":
+    # torchao adds half of the element format's last significand bit to amax's bits
+    # and clears the significand: the exponent goes up where the sum carries, i.e.
+    # where the significand is at least 2**23 - 2**(22 - mbits).
+    return 0x7FFFFF - (1 << (22 - dtypes_lib.float_format(fp8_dtype).mantissa_bits))
   return {"floor": 0x7FFFFF, "ceil": 0}[rounding]
 
 

@@ -47,7 +47,7 @@ AMAX_COMPUTE_ALGORITHMS = ("max", "most_recent")
 FORMATS = ("e4m3", "e5m2")
 """The fp8 element formats a recipe's gradient may use: ``float8_e4m3fn``, ``float8_e5m2``."""
 
-SCALE_ROUNDINGS = ("floor", "ceil", "rceil")
+SCALE_ROUNDINGS = ("floor", "ceil", "rceil", "even")
 """How :class:`MXScaling` rounds a block's scale to a power of two (torchao's names)."""
 
 # The largest margin whose scales stay normal float32 numbers. A scale is
@@ -322,7 +322,10 @@ class MXScaling:
     scaled block stays under ``2**emax`` (256 in E4M3), short of the max (448);
   - ``"rceil"``: ``e = ceil(log2(amax / fp8_max))``, the smallest scale under which the
     block fits (JAX's ``jax.nn.scaled_dot_general`` quantizer, TransformerEngine's
-    MXFP8, torchao RCEIL, cuBLAS): no saturation, the whole format used.
+    MXFP8, torchao RCEIL, cuBLAS): no saturation, the whole format used;
+  - ``"even"``: floor's rule on amax rounded half up to the element format's precision
+    (torchao EVEN): one binade above floor's only from amax ``1.9375 * 2**k`` (E4M3),
+    so a block maximum on a grid point keeps its scale when it drifts by an ulp.
 
   CEIL and RCEIL differ for every amax whose significand is at most the format max's
   (1.75): there RCEIL's scale is half CEIL's, which only moves the block's smallest
@@ -333,7 +336,8 @@ class MXScaling:
   Attributes:
     gradient_format: the output gradient's element format, ``"e4m3"`` (the default, as
       TransformerEngine and Megatron) or ``"e5m2"``.
-    scale_rounding: ``"floor"`` (the default, OCP), ``"ceil"`` or ``"rceil"``.
+    scale_rounding: ``"floor"`` (the default, OCP), ``"ceil"``, ``"rceil"`` or
+      ``"even"``.
 
   Raises:
     TypeError: for a non-string ``gradient_format`` or ``scale_rounding``.
