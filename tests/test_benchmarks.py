@@ -95,6 +95,7 @@ def test_bench_fp8_times_every_variant_of_both_workloads():
     assert all(t.ms > 0 and t.ratio > 0 for t in timings.values()), timings
 
 
+@pytest.mark.slow
 def test_bench_block_gemm_times_the_kernel_beside_bf16_and_checks_its_products():
   import bench_block_gemm  # pylint: disable=g-import-not-at-top
   results = bench_block_gemm.main(["--preset", "smoke", "--rounds", "1", "--calls", "1"])

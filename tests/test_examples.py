@@ -34,7 +34,9 @@ def test_classifier_mixed_precision_matches_float32():
 @pytest.mark.slow
 def test_train_lm_runs_every_configuration(tmp_path, capsys):
   plot = tmp_path / "curves.png"
-  train_lm.main(["--steps", "12", "--batch", "4", "--plot", str(plot)])
+  # The smoke preset (the demo's tiny model): every run's code path, as in the default
+  # preset, at a fraction of the compile time; the checks do not depend on the size.
+  train_lm.main(["--preset", "smoke", "--steps", "12", "--batch", "4", "--plot", str(plot)])
   out = capsys.readouterr().out
   for run in train_lm.RUNS:
     assert run.name in out

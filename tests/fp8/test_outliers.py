@@ -15,6 +15,8 @@ GEMM (which contracts the tokens, so its groups lie within a channel). Per-token
 scales do not isolate outlier channels in the forward GEMM: every token holds them.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,12 +44,19 @@ def data():
   return x, w, g
 
 
-def _gemms(recipe, x, w, g):
+@functools.cache
+def _gemms_of(recipe):
+  """The recipe's three GEMMs, jitted once per recipe (a recipe is hashable): every call
+  of a module has the same shapes, so each recipe compiles once, not once per call."""
   @jax.jit
   def run(x, w, g):
     y, vjp = jax.vjp(lambda x, w: fp8.fp8_dot_general(x, w, DIMS, recipe=recipe), x, w)
     return (y, *vjp(g))
-  return [np.asarray(a, np.float64) for a in run(x, w, g)]
+  return run
+
+
+def _gemms(recipe, x, w, g):
+  return [np.asarray(a, np.float64) for a in _gemms_of(recipe)(x, w, g)]
 
 
 def _relative_error(actual, expected):
