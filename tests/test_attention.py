@@ -139,15 +139,20 @@ def _sliding_causal_mask(length: int, window: int) -> jax.Array:
   return jnp.asarray((j <= i) & (i - j < window))[None, None]
 
 
-@pytest.mark.parametrize("window", [1, 3, 6])
-def test_attention_window_attends_to_a_sliding_band(window):
-  rule = jaxmp.Rule(nn.MultiHeadDotProductAttention, causal_attention=True,
-                    attention_window=window)
+def _declared_and_plain(**declared):
+  """Flax's attention wrapped with a rule declaring ``declared``, and without; params."""
+  rule = jaxmp.Rule(nn.MultiHeadDotProductAttention, **declared)
   model = jaxmp.linen.mixed_precision(nn.MultiHeadDotProductAttention(num_heads=2),
                                       jaxmp.PolicyRules(F32, [rule]))
   plain = jaxmp.linen.mixed_precision(nn.MultiHeadDotProductAttention(num_heads=2),
                                       jaxmp.PolicyRules(F32))
-  variables = plain.init(jax.random.key(0), X)
+  return model, plain, plain.init(jax.random.key(0), X)
+
+
+@pytest.mark.parametrize("window", [1, 3, 6])
+def test_attention_window_attends_to_a_sliding_band(window):
+  model, plain, variables = _declared_and_plain(causal_attention=True,
+                                                attention_window=window)
   band = _sliding_causal_mask(X.shape[1], window)
   np.testing.assert_allclose(model.apply(variables, X, mask=MASK),
                              plain.apply(variables, X, mask=band), atol=1e-6)
@@ -167,11 +172,15 @@ def _published_lm1b(rules, mode="eval"):
   return jaxmp.linen.mixed_precision(models._lm1b_module(mode), rules)  # pylint: disable=protected-access
 
 
-def test_causal_attention_on_published_lm1b_with_right_padding():
+@pytest.mark.parametrize("padded", [False, True])
+def test_causal_attention_on_published_lm1b_with_right_padding(padded):
   # Flax's lm1b masks padding and the future (combine_masks of both); declared causal,
   # the padding mask is not read, and every real token's logits stay Flax's: a real
-  # token never attends to the padding after it.
-  causal, plain = _published_lm1b(jaxmp.PolicyRules(F32, [CAUSAL])), _published_lm1b(F32)
+  # token never attends to the padding after it. Declared padded as well, the mask is
+  # read for each sequence's lengths (cuDNN's PADDING_CAUSAL mode on GPUs).
+  rule = jaxmp.Rule(nn.MultiHeadDotProductAttention, causal_attention=True,
+                    padded_attention=padded)
+  causal, plain = _published_lm1b(jaxmp.PolicyRules(F32, [rule])), _published_lm1b(F32)
   tokens = jax.random.randint(jax.random.key(2), (2, 8), 1, 64).at[0, 5:].set(0)
   variables = plain.init(jax.random.key(0), tokens)
   real = np.asarray(tokens > 0)
@@ -249,6 +258,73 @@ def test_causal_rule_that_reaches_no_attention_function_warns_on_published_model
     jaxmp.nnx.mixed_precision(nnx.MultiHeadAttention(2, 16, decode=False, rngs=nnx.Rngs(0)),
                               jaxmp.PolicyRules(F32, [jaxmp.Rule(nnx.MultiHeadAttention,
                                                                  causal_attention=True)]))
+
+
+TOKENS = jnp.array([[3, 5, 7, 2, 4, 6], [3, 5, 7, 0, 0, 0]])  # the second right-padded
+PADDING = nn.make_attention_mask(TOKENS > 0, TOKENS > 0)
+
+
+def test_padding_lengths_are_read_from_right_padding_masks():
+  from jaxmp._src import attention  # pylint: disable=import-outside-toplevel
+  for mask in (PADDING, nn.combine_masks(PADDING, MASK), PADDING[:, :, :1, :].repeat(6, 2)):
+    queries, keys = attention.padding_lengths(mask, 6, 6)
+    assert keys.tolist() == [6, 3], mask
+  assert attention.padding_lengths(PADDING, 6, 6)[0].tolist() == [6, 3]
+  # A key-only mask (broadcast over the queries): every query is real.
+  assert [x.tolist() for x in attention.padding_lengths(PADDING[:, :, :1, :], 6, 6)] == [
+      [6, 6], [6, 3]]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_attention_is_the_masked_attention_on_every_real_token(causal):
+  # Declared padded: the mask is read for each sequence's lengths only; every real
+  # query's output and every gradient through the real queries are Flax's under the
+  # mask itself.
+  model, plain, variables = _declared_and_plain(padded_attention=True,
+                                                causal_attention=causal)
+  mask = nn.combine_masks(PADDING, MASK) if causal else PADDING
+  real = np.asarray(TOKENS > 0)
+  np.testing.assert_allclose(np.asarray(model.apply(variables, X, mask=mask))[real],
+                             np.asarray(plain.apply(variables, X, mask=mask))[real], atol=1e-6)
+  loss = lambda m: lambda v, x: jnp.sum(jnp.where(real[..., None], m.apply(v, x, mask=mask),
+                                                  0.0) ** 2)
+  for a, b in zip(jax.tree.leaves(jax.grad(loss(model), argnums=(0, 1))(variables, X)),
+                  jax.tree.leaves(jax.grad(loss(plain), argnums=(0, 1))(variables, X))):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+  # Only lengths are read: a left-padding mask (padding first) is not what the rule
+  # declares, and the real tokens' outputs then differ from Flax's.
+  left = nn.make_attention_mask(TOKENS[:, ::-1] > 0, TOKENS[:, ::-1] > 0)
+  left = nn.combine_masks(left, MASK) if causal else left
+  real_left = np.asarray(TOKENS[:, ::-1] > 0)
+  assert not np.allclose(np.asarray(model.apply(variables, X, mask=left))[real_left],
+                         np.asarray(plain.apply(variables, X, mask=left))[real_left], atol=1e-3)
+  if not causal:  # (causally, right padding is after every real query anyway)
+    # It reads the mask: without the padding the real queries see more keys.
+    assert not np.allclose(np.asarray(model.apply(variables, X, mask=mask))[1, :3],
+                           np.asarray(plain.apply(variables, X))[1, :3], atol=1e-3)
+
+
+def test_padded_attention_on_nnx():
+  layer = lambda: nnx.MultiHeadAttention(2, 16, decode=False, rngs=nnx.Rngs(0))
+  rule = jaxmp.Rule(nnx.MultiHeadAttention, padded_attention=True)
+  padded = jaxmp.nnx.mixed_precision(layer(), jaxmp.PolicyRules(F32, [rule]))
+  plain = jaxmp.nnx.mixed_precision(layer(), jaxmp.PolicyRules(F32))
+  real = np.asarray(TOKENS > 0)
+  np.testing.assert_allclose(np.asarray(padded(X, mask=PADDING))[real],
+                             np.asarray(plain(X, mask=PADDING))[real], atol=1e-6)
+
+
+def test_padded_rule_that_reaches_no_attention_function_warns():
+  tokens = jax.random.randint(jax.random.key(2), (2, 8), 1, 64)
+  with pytest.warns(UserWarning, match=r"rule 0 \(.*Dense.*\) declares padded attention but "
+                    "matches no module with an attention_fn field"):
+    _published_lm1b(jaxmp.PolicyRules(F32, [jaxmp.Rule(nn.Dense, padded_attention=True)])
+                    ).init(jax.random.key(0), tokens)
+
+
+def test_bad_padded_attention_value():
+  with pytest.raises(TypeError, match=r"padded_attention must be True or False, got 1 of type int"):
+    jaxmp.Rule(nn.MultiHeadDotProductAttention, padded_attention=1)
 
 
 def test_bad_causal_attention_value():
@@ -331,6 +407,42 @@ def test_h100_deviceless_causal_attention_runs_cudnns_causal_mode_with_no_bias()
   assert windowed == str((["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"],
                           ["CAUSAL", "CAUSAL"],
                           ["attention 2*4*128x128x64 causal"] * 2, ["32", "32"])), windowed
+
+
+_PADDED_CHECK = textwrap.dedent("""\
+    import re
+    import flax.linen as nn, jax, jax.numpy as jnp, jaxmp
+    S = jax.ShapeDtypeStruct
+    BF16 = "params=float32,compute=bfloat16,output=float32"
+    def attention(causal):
+      rule = jaxmp.Rule(nn.MultiHeadDotProductAttention, padded_attention=True,
+                        causal_attention=causal)
+      model = jaxmp.linen.mixed_precision(nn.MultiHeadDotProductAttention(num_heads=4),
+                                          jaxmp.PolicyRules(BF16, [rule]))
+      variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.ones((2, 128, 256))))
+      def step(v, x, tokens):
+        mask = nn.make_attention_mask(tokens > 0, tokens > 0)
+        if causal:
+          mask = nn.combine_masks(mask, nn.make_causal_mask(tokens))
+        return jax.grad(lambda v: jnp.sum(model.apply(v, x, mask=mask).astype(jnp.float32)))(v)
+      report = jaxmp.tools.audit(step, variables, S((2, 128, 256), jnp.float32),
+                                 S((2, 128), jnp.int32), target="h100")
+      return (re.findall(r'custom_call_target="(__cudnn[$]fmha\\w*)"', report.hlo),
+              re.findall(r'"mask_type":\\s*"(\\w+)"', report.hlo))
+    print(attention(False))
+    print(attention(True))
+    """)
+
+
+def test_h100_deviceless_padded_attention_runs_cudnns_padding_mode_with_no_bias():
+  out = _run_deviceless(_PADDED_CHECK)
+  assert out.returncode == 0, out.stderr[-4000:]
+  padded, padded_causal = out.stdout.strip().splitlines()
+  # The lengths read from the mask, no bias operand (fmhaSoftmax, not ScaleBiasSoftmax).
+  assert padded == str((["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"],
+                        ["PADDING", "PADDING"])), padded
+  assert padded_causal == str((["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"],
+                               ["PADDING_CAUSAL", "PADDING_CAUSAL"])), padded_causal
 
 
 _FLOAT32_CHECK = textwrap.dedent("""\

@@ -32,6 +32,15 @@ padding (a real token never attends to the padding after it); left padding and p
 sequences need the mask. A call whose query and keys differ in length (one decoding
 step against a cache) keeps its mask.
 
+Padded attention. ``Rule(match, padded_attention=True)`` declares the matched layers'
+masks right-padding masks (each sequence's real tokens first; combined with a causal
+mask or not, e.g. ``nn.make_attention_mask(tokens > 0, tokens > 0)``): the mask is
+read once for each sequence's query and key lengths (:func:`padding_lengths`) and the
+attention runs with them (cuDNN's PADDING mode, PADDING_CAUSAL with a causal rule) and
+no dense mask. Every real query's output is the masked attention's; the padding
+queries' outputs are not (the loss ignores them). Left padding and packed sequences are
+not right-padding masks: keep the mask for those.
+
 Example:
   >>> import flax.linen as nn
   >>> rules = jaxmp.PolicyRules("params=float32,compute=bfloat16,output=float32",
@@ -59,19 +68,21 @@ _NOT_GIVEN = object()
 
 FUSED_ATTENTION = "PolicyRules(fused_attention=True)"
 CAUSAL_ATTENTION = "Rule(causal_attention=True)"
+PADDED_ATTENTION = "Rule(padded_attention=True)"
 """The settings that ask for fused attention, as the fallback warnings name them."""
 
 
-def _cudnn_refusal(query, key, value, bias, mask, is_causal, local_window_size) -> str | None:
+def _cudnn_refusal(query, key, value, bias, mask, is_causal, local_window_size,
+                   lengths=(None, None)) -> str | None:
   """Why JAX's cuDNN attention refuses these arguments (traced abstractly), or None.
 
   Returns ``""`` where there is no cuDNN to ask (a machine without JAX's CUDA plugin):
   nothing could fuse there, so there is nothing to warn about.
   """
   try:
-    jax.eval_shape(functools.partial(jax.nn.dot_product_attention, implementation="cudnn",
+    jax.eval_shape(functools.partial(_with_lengths, implementation="cudnn",
                                      is_causal=is_causal, local_window_size=local_window_size),
-                   query, key, value, bias, mask)
+                   query, key, value, bias, mask, *lengths)
   except (ValueError, TypeError, NotImplementedError) as refusal:
     return str(refusal).strip() or type(refusal).__name__  # a dtype or shape it rejects
   except RuntimeError:  # after NotImplementedError, which is one
@@ -79,10 +90,20 @@ def _cudnn_refusal(query, key, value, bias, mask, is_causal, local_window_size) 
   return None
 
 
+def _with_lengths(query, key, value, bias, mask, query_lengths=None, key_lengths=None,
+                  **kwargs):
+  """``jax.nn.dot_product_attention`` with the sequence lengths as positional arguments
+  (``lax.platform_dependent`` passes its operands positionally)."""
+  return jax.nn.dot_product_attention(query, key, value, bias, mask,
+                                      query_seq_lengths=query_lengths,
+                                      key_value_seq_lengths=key_lengths, **kwargs)
+
+
 def attend(query: jax.Array, key: jax.Array, value: jax.Array,
            bias: jax.Array | None = None, mask: jax.Array | None = None,
            is_causal: bool = False, asked_by: str = FUSED_ATTENTION,
-           local_window_size: tuple[int, int] | None = None) -> jax.Array:
+           local_window_size: tuple[int, int] | None = None,
+           lengths: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
   """``softmax(q k^T / sqrt(d) + bias, masked) v``: cuDNN's fused kernel on GPUs, else XLA's.
 
   Args:
@@ -96,22 +117,51 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array,
       cuDNN refuses it.
     local_window_size: ``(left, right)``: each query also attends only to the
       ``left`` keys before it and the ``right`` after it (cuDNN's sliding window).
+    lengths: ``(query_lengths, key_lengths)``, int32 ``[batch]``: each sequence's real
+      queries and keys come first, the rest is padding (cuDNN's padding mode).
 
   Returns:
     ``[batch, q_length, heads, depth]`` in the inputs' dtype.
   """
-  implementation = functools.partial(jax.nn.dot_product_attention, is_causal=is_causal,
+  given = (None, None) if lengths is None else lengths
+  implementation = functools.partial(_with_lengths, is_causal=is_causal,
                                      local_window_size=local_window_size)
   xla = functools.partial(implementation, implementation="xla")
-  refusal = _cudnn_refusal(query, key, value, bias, mask, is_causal, local_window_size)
+  refusal = _cudnn_refusal(query, key, value, bias, mask, is_causal, local_window_size,
+                           given)
   if refusal is None:
     return jax.lax.platform_dependent(
-        query, key, value, bias, mask,
+        query, key, value, bias, mask, *given,
         cuda=functools.partial(implementation, implementation="cudnn"), default=xla)
   if refusal:
     _warn(f"cuDNN's fused attention does not take query {query.dtype}{list(query.shape)} "
           f"({refusal}): XLA's implementation of the same attention runs, unfused", asked_by)
-  return xla(query, key, value, bias, mask)
+  return xla(query, key, value, bias, mask, *given)
+
+
+def padding_lengths(mask: jax.Array, query_length: int, key_length: int
+                    ) -> tuple[jax.Array, jax.Array]:
+  """Each sequence's real query and key counts, read from a right-padding mask.
+
+  ``mask`` (bool, ``[batch, heads or 1, q, kv]`` or broadcastable to it) is taken to be
+  a padding mask, alone or combined with a causal one: ``mask[b, h, i, j]`` true for
+  the real queries ``i < q_len[b]`` and real keys ``j < kv_len[b]`` (``j <= i`` too
+  when causal). Then ``kv_len`` is the most keys any query sees and ``q_len`` the
+  number of queries that see any key (the first head's mask is read).
+
+  Example:
+    >>> import flax.linen as nn
+    >>> tokens = jnp.array([[5, 6, 7, 0], [5, 0, 0, 0]])
+    >>> mask = nn.make_attention_mask(tokens > 0, tokens > 0)
+    >>> [x.tolist() for x in padding_lengths(mask, 4, 4)]
+    [[3, 1], [3, 1]]
+  """
+  mask = jnp.asarray(mask, bool)
+  mask = jnp.broadcast_to(mask, mask.shape[:-2] + (query_length, key_length))
+  first_head = mask.reshape((mask.shape[0], -1, query_length, key_length))[:, 0]
+  key_lengths = jnp.max(jnp.sum(first_head, axis=-1, dtype=jnp.int32), axis=-1)
+  query_lengths = jnp.sum(jnp.any(first_head, axis=-1), axis=-1, dtype=jnp.int32)
+  return query_lengths, key_lengths
 
 
 def _fallback_reason(query, dropout_rate, deterministic, module, precision,
@@ -137,7 +187,7 @@ def _warn(message: str, asked_by: str) -> None:
 
 
 def fused_attention_fn(original: Callable[..., Any], causal: bool = False,
-                       window: int | None = None) -> Callable[..., Any]:
+                       window: int | None = None, padded: bool = False) -> Callable[..., Any]:
   """A Flax-compatible ``attention_fn`` computing with :func:`attend`.
 
   Takes the keyword arguments Flax's linen and NNX attention layers pass their
@@ -153,12 +203,18 @@ def fused_attention_fn(original: Callable[..., Any], causal: bool = False,
       before it (``Rule(attention_window=...)``: cuDNN's causal sliding window). Where
       the query and keys differ in length (decoding with a cache) the window cannot be
       placed, and the layer's mask runs without it, with a warning.
+    padded: the layer's masks are declared right-padding masks (``Rule(
+      padded_attention=True)``; combined with a causal mask or not): where the query
+      and keys have the same length, each sequence's lengths are read from the mask
+      (:func:`padding_lengths`) and the attention runs in cuDNN's padding mode, with
+      no dense mask.
 
   Returns:
     The function to set as the layer's ``attention_fn`` for the call.
   """
   accepted = inspect.signature(original).parameters
-  asked_by = CAUSAL_ATTENTION if causal else FUSED_ATTENTION
+  asked_by = (CAUSAL_ATTENTION if causal else PADDED_ATTENTION if padded
+              else FUSED_ATTENTION)
 
   def attention(query, key, value, bias=None, mask=None, broadcast_dropout=_NOT_GIVEN,
                 dropout_rng=_NOT_GIVEN, dropout_rate=0.0, deterministic=False, dtype=None,
@@ -178,8 +234,12 @@ def fused_attention_fn(original: Callable[..., Any], causal: bool = False,
       return original(query, key, value, **kwargs)
     dtype = jnp.result_type(query, key, value) if dtype is None else dtype
     query, key, value = (x.astype(dtype) for x in (query, key, value))
-    local_window_size = None
-    if causal and query.shape[-3] == key.shape[-3]:
+    local_window_size, lengths = None, None
+    same_length = query.shape[-3] == key.shape[-3]
+    if padded and mask is not None and same_length:
+      # The mask read once for each sequence's lengths: no dense mask reaches the kernel.
+      lengths, mask = padding_lengths(mask, query.shape[-3], key.shape[-3]), None
+    if causal and same_length:
       mask, is_causal = None, True  # the declared causal mask, as cuDNN's CAUSAL mode
       local_window_size = None if window is None else (window - 1, 0)
     elif window is not None:
@@ -187,7 +247,8 @@ def fused_attention_fn(original: Callable[..., Any], causal: bool = False,
             f"{query.shape[-3]} against {key.shape[-3]} keys (no position to place it "
             "from); the layer's own mask runs", CAUSAL_ATTENTION)
     mask = None if mask is None else mask.astype(bool)
-    return attend(query, key, value, bias, mask, is_causal, asked_by, local_window_size)
+    return attend(query, key, value, bias, mask, is_causal, asked_by, local_window_size,
+                  lengths)
 
   return attention
 
@@ -197,4 +258,4 @@ def is_fused(attention_fn: Any) -> bool:
   return getattr(attention_fn, "__qualname__", "").startswith("fused_attention_fn.")
 
 
-__all__ = ("attend", "fused_attention_fn", "is_fused")
+__all__ = ("attend", "fused_attention_fn", "is_fused", "padding_lengths")

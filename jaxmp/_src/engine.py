@@ -251,8 +251,9 @@ class Call:
     # both keeps the ids valid for the call's lifetime.
     self._narrowed: dict[int, tuple[Any, Any]] = {}
     self._float32_ops = contextlib.ExitStack()
-    # The rules whose causal_attention reached a module's attention function: a rule
-    # that declares causal attention and reaches none did nothing (unused_rules says so).
+    # The rules whose causal_attention or padded_attention reached a module's attention
+    # function: a rule that declares either and reaches none did nothing (unused_rules
+    # says so).
     self.causal_rules_reached: set[int] = set()
 
   def __enter__(self) -> Call:
@@ -292,13 +293,13 @@ class Call:
     in for ``value`` (which still runs where the fused one cannot); otherwise, or for a
     field that is not a function, :data:`NOT_A_DTYPE_FIELD` (leave it alone).
     """
-    causal = precision.causal_attention
-    if causal and callable(value):
+    causal, padded = precision.causal_attention, precision.padded_attention
+    if (causal or padded) and callable(value):
       self.causal_rules_reached.add(id(precision.rule))
-    if (not (self.rules.fused_attention or causal) or not callable(value)
+    if (not (self.rules.fused_attention or causal or padded) or not callable(value)
         or attention_lib.is_fused(value)):
       return NOT_A_DTYPE_FIELD
-    return attention_lib.fused_attention_fn(value, causal=causal,
+    return attention_lib.fused_attention_fn(value, causal=causal, padded=padded,
                                             window=precision.attention_window)
 
   def _cast_leaf(self, x: Any, dtype: np.dtype) -> Any:
@@ -533,9 +534,9 @@ def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
     rules: the rules.
     records: the calls of one run of the model.
     fp8_layer_names: the adapter's fp8-capable layers, for the message.
-    causal_rules_reached: the ``id`` of each rule whose ``causal_attention`` reached a
-      module's ``attention_fn`` (:attr:`Call.causal_rules_reached`); ``None``: not
-      checked.
+    causal_rules_reached: the ``id`` of each rule whose ``causal_attention`` or
+      ``padded_attention`` reached a module's ``attention_fn``
+      (:attr:`Call.causal_rules_reached`); ``None``: not checked.
 
   Returns:
     One sentence per problem: a rule that matches no module, a rule shadowed by
@@ -563,12 +564,15 @@ def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
       problems.append(f"rule {index} ({rule.describe()}) has an "
                       f"{recipes_lib.narrow_type(rule.fp8)} recipe but matches no layer "
                       f"fp8 applies to ({fp8_layer_names})")
-    if (decided and rule.causal_attention and causal_rules_reached is not None
+    declared = [d for d, on in (("causal", rule.causal_attention),
+                                ("padded", rule.padded_attention)) if on]
+    if (decided and declared and causal_rules_reached is not None
         and id(rule) not in causal_rules_reached):
-      problems.append(f"rule {index} ({rule.describe()}) declares causal attention but "
-                      "matches no module with an attention_fn field (Flax's "
-                      "MultiHeadDotProductAttention, or a layer with such a field): "
-                      "nothing computes causally")
+      problems.append(f"rule {index} ({rule.describe()}) declares {' and '.join(declared)} "
+                      "attention but matches no module with an attention_fn field "
+                      "(Flax's MultiHeadDotProductAttention, or a layer with such a "
+                      "field): nothing computes "
+                      f"{'causally' if rule.causal_attention else 'with padding lengths'}")
     if decided:
       continue
     if any(rule.matches(r.path, r.module_type) for r in records):

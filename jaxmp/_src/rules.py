@@ -162,6 +162,15 @@ class Rule:
       blocks outside the band). A positive int, or ``None`` (default) for the whole
       causal prefix. A call whose query and keys differ in length (decoding with a
       cache) cannot place the window: the layer's mask runs, and a warning says so.
+    padded_attention: declares that the masks the matched attention layers are handed
+      are right-padding masks (each sequence's real tokens first, then padding; alone
+      or combined with a causal mask, as ``nn.make_attention_mask(tokens > 0, tokens >
+      0)`` makes them): the fused attention reads each sequence's query and key
+      lengths from the mask and computes with them (cuDNN's padding mode on GPUs), no
+      dense mask reaching the kernel. Every real query's output is the masked
+      attention's; the padding queries' outputs are not. Left padding and packed
+      sequences are not right padding: keep the mask for those. A call whose query and
+      keys differ in length (decoding with a cache) uses the mask. Default ``False``.
 
   Raises:
     TypeError: for a match that is neither a class nor a string, a bad fp8 recipe, or
@@ -184,6 +193,7 @@ class Rule:
   float32_ops: frozenset | None
   causal_attention: bool
   attention_window: int | None
+  padded_attention: bool
   _regex: re.Pattern | None = dataclasses.field(
       default=None, init=False, repr=False, compare=False)
 
@@ -193,20 +203,23 @@ class Rule:
                fp8: recipes_lib.Recipe | None = None,
                output_dtype: dtypes_lib.DTypeLike | None = None,
                float32_ops: Collection[str] | None = None, causal_attention: bool = False,
-               attention_window: int | None = None):
+               attention_window: int | None = None, padded_attention: bool = False):
     for name, value in (("match", match), ("policy", policy), ("fp8", fp8),
                         ("output_dtype", output_dtype), ("float32_ops", float32_ops),
                         ("causal_attention", causal_attention),
-                        ("attention_window", attention_window)):
+                        ("attention_window", attention_window),
+                        ("padded_attention", padded_attention)):
       object.__setattr__(self, name, value)
     self.__post_init__()
 
   def __post_init__(self):
     object.__setattr__(self, "_regex", _check_match(self.match))
     _check_fp8(self.fp8)
-    if not isinstance(self.causal_attention, bool):
-      raise TypeError(f"Rule({self.match!r}) causal_attention must be True or False, got "
-                      f"{self.causal_attention!r} of type {type(self.causal_attention).__name__}.")
+    for name in ("causal_attention", "padded_attention"):
+      value = getattr(self, name)
+      if not isinstance(value, bool):
+        raise TypeError(f"Rule({self.match!r}) {name} must be True or False, got "
+                        f"{value!r} of type {type(value).__name__}.")
     _check_attention_window(self)
     if self.float32_ops is not None:
       object.__setattr__(self, "float32_ops",
@@ -256,6 +269,8 @@ class ModulePrecision:
       (:class:`Rule`'s ``causal_attention``).
     attention_window: the declared sliding window (:class:`Rule`'s
       ``attention_window``), or ``None``.
+    padded_attention: whether the module's attention masks are declared right-padding
+      masks (:class:`Rule`'s ``padded_attention``).
   """
 
   policy: policy_lib.Policy
@@ -265,6 +280,7 @@ class ModulePrecision:
   float32_ops: frozenset = frozenset(float32_ops_lib.DEFAULT)
   causal_attention: bool = False
   attention_window: int | None = None
+  padded_attention: bool = False
 
 
 def _normalization_policy(default: policy_lib.Policy) -> policy_lib.Policy:
@@ -366,7 +382,8 @@ class PolicyRules:
         policy = self.default if rule.policy is None else rule.policy
         ops = self.float32_ops if rule.float32_ops is None else rule.float32_ops
         return ModulePrecision(policy, rule.output_dtype, rule.fp8, rule, ops,
-                               rule.causal_attention, rule.attention_window)
+                               rule.causal_attention, rule.attention_window,
+                               rule.padded_attention)
     if self.float32_normalization and is_normalization(module_type):
       return ModulePrecision(_normalization_policy(self.default), None, None, None,
                              self.float32_ops)
