@@ -321,17 +321,22 @@ def memory_table(preset: str, results: dict) -> None:
   sys.stdout.flush()
 
 
-def check_variants(names: str | None, workloads: list[str], preset: str) -> list[str] | None:
+def check_variants(names: str | None, cases: dict[str, dict[str, gpu_report.Case]]
+                   ) -> list[str] | None:
   """The semicolon-separated ``names`` as a list (``None``: every variant).
 
+  Args:
+    names: the ``--variants`` text, or None.
+    cases: each chosen timed workload's cases, by workload.
+
   Raises:
-    ValueError: a name that none of the chosen timed ``workloads`` has; the message
-      lists the names they accept.
+    ValueError: a name that none of ``cases`` has; the message lists the names they
+      have.
   """
   if names is None:
     return None
   wanted = [n.strip() for n in names.split(";") if n.strip()]
-  known = {n for w in workloads if w in _CASES for n in _CASES[w](preset)}
+  known = {n for table in cases.values() for n in table}
   unknown = [n for n in wanted if n not in known]
   if unknown:
     raise ValueError(f"unknown variant(s) {unknown}; the chosen workloads have: "
@@ -367,8 +372,9 @@ def main(argv=None) -> None:
   unknown = [w for w in chosen if w not in WORKLOADS]
   if unknown:
     parser.error(f"unknown workload(s) {unknown}; accepted: {', '.join(WORKLOADS)}")
+  cases_of = {w: _CASES[w](args.preset) for w in chosen if w in _CASES}
   try:
-    wanted = check_variants(args.variants, chosen, args.preset)
+    wanted = check_variants(args.variants, cases_of)
   except ValueError as e:
     parser.error(str(e))
   results: dict = {"device": timing.device_description(), "jax": jax.__version__,
@@ -379,7 +385,7 @@ def main(argv=None) -> None:
           f"{results['reference_bf16_gemm_tflops']:.0f} TFLOP/s in this process.")
   batch, context = gpu_report.LLAMA_TOKENS[args.preset]
   for workload in chosen:
-    cases = _CASES[workload](args.preset) if workload in _CASES else {}
+    cases = cases_of.get(workload, {})
     if wanted is not None:
       cases = {n: cases[n] for n in wanted if n in cases}  # in the order asked
       if not cases and workload != "memory":

@@ -461,9 +461,13 @@ def progress(message: str) -> None:
   print(f"[gpu-report {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def audit(case: Case, mode: str, name: str = "") -> jaxmp.tools.AuditReport:
+def audit(case: Case, mode: str, name: str = "", donate: bool = False
+          ) -> jaxmp.tools.AuditReport:
+  """``case`` compiled deviceless for an H100 in GEMM ``mode``; ``donate``: its first
+  argument (a train step's state) donated, as a training loop compiles the step."""
   start = time.perf_counter()
-  report = jaxmp.tools.audit(case.fn, *jax.eval_shape(case.make), target="h100",
+  fn = jax.jit(case.fn, donate_argnums=0) if donate else case.fn
+  report = jaxmp.tools.audit(fn, *jax.eval_shape(case.make), target="h100",
                              compiler_options=MODES[mode])
   progress(f"compiled {name or 'a case'} ({mode}) in {time.perf_counter() - start:.0f} s")
   return report

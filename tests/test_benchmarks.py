@@ -220,13 +220,11 @@ def _check_deviceless(code: str, timeout: int) -> str:
 _FP8_KERNELS = textwrap.dedent("""\
     import sys
     sys.argv = ["gpu_report"]
-    import jax, jaxmp, gpu_report
+    import gpu_report
     cases = gpu_report.llama_cases("smoke")
-    for donate in ((), (0,)):
+    for donate in (False, True):
       for name in ("bf16", "fp8 per-tensor"):
-        step = jax.jit(cases[name].fn, donate_argnums=donate)
-        r = jaxmp.tools.audit(step, *jax.eval_shape(cases[name].make), target="h100",
-                              compiler_options=gpu_report.MODES["cuBLAS"])
+        r = gpu_report.audit(cases[name], "cuBLAS", donate=donate)
         print(f"{name}{' donated' if donate else ''}|{r.launches}|{sum(g.fp8 for g in r.gemms)}")
     """)
 
@@ -251,11 +249,9 @@ def test_h100_fp8_train_step_launches_at_most_twice_bf16_s_kernels():
 _DONATED_COPIES = textwrap.dedent("""\
     import re, sys
     sys.argv = ["gpu_report"]
-    import jax, jaxmp, gpu_report
-    case = gpu_report.llama_cases("smoke")["fp8 per-tensor"]
-    step = jax.jit(case.fn, donate_argnums=0)
-    report = jaxmp.tools.audit(step, *jax.eval_shape(case.make), target="h100",
-                               compiler_options=gpu_report.MODES["cuBLAS"])
+    import gpu_report
+    report = gpu_report.audit(gpu_report.llama_cases("smoke")["fp8 per-tensor"], "cuBLAS",
+                              donate=True)
     for line in report.hlo.splitlines():
       # A float32 matrix: a parameter (the fp8 state's leaves are vectors).
       match = re.search(r"= (f32\\[\\d+,[\\d,]+\\])\\S* copy(-start)?\\(", line)
@@ -364,16 +360,17 @@ def test_gpu_measure_times_counts_and_weighs_every_variant_it_names(tmp_path, ca
 
 def test_gpu_measure_runs_the_variants_asked_for_and_refuses_names_it_does_not_have():
   import gpu_measure  # pylint: disable=g-import-not-at-top
-  assert gpu_measure.check_variants(None, ["llama"], "smoke") is None
+  import gpu_report  # pylint: disable=g-import-not-at-top
+  llama = {"llama": gpu_report.llama_cases("smoke")}
+  both = {**llama, "attention": gpu_report.attention_cases("smoke")}
+  assert gpu_measure.check_variants(None, llama) is None
   # In the order asked (the first is the table's baseline); names may hold commas.
-  assert gpu_measure.check_variants("fp8 per-tensor; bf16", ["llama"], "smoke") == [
-      "fp8 per-tensor", "bf16"]
-  assert gpu_measure.check_variants("cuDNN, causal mode", ["llama", "attention"],
-                                    "smoke") == ["cuDNN, causal mode"]
+  assert gpu_measure.check_variants("fp8 per-tensor; bf16", llama) == ["fp8 per-tensor", "bf16"]
+  assert gpu_measure.check_variants("cuDNN, causal mode", both) == ["cuDNN, causal mode"]
   with pytest.raises(ValueError, match=r"unknown variant\(s\) \['bf17'\].*'bf16'"):
-    gpu_measure.check_variants("bf16;bf17", ["llama"], "smoke")
+    gpu_measure.check_variants("bf16;bf17", llama)
   with pytest.raises(ValueError, match=r"\['cuDNN, causal mode'\]"):  # attention not chosen
-    gpu_measure.check_variants("cuDNN, causal mode", ["llama"], "smoke")
+    gpu_measure.check_variants("cuDNN, causal mode", llama)
 
 
 def test_gpu_measure_donates_a_train_step_s_state_and_feeds_each_step_the_last_one():

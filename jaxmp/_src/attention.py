@@ -73,7 +73,7 @@ PADDED_ATTENTION = "Rule(padded_attention=True)"
 
 
 def _cudnn_refusal(query, key, value, bias, mask, is_causal, local_window_size,
-                   lengths=(None, None)) -> str | None:
+                   lengths) -> str | None:
   """Why JAX's cuDNN attention refuses these arguments (traced abstractly), or None.
 
   Returns ``""`` where there is no cuDNN to ask (a machine without JAX's CUDA plugin):
@@ -103,7 +103,7 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array,
            bias: jax.Array | None = None, mask: jax.Array | None = None,
            is_causal: bool = False, asked_by: str = FUSED_ATTENTION,
            local_window_size: tuple[int, int] | None = None,
-           lengths: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+           lengths: tuple[jax.Array | None, jax.Array | None] = (None, None)) -> jax.Array:
   """``softmax(q k^T / sqrt(d) + bias, masked) v``: cuDNN's fused kernel on GPUs, else XLA's.
 
   Args:
@@ -118,25 +118,25 @@ def attend(query: jax.Array, key: jax.Array, value: jax.Array,
     local_window_size: ``(left, right)``: each query also attends only to the
       ``left`` keys before it and the ``right`` after it (cuDNN's sliding window).
     lengths: ``(query_lengths, key_lengths)``, int32 ``[batch]``: each sequence's real
-      queries and keys come first, the rest is padding (cuDNN's padding mode).
+      queries and keys come first, the rest is padding (cuDNN's padding mode);
+      ``(None, None)``: no padding.
 
   Returns:
     ``[batch, q_length, heads, depth]`` in the inputs' dtype.
   """
-  given = (None, None) if lengths is None else lengths
   implementation = functools.partial(_with_lengths, is_causal=is_causal,
                                      local_window_size=local_window_size)
   xla = functools.partial(implementation, implementation="xla")
   refusal = _cudnn_refusal(query, key, value, bias, mask, is_causal, local_window_size,
-                           given)
+                           lengths)
   if refusal is None:
     return jax.lax.platform_dependent(
-        query, key, value, bias, mask, *given,
+        query, key, value, bias, mask, *lengths,
         cuda=functools.partial(implementation, implementation="cudnn"), default=xla)
   if refusal:
     _warn(f"cuDNN's fused attention does not take query {query.dtype}{list(query.shape)} "
           f"({refusal}): XLA's implementation of the same attention runs, unfused", asked_by)
-  return xla(query, key, value, bias, mask, *given)
+  return xla(query, key, value, bias, mask, *lengths)
 
 
 def padding_lengths(mask: jax.Array, query_length: int, key_length: int
@@ -234,7 +234,7 @@ def fused_attention_fn(original: Callable[..., Any], causal: bool = False,
       return original(query, key, value, **kwargs)
     dtype = jnp.result_type(query, key, value) if dtype is None else dtype
     query, key, value = (x.astype(dtype) for x in (query, key, value))
-    local_window_size, lengths = None, None
+    local_window_size, lengths = None, (None, None)
     same_length = query.shape[-3] == key.shape[-3]
     if padded and mask is not None and same_length:
       # The mask read once for each sequence's lengths: no dense mask reaches the kernel.

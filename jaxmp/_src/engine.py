@@ -254,7 +254,7 @@ class Call:
     # The rules whose causal_attention or padded_attention reached a module's attention
     # function: a rule that declares either and reaches none did nothing (unused_rules
     # says so).
-    self.causal_rules_reached: set[int] = set()
+    self.attention_rules_reached: set[int] = set()
 
   def __enter__(self) -> Call:
     self._float32_ops.enter_context(float32_ops_lib.installed())
@@ -295,7 +295,7 @@ class Call:
     """
     causal, padded = precision.causal_attention, precision.padded_attention
     if (causal or padded) and callable(value):
-      self.causal_rules_reached.add(id(precision.rule))
+      self.attention_rules_reached.add(id(precision.rule))
     if (not (self.rules.fused_attention or causal or padded) or not callable(value)
         or attention_lib.is_fused(value)):
       return NOT_A_DTYPE_FIELD
@@ -526,7 +526,7 @@ def written(value: T, stored: Any) -> T:
 
 
 def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
-                 fp8_layer_names: str, causal_rules_reached: Collection[int] | None = None
+                 fp8_layer_names: str, attention_rules_reached: Collection[int] | None = None
                  ) -> list[str]:
   """Describes each rule that decided no module's precision in ``records``.
 
@@ -534,9 +534,9 @@ def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
     rules: the rules.
     records: the calls of one run of the model.
     fp8_layer_names: the adapter's fp8-capable layers, for the message.
-    causal_rules_reached: the ``id`` of each rule whose ``causal_attention`` or
+    attention_rules_reached: the ``id`` of each rule whose ``causal_attention`` or
       ``padded_attention`` reached a module's ``attention_fn``
-      (:attr:`Call.causal_rules_reached`); ``None``: not checked.
+      (:attr:`Call.attention_rules_reached`); ``None``: not checked.
 
   Returns:
     One sentence per problem: a rule that matches no module, a rule shadowed by
@@ -566,8 +566,8 @@ def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
                       f"fp8 applies to ({fp8_layer_names})")
     declared = [d for d, on in (("causal", rule.causal_attention),
                                 ("padded", rule.padded_attention)) if on]
-    if (decided and declared and causal_rules_reached is not None
-        and id(rule) not in causal_rules_reached):
+    if (decided and declared and attention_rules_reached is not None
+        and id(rule) not in attention_rules_reached):
       problems.append(f"rule {index} ({rule.describe()}) declares {' and '.join(declared)} "
                       "attention but matches no module with an attention_fn field "
                       "(Flax's MultiHeadDotProductAttention, or a layer with such a "
@@ -607,7 +607,7 @@ def describe_paths(records: Sequence[CallRecord]) -> str:
 
 def warn_unused_rules(model_name: str, rules: rules_lib.PolicyRules,
                       records: Sequence[CallRecord], fp8_layer_names: str, *,
-                      causal_rules_reached: Collection[int] | None = None,
+                      attention_rules_reached: Collection[int] | None = None,
                       already_warned: set | None = None, stacklevel: int = 2) -> None:
   """Warns once per problem :func:`unused_rules` finds, listing the model's paths.
 
@@ -616,11 +616,11 @@ def warn_unused_rules(model_name: str, rules: rules_lib.PolicyRules,
     rules: the rules.
     records: the calls of one run of the model.
     fp8_layer_names: the adapter's fp8-capable layers.
-    causal_rules_reached: as for :func:`unused_rules`.
+    attention_rules_reached: as for :func:`unused_rules`.
     already_warned: problems warned about before (updated); ``None`` warns every time.
     stacklevel: as for ``warnings.warn``, counted from the caller of this function.
   """
-  problems = unused_rules(rules, records, fp8_layer_names, causal_rules_reached)
+  problems = unused_rules(rules, records, fp8_layer_names, attention_rules_reached)
   if already_warned is not None:
     problems = [p for p in problems if p not in already_warned]
     already_warned.update(problems)

@@ -260,7 +260,7 @@ class MixedPrecision(engine.Wrapper):
     interceptor = _Interceptor(self.rules, annotate, hooks)
     with nn.intercept_methods(interceptor), interceptor.call:
       out = fun()
-    self._warn_unused(interceptor.records, interceptor.call.causal_rules_reached)
+    self._warn_unused(interceptor.records, interceptor.call.attention_rules_reached)
     self._module_types.update((r.path, r.module_type) for r in interceptor.records)
     return out, interceptor.records
 
@@ -375,9 +375,10 @@ class MixedPrecision(engine.Wrapper):
                                      self.rules.default.param_dtype)
     return {**variables, "params": params}
 
-  def _warn_unused(self, records: list[CallRecord], causal_rules_reached: set[int]) -> None:
+  def _warn_unused(self, records: list[CallRecord], attention_rules_reached: set[int]) -> None:
     engine.warn_unused_rules(type(self.model).__name__, self.rules, records,
-                             _fp8_layer_names(), causal_rules_reached=causal_rules_reached,
+                             _fp8_layer_names(),
+                             attention_rules_reached=attention_rules_reached,
                              already_warned=self._warned, stacklevel=4)
 
 

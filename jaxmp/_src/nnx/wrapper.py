@@ -551,7 +551,7 @@ def _warn_unused(model: nnx.Module, rules: rules_lib.PolicyRules,
   reached = {id(r.precision.rule) for r in modules.values()
              if callable(vars(r.module).get("attention_fn"))}
   engine.warn_unused_rules(type(model).__name__, rules, records, _fp8_layer_names(),
-                           causal_rules_reached=reached)
+                           attention_rules_reached=reached)
 
 
 def trace_abstract(model_or_wrapper: nnx.Module, rules: rules_lib.PolicyOrRules | None,
