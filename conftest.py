@@ -1,13 +1,24 @@
-"""Shared pytest set-up: names the docstring examples use."""
+"""Shared pytest set-up: the suite's XLA flags, names the docstring examples use."""
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
+import os
 
-import jaxmp
+from tests import xla_flags
+
+# Before JAX starts its backend: faster XLA:CPU compiles (see tests/xla_flags.py).
+xla_flags.use_fast_compile()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import jaxmp  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _doctest_names(doctest_namespace):
   doctest_namespace.update(jax=jax, jnp=jnp, np=np, jaxmp=jaxmp)
+
+
+def pytest_report_header():
+  return f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')!r} (tests/xla_flags.py)"

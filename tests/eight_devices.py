@@ -9,7 +9,6 @@ gets its tests with :func:`make_tests`:
       eight_devices.make_tests(SCRIPT, CHECKS, cwd=ROOT))
 """
 
-import os
 import pathlib
 import re
 import subprocess
@@ -18,6 +17,8 @@ import time
 import traceback
 
 import pytest
+
+from tests import xla_flags
 
 DEVICES = 8
 
@@ -50,8 +51,7 @@ def main(checks: dict, names: list) -> int:
 
 def run_checks(script: pathlib.Path, names: tuple, cwd: pathlib.Path, timeout: int = 300):
   """Runs ``script`` with 8 forced CPU devices; returns ({name: line}, the process)."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
+  env = xla_flags.environ("--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   result = subprocess.run([sys.executable, str(script), *names], env=env, capture_output=True,
                           text=True, timeout=timeout, cwd=cwd)
   lines = {m.group(1): m.group(0)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import jaxmp
+from tests import xla_flags
 from tests.doc_snippets import ROOT
 from tests.doc_snippets import snippet
 
@@ -50,9 +51,8 @@ def test_the_sharding_examples_run_after_the_quickstart_on_8_cpu_devices():
             "'loss', float(loss))\n")
   program = (snippet(ROOT / "README.md", "quickstart") + snippet(SHARDING, "sharded jit")
              + report + snippet(SHARDING, "shard_map") + report)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+  env = xla_flags.environ("--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+                         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
   result = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
                           text=True, timeout=900, cwd=ROOT)
   assert result.returncode == 0, result.stderr[-4000:]

@@ -12,6 +12,7 @@ import flax.linen as nn
 import pytest
 
 import jaxmp
+from tests import xla_flags
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -155,8 +156,7 @@ def _run_example(args, env, timeout=300):
 
 @pytest.mark.slow
 def test_sharded_example_matches_one_device_and_keeps_the_loss_scale_replicated():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
+  env = xla_flags.environ("--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   result = _run_example([str(EXAMPLES / "train_sharded.py"), "--steps", "12",
                          "--compare-steps", "3"], env)
   out = result.stdout

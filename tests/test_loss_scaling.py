@@ -2,7 +2,6 @@
 wrong nesting, the consecutive-skip cap, state lookup, metrics, bad input."""
 
 import math
-import os
 import re
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from flax import nnx
 
 import jaxmp
 from tests import tree_asserts
+from tests import xla_flags
 from tests.test_loss_scale import torch_grad_scaler
 
 SCALE = 2.0**10  # a power of two: scaling and unscaling are exact
@@ -497,8 +497,7 @@ def test_shard_map_over_eight_devices_agrees_on_the_skip():
       assert np.all(count == 0) and np.all(u == 0.0), (u, count)
       print("ok")
   """)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
+  env = xla_flags.environ("--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=120)
   assert result.returncode == 0, result.stderr[-3000:]

@@ -1,7 +1,6 @@
 """fp8_dot_general and fp8_einsum: numerics, goldens, transforms, signatures, errors."""
 
 import functools
-import os
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import pytest
 from flax import nnx
 
 from jaxmp import fp8
+from tests import xla_flags
 
 DENSE = (((1,), (0,)), ((), ()))
 
@@ -318,7 +318,7 @@ class TestSignature:
         np.testing.assert_array_equal(gs.input_amax_history, [1, 0, 0, 0])
       print("ok")
     """)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = xla_flags.environ("--xla_force_host_platform_device_count=2")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
