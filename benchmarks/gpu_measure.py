@@ -105,17 +105,6 @@ def _zeros_like_shapes(tree: Any) -> Any:
   return jax.tree_util.tree_map(zeros, tree)
 
 
-def _returns_its_state(fn: Any, args: tuple) -> bool:
-  """Whether ``fn(*args)`` returns a tuple whose first element has ``args[0]``'s
-  structure, shapes and dtypes (a train step: its state comes back, to be fed to the
-  next call)."""
-  out = jax.eval_shape(fn, *args)
-  shapes = lambda tree: jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), tree)
-  return (isinstance(out, tuple) and len(out) > 1
-          and jax.tree_util.tree_structure(out[0]) == jax.tree_util.tree_structure(args[0])
-          and shapes(out[0]) == shapes(args[0]))
-
-
 def _compile(case: gpu_report.Case, zeros: bool = False) -> tuple[Any, tuple, bool]:
   """The case's step compiled for the local device, its arguments (on the device), and
   whether the step returns its state.
@@ -125,7 +114,7 @@ def _compile(case: gpu_report.Case, zeros: bool = False) -> tuple[Any, tuple, bo
   into the buffers of the old one. A case that is already jitted keeps its own options.
   """
   args = _zeros_like_shapes(jax.eval_shape(case.make)) if zeros else case.make()
-  feeds_back = _returns_its_state(case.fn, args)
+  feeds_back = gpu_report.returns_its_state(case.fn, args)
   fn = case.fn if hasattr(case.fn, "trace") else jax.jit(
       case.fn, donate_argnums=(0,) if feeds_back else ())
   return fn.trace(*args).lower().compile(), args, feeds_back

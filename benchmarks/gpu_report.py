@@ -10,7 +10,10 @@ kernels each step launches and give the speed against bf16 again with 0, 1, 2 an
 added per kernel launch (cuBLAS mode). Two compile modes, because without a GPU XLA
 cannot autotune GEMMs: ``cuBLAS`` (``xla_gpu_enable_triton_gemm=False``: every dot a
 cuBLAS/cuBLASLt call, what a tuned H100 mostly runs) and ``Triton`` (XLA's default,
-GEMM fusions with an untuned default tile).
+GEMM fusions with an untuned default tile). A train step (one that returns its
+state) is compiled as a training loop runs it, its state donated, so that a new
+parameter or fp8 state is written where the old one was (``gpu_measure.py`` times it
+so too).
 
 Workloads (``--workloads``):
 
@@ -461,15 +464,34 @@ def progress(message: str) -> None:
   print(f"[gpu-report {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def audit(case: Case, mode: str, name: str = "", donate: bool = False
+def returns_its_state(fn: Any, args: tuple) -> bool:
+  """Whether ``fn(*args)`` returns a tuple whose first element has ``args[0]``'s
+  structure, shapes and dtypes (a train step: its state comes back, to be fed to the
+  next call). ``args`` may be shapes (``jax.ShapeDtypeStruct``)."""
+  out = jax.eval_shape(fn, *args)
+  shapes = lambda tree: jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), tree)
+  return (isinstance(out, tuple) and len(out) > 1
+          and jax.tree_util.tree_structure(out[0]) == jax.tree_util.tree_structure(args[0])
+          and shapes(out[0]) == shapes(args[0]))
+
+
+def audit(case: Case, mode: str, name: str = "", donate: bool | None = None
           ) -> jaxmp.tools.AuditReport:
-  """``case`` compiled deviceless for an H100 in GEMM ``mode``; ``donate``: its first
-  argument (a train step's state) donated, as a training loop compiles the step."""
+  """``case`` compiled deviceless for an H100 in GEMM ``mode``.
+
+  ``donate``: whether its first argument (a train step's state) is donated. By default a
+  train step (:func:`returns_its_state`) is compiled as a training loop (and
+  ``gpu_measure.py``) runs it, its state donated; a case already jitted keeps its own
+  options.
+  """
   start = time.perf_counter()
+  args = jax.eval_shape(case.make)
+  if donate is None:
+    donate = not hasattr(case.fn, "trace") and returns_its_state(case.fn, args)
   fn = jax.jit(case.fn, donate_argnums=0) if donate else case.fn
-  report = jaxmp.tools.audit(fn, *jax.eval_shape(case.make), target="h100",
-                             compiler_options=MODES[mode])
-  progress(f"compiled {name or 'a case'} ({mode}) in {time.perf_counter() - start:.0f} s")
+  report = jaxmp.tools.audit(fn, *args, target="h100", compiler_options=MODES[mode])
+  progress(f"compiled {name or 'a case'} ({mode}{', state donated' if donate else ''}) in "
+           f"{time.perf_counter() - start:.0f} s")
   return report
 
 

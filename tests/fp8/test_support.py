@@ -86,6 +86,20 @@ def test_compile_target_overrides_and_restores():
   assert fp8.current_target().name == "cpu"
 
 
+def test_a_function_traced_before_is_traced_again_for_the_named_target_and_after_it():
+  # JAX caches a function's trace by the function and its argument types; the target is
+  # not among them. Traced here first, the block-scaled GEMM came back as this CPU's
+  # dequantized dot under compile_target("h100"), so audit(..., target="h100")
+  # reported float32 GEMMs for a step the H100 runs as jaxmp's fp8 kernel.
+  step = jax.jit(lambda x, w: fp8.fp8_dot_general(x, w, DIMS, recipe=fp8.BlockScaling()))
+  x, w = jnp.ones((128, 256), jnp.bfloat16), jnp.ones((256, 128), jnp.bfloat16)
+  kernel = lambda: "pallas_call" in step.trace(x, w).jaxpr.pretty_print()
+  assert not kernel()  # this CPU: the dequantized GEMM only
+  with fp8.compile_target("h100"):
+    assert kernel()  # the kernel, under lax.platform_dependent
+  assert not kernel()
+
+
 def test_an_mx_function_traced_for_blackwell_still_runs_here_with_the_same_numbers():
   # On a b200 target the MX GEMM is jax.nn.scaled_matmul under lax.platform_dependent;
   # on this CPU the same program takes the dequantizing branch.

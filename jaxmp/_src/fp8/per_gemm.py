@@ -149,12 +149,20 @@ def _gemm(a: Operand, b: Operand, recipe: Any, roles: tuple, shape: tuple, out_d
 def _forward(lhs: jax.Array, rhs: jax.Array, cfg: Config):
   forward, input_grad, weight_grad = cfg.recipes.gemms
   x, w = cfg.lhs.to_canonical(lhs), cfg.rhs.to_canonical(rhs)  # (B, M, K), (B, N, K)
-  out = _gemm(quantize(x, forward, INPUT), quantize(w, forward, KERNEL), forward,
-              (INPUT, KERNEL), (cfg.lhs.rows, cfg.rhs.rows), cfg.out_dtype, cfg)
+  q_x, q_w = quantize(x, forward, INPUT), quantize(w, forward, KERNEL)
+  w_t = quantize_swapped(w, input_grad, KERNEL)   # (B, K, N)
+  x_t = quantize_swapped(x, weight_grad, INPUT)   # (B, K, M)
+  # Every quantization of this op's operands is done here, in the forward pass. Left
+  # where XLA placed them (the kernel's for the input-gradient GEMM may run as late as
+  # the backward pass), a train step with its state donated copied every fp8 kernel
+  # before updating it in place (compiled H100 HLO, Llama-3-8B layer, rowwise: 7
+  # float32 kernels copied, 7.18 ms estimated; behind the barrier none, 6.73 ms). The
+  # values are the same either way.
+  q_x, q_w, w_t, x_t = jax.lax.optimization_barrier((q_x, q_w, w_t, x_t))
+  out = _gemm(q_x, q_w, forward, (INPUT, KERNEL), (cfg.lhs.rows, cfg.rhs.rows),
+              cfg.out_dtype, cfg)
   out = jnp.reshape(out, layout_lib.output_shape(cfg.lhs, cfg.rhs))
-  residuals = (quantize_swapped(w, input_grad, KERNEL),   # (B, K, N)
-               quantize_swapped(x, weight_grad, INPUT))   # (B, K, M)
-  return out, residuals
+  return out, (w_t, x_t)
 
 
 def _backward(cfg: Config, residuals, g):

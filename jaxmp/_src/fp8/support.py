@@ -118,6 +118,13 @@ def compile_target(name: str) -> Iterator[Target]:
   chip: ``jaxmp.tools.audit(..., target=name)`` uses it. The previous target comes back
   on exit.
 
+  JAX caches each function's trace by the function and its argument types, which do not
+  include this override: a function traced before for another chip would come back
+  with that chip's choices, and one traced inside would keep the named chip's after the
+  block. So where the override changes the target, JAX's caches are cleared
+  (``jax.clear_caches()``) on entry and on exit: functions traced before or inside are
+  traced and compiled again on their next call.
+
   Args:
     name: one of ``TARGETS`` (case-insensitive).
 
@@ -135,11 +142,16 @@ def compile_target(name: str) -> Iterator[Target]:
   if target is None:
     raise ValueError(f"compile_target: unknown target {name!r}; accepted targets are "
                      f"{', '.join(sorted(TARGETS))}.")
+  changes_target = current_target() != target
+  if changes_target:
+    jax.clear_caches()
   token = _OVERRIDE.set(target)
   try:
     yield target
   finally:
     _OVERRIDE.reset(token)
+    if changes_target:
+      jax.clear_caches()
 
 
 def _cudnn_version() -> int | None:
