@@ -63,6 +63,22 @@ def test_each_gemm_runs_the_recipe_it_is_given(operands):
   assert not np.array_equal(dw, _fp8_run(blocks, operands)[2])
 
 
+def test_a_product_without_a_gradient_quantizes_only_the_forward_gemms_operands(operands):
+  # Differentiated, the op quantizes all four operand layouts in the forward pass
+  # behind one optimization barrier (so that a donated train step updates its kernels
+  # in place); a barrier keeps every operand alive, so the product alone must not pass
+  # through it: it would quantize the backward GEMMs' operands for nothing (and on a
+  # TPU v5e its int8 GEMM was then priced at the bfloat16 rate).
+  x, w, g = operands
+  op = _fp8(fp8.RowwiseScaling())
+  count = lambda text: (text.count("optimization_barrier"), text.count("reduce_max"))
+  alone = count(jax.make_jaxpr(op)(x, w).pretty_print())
+  trained = count(jax.make_jaxpr(lambda x, w: _run_vjp(op, x, w, g))(x, w).pretty_print())
+  assert alone[1] == 2, alone  # one row-amax for each of the forward GEMM's operands
+  assert trained[1] == 6, trained  # + the two swapped layouts, + g's two
+  assert trained[0] == alone[0] + 1, (alone, trained)  # the forward pass's barrier
+
+
 def test_a_none_gemm_is_the_plain_gemm_in_the_compute_dtype(operands):
   plain = _run(lambda x, w: jax.lax.dot_general(x, w, DIMS), operands)
   rows = fp8.RowwiseScaling()
