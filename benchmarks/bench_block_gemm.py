@@ -6,10 +6,11 @@ product) it times, side by side (``timing.interleaved``):
 
 * ``bf16``: a bfloat16 GEMM with a bfloat16 output (what the bf16 policy runs);
 * ``fp8 per-tensor``: the fp8 operands with one scale, bfloat16 output (cuBLASLt);
-* ``block TPxTQ/Ww/Ss``: jaxmp's kernel (``jaxmp/_src/fp8/block_gemm.py``) on 1x128
+* ``block <name>``: jaxmp's kernel (``jaxmp/_src/fp8/block_gemm.py``) on 1x128
   tiled activations and 128x128 blocked weights (the forward and input-gradient
-  GEMMs' layout), for each tile / warps / stages / form of the weight scales of
-  :data:`CONFIGS` (", b scale/tile": ``one_b_scale_per_tile``);
+  GEMMs' layout), for each schedule of :data:`CONFIGS` (keyword arguments of
+  ``block_gemm.gemm``: tile, warps, stages, ``prefetch``, ``one_b_scale_per_tile``,
+  ``group_columns``; the first is its defaults), and any :data:`BASELINES`;
 * ``block 1x128 x 1x128``: the kernel at its default configuration on two 1x128-tiled
   operands (the weight-gradient GEMM's layout).
 
@@ -17,8 +18,9 @@ Each kernel's product is checked against the float32 product of the dequantized
 operands (largest difference over the largest magnitude: bfloat16 output rounding
 is 2^-9 of a value). Prints a Markdown table of ms, TFLOP/s and the ratio to bf16.
 
-Run on a GPU: ``python benchmarks/bench_block_gemm.py`` (``--preset gpu``). ``--preset
-smoke``: tiny shapes with the kernel interpreted (any platform; the tests run it).
+Run on a GPU: ``python benchmarks/bench_block_gemm.py`` (``--preset gpu``; ``--shapes
+8192x4096x4096,...`` for some only). ``--preset smoke``: tiny shapes with the kernel
+interpreted (any platform; the tests run it).
 """
 
 from __future__ import annotations
@@ -42,10 +44,25 @@ SHAPES = {
 }
 """``(M, N, K)`` per preset: tokens x output features x contracted."""
 
-CONFIGS = [((64, 128), 4, 4, False), ((64, 128), 4, 4, True), ((64, 128), 4, 3, True),
-           ((64, 128), 4, 5, True), ((128, 128), 8, 4, False), ((128, 128), 8, 4, True)]
-"""``(tile, num_warps, num_stages, one_b_scale_per_tile)`` of the kernel to try (the first
-is jaxmp's default)."""
+CONFIGS = {
+    "defaults": {},
+    "no prefetch": {"prefetch": False},
+    "weight scales per row": {"one_b_scale_per_tile": False},
+    "column order": {"group_columns": 1},
+    "2 stages": {"num_stages": 2},
+    "4 stages": {"num_stages": 4},
+    "128x128/8w": {"tile": (128, 128), "num_warps": 8},
+    "untuned": {"num_stages": 4, "prefetch": False, "one_b_scale_per_tile": False,
+                "group_columns": 1},
+}
+"""Schedules of the kernel to time, by name: keyword arguments of :func:`block_gemm.gemm`
+changed from its defaults (64 x 128 tiles, 4 warps, 3 stages, ``prefetch``, one weight
+scale per tile, 16 columns grouped). "untuned": the schedule before they were measured,
+except that the scales are loaded as vectors (benchmarks/RESULTS.md, fourth H200 run)."""
+
+BASELINES: dict = {}
+"""Other kernels to time beside these, ``{name: gemm-like function}`` (e.g. an earlier
+version of ``block_gemm.gemm``, to compare the two in one run)."""
 
 TILE, BLOCK = grouped.Grouping(1, 128), grouped.Grouping(128, 128)
 
@@ -73,11 +90,13 @@ def variants(m: int, n: int, k: int, interpret: bool):
                        * jnp.bfloat16(0.5))
   steps = {"bf16": (lambda: jax.block_until_ready(bf16(xb, wb)), None),
            "fp8 per-tensor": (lambda: jax.block_until_ready(per_tensor(a.data, b.data)), None)}
-  for tile, warps, stages, per_tile in CONFIGS[:2] if interpret else CONFIGS:
-    fn = jax.jit(functools.partial(block_gemm.gemm, grouping_b=BLOCK, out_dtype=jnp.bfloat16,
-                                   interpret=interpret, tile=tile, num_warps=warps,
-                                   num_stages=stages, one_b_scale_per_tile=per_tile))
-    name = f"block {tile[0]}x{tile[1]}/{warps}w/{stages}s" + (", b scale/tile" if per_tile else "")
+  configs = dict(list(CONFIGS.items())[:2]) if interpret else CONFIGS
+  kernels = {f"block {name}": functools.partial(block_gemm.gemm, **kwargs)
+             for name, kwargs in configs.items()}
+  kernels.update(BASELINES)
+  for name, kernel in kernels.items():
+    fn = jax.jit(functools.partial(kernel, grouping_b=BLOCK, out_dtype=jnp.bfloat16,
+                                   interpret=interpret))
     steps[name] = (functools.partial(lambda f: jax.block_until_ready(f(a, b)), fn),
                    error(fn(a, b)))
   _, _, (a2, b2) = _operands(m, n, k, TILE)
@@ -96,6 +115,7 @@ def main(argv=None) -> dict:
   parser.add_argument("--preset", choices=sorted(SHAPES), default="gpu")
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--calls", type=int, default=10)
+  parser.add_argument("--shapes", help="only these M x N x K, e.g. 8192x4096x4096,8192x14336x4096")
   args = parser.parse_args(argv)
   interpret = jax.devices()[0].platform != "gpu"
   print(f"jax {jax.__version__}; {timing.device_description()}"
@@ -103,7 +123,9 @@ def main(argv=None) -> dict:
   print("\n| M x N x K | variant | ms | TFLOP/s | vs bf16 | max error / max |\n"
         "|---|---|---:|---:|---:|---:|")
   results = {}
-  for m, n, k in SHAPES[args.preset]:
+  shapes = SHAPES[args.preset] if not args.shapes else [
+      tuple(int(d) for d in shape.split("x")) for shape in args.shapes.split(",")]
+  for m, n, k in shapes:
     steps = variants(m, n, k, interpret)
     timings = timing.interleaved({name: fn for name, (fn, _) in steps.items()},
                                  baseline="bf16", rounds=args.rounds, calls=args.calls)

@@ -1,5 +1,6 @@
 """The block-scaled fp8 kernel: its sums (interpreted here) and what it compiles to (deviceless)."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -77,16 +78,21 @@ def test_the_kernel_matches_deepseek_v3_s_block_scaled_product_by_the_reference_
   np.testing.assert_array_equal(np.asarray(jx.data).view(np.uint8), xc)
 
 
-def test_one_weight_scale_per_tile_gives_the_same_bits_and_needs_blocks_as_wide_as_the_tile():
+def test_every_schedule_of_the_kernel_gives_the_same_bits():
+  # Where the weight's scales are loaded (per tile or per row), whether the next
+  # block's are loaded early, the order programs run in and the tile change how the
+  # kernel is scheduled, never its sums: the same bits for non-power-of-two scales.
   k = jax.random.split(jax.random.key(3), 2)
   a = _operand(jax.random.normal(k[0], (1, 70, 384)), TILE, power_of_two=False)
-  b = _operand(jax.random.normal(k[1], (1, 200, 384)), BLOCK, power_of_two=False)
-  per_row = block_gemm.gemm(a, b, BLOCK, jnp.float32, interpret=True)
-  per_tile = block_gemm.gemm(a, b, BLOCK, jnp.float32, interpret=True, one_b_scale_per_tile=True)
-  np.testing.assert_array_equal(np.asarray(per_tile), np.asarray(per_row))
-  with pytest.raises(ValueError, match=r"needs b's blocks to be the tile's 128 columns, got "
-                     r"Grouping\(rows=1, cols=128\)"):
-    block_gemm.gemm(a, a, TILE, jnp.float32, interpret=True, one_b_scale_per_tile=True)
+  b = _operand(jax.random.normal(k[1], (1, 390, 384)), BLOCK, power_of_two=False)
+  gemm = functools.partial(block_gemm.gemm, out_dtype=jnp.float32, interpret=True)
+  for b_, grouping in ((b, BLOCK), (a, TILE)):
+    expected = np.asarray(gemm(a, b_, grouping, one_b_scale_per_tile=False, prefetch=False,
+                               group_columns=1))
+    for schedule in ({}, {"group_columns": 3}, {"prefetch": False},
+                     {"one_b_scale_per_tile": False}, {"tile": (64, 256)}):
+      np.testing.assert_array_equal(np.asarray(gemm(a, b_, grouping, **schedule)), expected,
+                                    err_msg=str(schedule))
 
 
 def test_the_kernel_rounds_once_to_the_output_dtype_for_any_scales():
@@ -175,6 +181,9 @@ _PTX_CHECK = textwrap.dedent("""\
     for pattern in (r"wgmma\\.mma_async[\\w.]*e4m3\\.e4m3", r"mma\\.sync[\\w.]*",
                     r"cvt[\\w.]*e4m3x2"):
       print(pattern, sorted(set(re.findall(pattern, ptx))))
+    kernels = [open(f).read() for f in glob.glob(os.path.join(sys.argv[1], "*.ptx"))]
+    kernels = [k for k in kernels if "jaxmp_block_fp8_gemm" in k]
+    print("global_loads", sorted(k.count("ld.global") for k in kernels))
     kinds, warned = audit.compiled_gemms(__import__("jaxmp").fp8.BlockScaling(), "h100")
     print("block", kinds, warned)
     """)
@@ -202,3 +211,8 @@ def test_the_kernel_compiles_to_fp8_wgmma_for_an_h100(tmp_path):
   # Not Ampere's MMA on operands widened to float16 (what Pallas' own dot gives).
   assert lines[r"mma\.sync[\w.]*"] == "[]" and lines[r"cvt[\w.]*e4m3x2"] == "[]"
   assert lines["block"] == "('fp8', 'fp8', 'fp8') False"
+  # The scales are loaded as vectors: a few loads per thread and block (read as a
+  # (64, 1) column and a (1, 128) row, each thread loaded one per accumulator element,
+  # 128), so prefetching the next block's carries a few registers across the loop.
+  loads = [int(n) for n in lines["global_loads"].strip("[]").split(",")]
+  assert len(loads) == 2 and all(n <= 12 for n in loads), loads

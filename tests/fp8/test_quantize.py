@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax.linen import fp8_ops
 
+from jaxmp._src.fp8 import grouped
 from jaxmp._src.fp8 import quantize as q
 
 
@@ -175,3 +176,29 @@ def test_an_overflowed_step_does_not_freeze_the_scale_as_in_flax():
     ours_scales.append(float(ours_scale))
   assert flax_scales == [1.0, 1.0, 1.0]  # frozen while the inf is in the history
   np.testing.assert_allclose(ours_scales, [1.0, 1.0, 2 / 448], rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("grouping", [grouped.TENSOR, grouped.ROW, grouped.Grouping(1, 4),
+                                      grouped.Grouping(2, 4)])
+def test_group_amax_is_numpy_s_with_nan_as_inf_and_reduces_bits_not_a_nan_mask(dtype, grouping):
+  # Every scaled recipe's amax (grouped.amax): a NaN anywhere in a group gives inf, of
+  # either sign and any payload, -inf gives inf, and groups padded past the edge count
+  # only their values. It reduces the floats' bits: an isnan select made XLA write a
+  # NaN mask of each operand reduced along both dimensions (compiled for an H100).
+  x = np.array(jax.random.normal(jax.random.key(5), (1, 6, 10)) * 50, np.float32)
+  x[0, 1, 2], x[0, 4, 9], x[0, 5, 0] = np.nan, -np.inf, -np.nan
+  x = np.asarray(jnp.asarray(x, dtype))
+  got = np.asarray(grouped.amax(jnp.asarray(x), grouping))
+  r = x.shape[1] if grouping.rows is None else grouping.rows
+  c = x.shape[2] if grouping.cols is None else grouping.cols
+  magnitude = np.abs(x.astype(np.float32))
+  padded = np.pad(magnitude, ((0, 0), (0, -x.shape[1] % r), (0, -x.shape[2] % c)))
+  want = padded.reshape(1, padded.shape[1] // r, r, padded.shape[2] // c, c).max(axis=(2, 4))
+  want = np.where(np.isnan(want), np.inf, want)
+  assert got.dtype == np.float32 and got.shape == want.shape
+  np.testing.assert_array_equal(got, want)
+  assert np.isinf(got).any() and np.isfinite(got).any() or grouping == grouped.TENSOR
+  primitives = {e.primitive.name for e in jax.make_jaxpr(
+      lambda v: grouped.amax(v, grouping))(jnp.asarray(x)).jaxpr.eqns}
+  assert not primitives & {"is_finite", "ne", "select_n"}, primitives

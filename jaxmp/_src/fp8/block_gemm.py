@@ -60,15 +60,27 @@ TILE = (64, 128)
 """The output tile each program computes (rows of ``a``, rows of ``b``).
 
 One warpgroup multiplies it with ``wgmma`` m64n128k32. Measured on an H200 at the
-Llama-3-8B layer's GEMMs (benchmarks/RESULTS.md) it ran 2x faster than 128 x 128 tiles
-on two warpgroups (8 warps) or 128 x 256 ones, and 4x faster than 128 x 128 on one.
+Llama-3-8B layer's GEMMs (benchmarks/RESULTS.md, ``bench_block_gemm.py``) it ran as fast
+as 128 x 128 tiles on two warpgroups (8 warps) or faster, and 1.2-1.9x faster than
+64 x 256 or 128 x 256 ones.
 """
 
 NUM_WARPS = 4
 """One warpgroup (``wgmma`` is issued by 4 warps together)."""
 
-NUM_STAGES = 4
-"""Triton's software pipelining depth: loads of the next blocks overlap the current one."""
+NUM_STAGES = 3
+"""Triton's software pipelining depth: loads of the next blocks overlap the current one.
+
+Three stages (72 KiB of shared memory per program) beat two and four on an H200 at the
+Llama layer's GEMMs (0.98-1.00x bf16's speed against 0.94x and 0.91x, geometric means).
+"""
+
+GROUP_COLUMNS = 16
+"""Column tiles whose programs run together (:func:`_grouped_order`).
+
+Measured on an H200 at the Llama layer's GEMMs: 4, 8 and 16 within 2% of one another
+(16 the fastest), and 2-8% faster than one column at a time, by shape.
+"""
 
 IMPRECISE_ACCUMULATION = BLOCK
 """Products the tensor cores may sum in their own precision before float32 (one block)."""
@@ -82,8 +94,9 @@ def supports(recipe: Any) -> bool:
 
   For ``block_size`` :data:`BLOCK`, and scales that are not rounded to powers of two:
   power-of-two scales make the bfloat16 GEMM on dequantized operands exact, and on an
-  H200 a bfloat16 GEMM ran 1.2-1.4x faster than this kernel (benchmarks/RESULTS.md),
-  while the float32 GEMM that other scales need instead is several times slower.
+  H200 a bfloat16 GEMM ran as fast as this kernel or up to 1.2x faster (0.94-1.03x at
+  the forward GEMMs, 0.83-0.95x at the weight gradient's; benchmarks/RESULTS.md), while
+  the float32 GEMM that other scales need instead is several times slower.
   And only where this JAX has the Pallas Triton internals the kernel's dot uses
   (:func:`available`).
   """
@@ -142,18 +155,53 @@ def _reference_dot(a: jax.Array, b: jax.Array) -> jax.Array:
   return jax.lax.dot_general(a, b, _CANONICAL_2D, preferred_element_type=F32)
 
 
-def _kernel(a_ref, b_ref, sa_ref, sb_ref, out_ref, *, blocks: int, dot):
+def _kernel(a_ref, b_ref, sa_ref, sb_ref, out_ref, *, blocks: int, dot, prefetch: bool):
   """One ``TILE`` of the product: a float32 sum over the contracted blocks."""
   pallas = _pallas()
 
-  def step(k, acc):
+  def block_scales(k):
+    # As vectors (a's one per row, b's one per column or per tile): each thread then
+    # loads its few distinct scales, not one scale per accumulator element (128 loads
+    # per block in PTX when read as a (64, 1) column and a (1, 128) row).
+    return sa_ref[:, k], sb_ref[k, :]
+
+  def scaled_block(k, scales):
     cols = pallas.ds(k * BLOCK, BLOCK)
     partial = dot(a_ref[:, cols], b_ref[:, cols])
-    # a's scales arrive as a column, b's as a row: their outer product scales the block.
-    return acc + partial * (sa_ref[:, pallas.ds(k, 1)] * sb_ref[pallas.ds(k, 1), :])
+    sa, sb = scales
+    return partial * (sa[:, None] * sb[None, :])  # the outer product scales the block
 
-  acc = jax.lax.fori_loop(0, blocks, step, jnp.zeros(out_ref.shape, F32))
+  def step(k, carry):
+    acc, scales = carry
+    if prefetch:
+      # The next block's scales are loaded before this block's GEMM is issued, so their
+      # latency hides behind the tensor cores' work.
+      this, scales = scales, block_scales(jnp.minimum(k + 1, blocks - 1))
+    else:
+      this = block_scales(k)
+    return acc + scaled_block(k, this), scales
+
+  acc, _ = jax.lax.fori_loop(0, blocks, step,
+                             (jnp.zeros(out_ref.shape, F32), block_scales(0)))
   out_ref[...] = acc.astype(out_ref.dtype)
+
+
+def _grouped_order(tiles_p: int, tiles_q: int, group: int):
+  """Maps a program's number to its ``(row tile, column tile)``, ``group`` columns at a time.
+
+  Programs start roughly in order of their number. Consecutive ones share ``group``
+  column tiles of ``b`` and sweep ``a``'s row tiles, so a wave of programs reads a few
+  tiles of each operand, not one tile of ``b`` and all of ``a`` (which at the
+  Llama layer's down projection, 8192 x 14336 in fp8, is larger than the L2 and would
+  come from HBM once per column tile). ``group=1`` sweeps all rows for each column.
+  """
+  def order(t):
+    per_group = group * tiles_p
+    first = (t // per_group) * group
+    columns = jnp.minimum(tiles_q - first, group)
+    within = t % per_group
+    return within // columns, first + within % columns
+  return order
 
 
 def _pallas():
@@ -176,7 +224,8 @@ def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
 def gemm(a: grouped.Quantized, b: grouped.Quantized, grouping_b: grouped.Grouping,
          out_dtype: Any, *, interpret: bool = False, tile: tuple[int, int] = TILE,
          num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
-         one_b_scale_per_tile: bool = False) -> jax.Array:
+         one_b_scale_per_tile: bool = True, group_columns: int = GROUP_COLUMNS,
+         prefetch: bool = True) -> jax.Array:
   """``(B, P, C) x (B, Q, C) -> (B, P, Q)`` of two block-scaled fp8 operands.
 
   ``a`` is tiled ``1 x 128`` (activations, gradients), ``b`` ``1 x 128`` or ``128 x 128``
@@ -197,15 +246,15 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, grouping_b: grouped.Groupin
     one_b_scale_per_tile: load ``b``'s scales as one per block and tile (for a
       ``128 x 128``-blocked ``b`` whose blocks are the tile's columns) rather than
       repeated per row: the same products, bit for bit, with one scale loaded per
-      block instead of ``tile[1]`` and one multiplication per element fewer. Not
-      measured on a GPU yet (``benchmarks/bench_block_gemm.py`` times both), so off.
+      block instead of ``tile[1]`` and one multiplication per element fewer (with
+      ``prefetch``, 0.99-1.07x the speed without it on an H200, by shape). Where ``b``'s blocks are not the tile's
+      columns (a ``b`` tiled ``1 x 128``, a wider tile), its scales stay one per row.
+    group_columns: column tiles whose programs run together (:func:`_grouped_order`).
+    prefetch: load the next block's scales before this block's GEMM is issued (1.1x
+      faster on an H200 than loading them after it).
 
   Returns:
     ``(B, P, Q)`` in ``out_dtype``, ``P`` and ``Q`` as ``a`` and ``b`` hold them.
-
-  Raises:
-    ValueError: for ``one_b_scale_per_tile`` where ``b``'s blocks are not ``tile[1]``
-      rows.
   """
   pallas = _pallas()
   batch, p, c = a.data.shape
@@ -214,26 +263,27 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, grouping_b: grouped.Groupin
   rows_p, rows_q = -(-p // tile_p) * tile_p, -(-q_ // tile_q) * tile_q
   blocks = c // BLOCK
   sa = _pad_rows(a.scale, rows_p)                                  # (B, P', C/128)
-  if one_b_scale_per_tile:
-    if grouping_b.rows != tile_q:
-      raise ValueError(f"block_gemm.gemm: one_b_scale_per_tile needs b's blocks to be "
-                       f"the tile's {tile_q} columns, got {grouping_b}.")
+  if one_b_scale_per_tile and grouping_b.rows == tile_q:
     sb, sb_columns = jnp.swapaxes(b.scale, 1, 2), 1                # (B, C/128, Q'/128)
   else:
     sb, sb_columns = jnp.swapaxes(_row_scales(b, grouping_b, rows_q), 1, 2), tile_q
-  kernel = functools.partial(_kernel, blocks=blocks,
+  kernel = functools.partial(_kernel, blocks=blocks, prefetch=prefetch,
                              dot=_reference_dot if interpret else _triton_dot)
+  tiles_p, tiles_q = rows_p // tile_p, rows_q // tile_q
+  order = _grouped_order(tiles_p, tiles_q, group_columns)
+  row = lambda t: order(t)[0]
+  column = lambda t: order(t)[1]
   out = pallas.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((batch, rows_p, rows_q), out_dtype),
-      grid=(batch, rows_p // tile_p, rows_q // tile_q),
+      grid=(batch, tiles_p * tiles_q),
       in_specs=[
-          pallas.BlockSpec((None, tile_p, c), lambda n, i, j: (n, i, 0)),
-          pallas.BlockSpec((None, tile_q, c), lambda n, i, j: (n, j, 0)),
-          pallas.BlockSpec((None, tile_p, blocks), lambda n, i, j: (n, i, 0)),
-          pallas.BlockSpec((None, blocks, sb_columns), lambda n, i, j: (n, 0, j)),
+          pallas.BlockSpec((None, tile_p, c), lambda n, t: (n, row(t), 0)),
+          pallas.BlockSpec((None, tile_q, c), lambda n, t: (n, column(t), 0)),
+          pallas.BlockSpec((None, tile_p, blocks), lambda n, t: (n, row(t), 0)),
+          pallas.BlockSpec((None, blocks, sb_columns), lambda n, t: (n, 0, column(t))),
       ],
-      out_specs=pallas.BlockSpec((None, tile_p, tile_q), lambda n, i, j: (n, i, j)),
+      out_specs=pallas.BlockSpec((None, tile_p, tile_q), lambda n, t: (n, row(t), column(t))),
       compiler_params=_compiler_params(num_warps, num_stages),
       interpret=interpret,
       name="jaxmp_block_fp8_gemm",

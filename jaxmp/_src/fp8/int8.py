@@ -39,32 +39,16 @@ F32 = np.dtype(np.float32)
 INT8_MAX = 127
 """The symmetric int8 range is ``[-127, 127]`` (AQT's; -128 is never produced)."""
 
-_BITS = {2: (np.dtype(np.int16), 0x7FFF), 4: (np.dtype(np.int32), 0x7FFFFFFF)}
-"""Per float width: the signed integer of that width, and the mask that clears the sign."""
-
 
 def _amax(x: jax.Array, axis: int) -> jax.Array:
   """``max|x|`` along ``axis`` (kept, as 1), float32; inf where NaN: see :func:`row_amax`."""
-  if x.dtype.itemsize not in _BITS:  # fp8, float64: float32 first (rounding is monotonic)
-    x = x.astype(F32)
-  integer, mask = _BITS[x.dtype.itemsize]
-  magnitude = jax.lax.bitcast_convert_type(x, integer) & jnp.asarray(mask, integer)
-  inf = jax.lax.bitcast_convert_type(jnp.asarray(jnp.inf, x.dtype), integer)
-  top = jnp.minimum(jnp.max(magnitude, axis=axis, keepdims=True), inf)
-  return jax.lax.bitcast_convert_type(top, x.dtype).astype(F32)
+  return grouped.max_magnitude(x, axis, keepdims=True)
 
 
 def row_amax(x: jax.Array) -> jax.Array:
   """``max|row|`` of every row of ``x`` (``(B, R, C)``), float32, ``(B, R, 1)``; inf if NaN.
 
-  The same values as :func:`~.grouped.amax` per row, reduced on the bits: with the sign
-  bit cleared, a float's bits, read as a signed integer of its width, order as its
-  magnitude, and NaN's bits lie above inf's. So the largest of them, capped at inf's
-  bits, is the amax with NaN read as inf, and it takes neither an ``isnan`` select
-  nor a float ``max`` whose NaN handling varies by backend (XLA:CPU's skips NaN). For
-  TPU v5e this is why: XLA shared ``grouped.amax``'s NaN select between an activation's
-  row and column amaxes (forward and weight-gradient GEMMs) through a packed NaN mask,
-  one more pass over the operand (libtpu's cost model, benchmarks/RESULTS.md).
+  :func:`~.grouped.amax` per row, reduced on the bits (:func:`~.grouped.max_magnitude`).
   """
   return _amax(x, 2)
 

@@ -229,6 +229,14 @@ def _block_dot(a: grouped.Quantized, b: grouped.Quantized, grouping_a: grouped.G
   if not (block_fp8 and block_gemm.supports(recipe)):
     return dequantized(a, b)
   kernel = functools.partial(block_gemm.gemm, grouping_b=grouping_b, out_dtype=out_dtype)
+  if grouping_a == grouping_b:
+    # The weight-gradient GEMM (both operands tiled along the tokens) is written
+    # transposed, (B, Q, P): the kernel's gradient is then already in the layout of a
+    # Dense kernel, (in, out), which the caller's transpose back would otherwise
+    # rewrite, and which a donated train step updates in place (compiled for an
+    # H100, the Llama layer's step copied its three FFN kernels without this).
+    transposed = kernel
+    kernel = lambda a, b: jnp.swapaxes(transposed(b, a), 1, 2)
   return jax.lax.platform_dependent(a, b, cuda=kernel, default=dequantized)
 
 
