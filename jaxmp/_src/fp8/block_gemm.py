@@ -247,8 +247,9 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, grouping_b: grouped.Groupin
       ``128 x 128``-blocked ``b`` whose blocks are the tile's columns) rather than
       repeated per row: the same products, bit for bit, with one scale loaded per
       block instead of ``tile[1]`` and one multiplication per element fewer (with
-      ``prefetch``, 0.99-1.07x the speed without it on an H200, by shape). Where ``b``'s blocks are not the tile's
-      columns (a ``b`` tiled ``1 x 128``, a wider tile), its scales stay one per row.
+      ``prefetch``, 0.99-1.07x the speed without it on an H200, by shape). Where
+      ``b``'s blocks are not the tile's columns (a ``b`` tiled ``1 x 128``, a wider
+      tile), its scales stay one per row.
     group_columns: column tiles whose programs run together (:func:`_grouped_order`).
     prefetch: load the next block's scales before this block's GEMM is issued (1.1x
       faster on an H200 than loading them after it).

@@ -235,9 +235,13 @@ def _block_dot(a: grouped.Quantized, b: grouped.Quantized, grouping_a: grouped.G
     # Dense kernel, (in, out), which the caller's transpose back would otherwise
     # rewrite, and which a donated train step updates in place (compiled for an
     # H100, the Llama layer's step copied its three FFN kernels without this).
-    transposed = kernel
-    kernel = lambda a, b: jnp.swapaxes(transposed(b, a), 1, 2)
+    kernel = _written_transposed(kernel)
   return jax.lax.platform_dependent(a, b, cuda=kernel, default=dequantized)
+
+
+def _written_transposed(gemm: Any) -> Any:
+  """``gemm(a, b)`` computed as the transpose of ``gemm(b, a)``: the same products."""
+  return lambda a, b: jnp.swapaxes(gemm(b, a), 1, 2)
 
 
 def gemm(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, groupings: tuple,
