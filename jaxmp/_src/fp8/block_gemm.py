@@ -279,20 +279,18 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, grouping_b: grouped.Groupin
   kernel = functools.partial(_kernel, blocks=blocks, prefetch=prefetch,
                              dot=_reference_dot if interpret else _triton_dot)
   tiles_p, tiles_q = rows_p // tile_p, rows_q // tile_q
-  order = _grouped_order(tiles_p, tiles_q, group_columns)
-  row = lambda t: order(t)[0]
-  column = lambda t: order(t)[1]
+  order = _grouped_order(tiles_p, tiles_q, group_columns)  # t -> (row tile, column tile)
   out = pallas.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((batch, rows_p, rows_q), out_dtype),
       grid=(batch, tiles_p * tiles_q),
       in_specs=[
-          pallas.BlockSpec((None, tile_p, c), lambda n, t: (n, row(t), 0)),
-          pallas.BlockSpec((None, tile_q, c), lambda n, t: (n, column(t), 0)),
-          pallas.BlockSpec((None, tile_p, blocks), lambda n, t: (n, row(t), 0)),
-          pallas.BlockSpec((None, blocks, sb_columns), lambda n, t: (n, 0, column(t))),
+          pallas.BlockSpec((None, tile_p, c), lambda n, t: (n, order(t)[0], 0)),
+          pallas.BlockSpec((None, tile_q, c), lambda n, t: (n, order(t)[1], 0)),
+          pallas.BlockSpec((None, tile_p, blocks), lambda n, t: (n, order(t)[0], 0)),
+          pallas.BlockSpec((None, blocks, sb_columns), lambda n, t: (n, 0, order(t)[1])),
       ],
-      out_specs=pallas.BlockSpec((None, tile_p, tile_q), lambda n, t: (n, row(t), column(t))),
+      out_specs=pallas.BlockSpec((None, tile_p, tile_q), lambda n, t: (n, *order(t))),
       compiler_params=_compiler_params(num_warps, num_stages),
       interpret=interpret,
       name="jaxmp_block_fp8_gemm",

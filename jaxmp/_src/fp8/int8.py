@@ -40,17 +40,12 @@ INT8_MAX = 127
 """The symmetric int8 range is ``[-127, 127]`` (AQT's; -128 is never produced)."""
 
 
-def _amax(x: jax.Array, axis: int) -> jax.Array:
-  """``max|x|`` along ``axis`` (kept, as 1), float32; inf where NaN: see :func:`row_amax`."""
-  return grouped.max_magnitude(x, axis, keepdims=True)
-
-
 def row_amax(x: jax.Array) -> jax.Array:
   """``max|row|`` of every row of ``x`` (``(B, R, C)``), float32, ``(B, R, 1)``; inf if NaN.
 
   :func:`~.grouped.amax` per row, reduced on the bits (:func:`~.grouped.max_magnitude`).
   """
-  return _amax(x, 2)
+  return grouped.max_magnitude(x, 2, keepdims=True)
 
 
 def _scales(amax: jax.Array) -> jax.Array:
@@ -106,7 +101,7 @@ def quantize_swapped(x: jax.Array) -> grouped.Quantized:
             [-32, 127]]], dtype=int8), Array([[[1.],
             [2.]]], dtype=float32))
   """
-  scale = _scales(_amax(x, 1))                                   # (B, 1, C)
+  scale = _scales(grouped.max_magnitude(x, 1, keepdims=True))    # (B, 1, C)
   return grouped.Quantized(jnp.swapaxes(_codes(x, scale), 1, 2), jnp.swapaxes(scale, 1, 2))
 
 
