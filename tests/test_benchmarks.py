@@ -276,6 +276,34 @@ def test_h100_fp8_train_step_with_a_donated_state_copies_no_parameter():
   assert _check_deviceless(_DONATED_COPIES, 600) == ""
 
 
+_KERNEL_READERS = textwrap.dedent("""\
+    import re, sys
+    sys.argv = ["gpu_report"]
+    import gpu_report
+    report = gpu_report.audit(gpu_report.llama_cases("smoke")["fp8 per-tensor"], "cuBLAS",
+                              donate=True)
+    entry = report.hlo[report.hlo.index("\\nENTRY"):]
+    for param in re.findall(r"(state_params__\\w+?kernel__\\S*?): f32", entry):
+      readers = [line.split(" = ")[0].strip() for line in entry.splitlines()[1:]
+                 if re.search(f"[(,] ?%{re.escape(param)}[,)]", line)]
+      print(param, len(readers), *readers)
+    """)
+
+
+@NEEDS_CUDA_PLUGIN
+def test_h100_delayed_scaling_reads_each_float32_kernel_once_for_its_amax_and_quantization():
+  # cuBLASLt's fp8 GEMMs read both operands K-major, so XLA had the kernel that
+  # quantizes a Dense kernel (in, out) write it transposed; such a kernel cannot also
+  # take the amax, and each FFN kernel was read three times a step (amax,
+  # quantization, update: 224 MiB each on a Llama-3-8B layer). Quantized in its own
+  # layout (scaled_gemm.in_own_layout_on_gpus), the quantization and the amax are one
+  # kernel and the optimizer's update is the only other reader. Fails without it:
+  # the gate, up and down kernels have three readers.
+  rows = [line.split() for line in _check_deviceless(_KERNEL_READERS, 600).splitlines()]
+  assert len(rows) == 7, rows  # q, k, v, o, gate, up, down
+  assert all(int(row[1]) == 2 for row in rows), rows
+
+
 _MEMORY_CHECK = textwrap.dedent("""\
     import dataclasses, sys
     sys.argv = ["gpu_report"]

@@ -514,6 +514,32 @@ def test_cuda_gradient_gemms_turn_off_fast_accumulation_as_flax_does(recipe):
     assert [p for p, *_ in _lowered_gemms(step, args, platform)] == ["DEFAULT"] * 3
 
 
+def _lowered_layout_constraints(fn, args, platform):
+  """The element type and result layout of every layout constraint in ``fn`` for ``platform``."""
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  return re.findall(r"@LayoutConstraint\(.*result_layouts = \[dense<\[([\d, ]+)\]>.*"
+                    r"-> tensor<[0-9x]*x(\w+)>", text)
+
+
+@pytest.mark.parametrize("recipe, layouts", [
+    (fp8.DelayedScaling(4), [("1, 0", "f8E4M3FN")] * 2),  # x and w, in their own shapes
+    (fp8.RowwiseScaling(), [("2, 1, 0", "f8E4M3FN")] * 4),  # x, w, w.T, x.T canonical
+    (fp8.Int8Scaling(), [("2, 1, 0", "i8")] * 4),
+    (fp8.CurrentScaling(), []),  # its amax precedes its quantization: nothing to join
+])
+def test_cuda_forward_pass_quantizations_are_written_row_major(recipe, layouts):
+  # cuBLASLt wants both fp8 operands K-major; left to choose, XLA had the quantization
+  # of a Dense kernel write it transposed, which a kernel that also takes the amax
+  # cannot do (delayed scaling: the float32 kernel read twice), and rowwise's amaxes
+  # read a transposed int16 copy of the kernel (compiled H100 HLO; the plugin test in
+  # tests/test_benchmarks.py counts the readers). Pinned row-major (minor-to-major
+  # listed) on CUDA only; the values are the same.
+  step, args = _dense_forward_backward(recipe)
+  assert _lowered_layout_constraints(step, args, "cuda") == layouts
+  for platform in ("cpu", "tpu"):
+    assert _lowered_layout_constraints(step, args, platform) == []
+
+
 def test_cuda_gemms_with_a_short_contraction_multiply_the_fp8_values_in_bfloat16():
   # On an H100, XLA's fp8 GEMMs with 2 to 10 contracted elements returned NaN and -inf
   # for finite operands; there jaxmp multiplies the same fp8 values as bfloat16.

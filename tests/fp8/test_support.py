@@ -226,6 +226,44 @@ def test_every_mx_scale_rounding_reaches_cudnn_s_block_scaled_gemm_on_a_b200():
   assert lines == dict.fromkeys(("floor", "ceil", "rceil", "even"), expected), lines
 
 
+_ROWWISE_LAYOUT_CHECK = textwrap.dedent("""\
+    import jax, jax.numpy as jnp
+    import jaxmp
+    from jaxmp import fp8
+    dims = (((1,), (0,)), ((), ()))
+    def step(w, x, g):
+      f = lambda w, x: fp8.fp8_dot_general(x, w.astype(jnp.bfloat16), dims,
+                                           recipe=fp8.RowwiseScaling())
+      y, vjp = jax.vjp(f, w, x)
+      dw, dx = vjp(g)
+      return w - 1e-3 * dw, dx, y
+    args = (jax.ShapeDtypeStruct((1024, 4096), jnp.float32),
+            jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1024, 4096), jnp.bfloat16))
+    r = jaxmp.tools.audit(jax.jit(step, donate_argnums=0), *args, target="h100",
+                          compiler_options={"xla_gpu_enable_triton_gemm": False})
+    print("launches", r.launches)
+    for k in r.kernels:
+      print("kernel", k.output)
+    """)
+
+
+def test_rowwise_reads_its_float32_kernel_without_a_transposed_int16_copy_on_an_h100():
+  # Left to choose the layouts, XLA wrote the forward pass's quantizations of the
+  # kernel in another layout than the GEMMs read, and its two amaxes (per row, per
+  # column) read a transposed int16 copy of the kernel's magnitudes: 26 kernels for
+  # this step, one an s16[4096,1024]. The quantized operands pinned to the canonical
+  # layout (per_gemm._canonical_on_gpus): 22, and no 2-D int16 array.
+  if not audit_targets.cuda_plugin_installed():
+    pytest.skip("needs the jax[cuda12] plugin (make gpu-report builds .venv-cuda)")
+  lines = _deviceless(_ROWWISE_LAYOUT_CHECK).stdout.splitlines()
+  outputs = [line.split(" ", 1)[1] for line in lines if line.startswith("kernel ")]
+  assert outputs, lines
+  assert not [o for o in outputs if o.startswith("s16[") and "," in o.split("]")[0]], outputs
+  launches = int(next(line.split()[1] for line in lines if line.startswith("launches ")))
+  assert launches <= 22, launches
+
+
 @pytest.mark.parametrize("target, warns", [
     ("cpu", False), ("v5e", False), ("v5p", False), ("v6e", False), ("v7", True),
     ("h100", False), ("b200", False), ("a100", False),

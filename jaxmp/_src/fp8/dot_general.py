@@ -251,8 +251,10 @@ def _forward(lhs, rhs, state, cfg: _Config):
     scales = q.scale_from_amax(q.amax_from_history(jnp.stack(old), algo), previous,
                                (q.E4M3, q.E4M3, q.E5M2), margin, pow2)
     x_scale, k_scale, g_scale = scales[0], scales[1], scales[2]
-    q_lhs = q.quantize(lhs, q.E4M3, x_scale)
-    q_rhs = q.quantize(rhs, q.E4M3, k_scale)
+    # Each operand is quantized in its own layout, so that one kernel reads it for its
+    # quantization and its amax (below); see scaled_gemm.in_own_layout_on_gpus.
+    q_lhs, q_rhs = scaled_gemm.in_own_layout_on_gpus(q.quantize(lhs, q.E4M3, x_scale),
+                                                     q.quantize(rhs, q.E4M3, k_scale))
     # This step's amaxes are computed before the quantized operands are used (a
     # barrier). Left free, XLA fuses each kernel's amax with the optimizer's update of
     # that kernel (the last other reader of the parameter), and with a donated state

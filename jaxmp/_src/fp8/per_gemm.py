@@ -160,6 +160,20 @@ def _primal(lhs: jax.Array, rhs: jax.Array, cfg: Config) -> jax.Array:
   return _product(quantize(x, forward, INPUT), quantize(w, forward, KERNEL), cfg)
 
 
+def _canonical_on_gpus(operand: Operand) -> Operand:
+  """A quantized operand's data laid out as its GEMM reads it on CUDA, contracted minor.
+
+  Chosen by XLA, the forward pass's quantizations of a Dense kernel were written
+  transposed and its two amaxes read a transposed int16 copy of its magnitudes
+  (scaled_gemm.in_own_layout_on_gpus). Only the forward pass's: pinning the output
+  gradient's quantizations too changed nothing (compiled H100 HLO).
+  """
+  if not isinstance(operand, grouped.Quantized):
+    return operand  # a compute-dtype GEMM's operand: cuBLAS reads any layout
+  (data,) = scaled_gemm.in_own_layout_on_gpus(operand.data)
+  return operand._replace(data=data)
+
+
 def _forward(lhs: jax.Array, rhs: jax.Array, cfg: Config):
   forward, input_grad, weight_grad = cfg.recipes.gemms
   x, w = cfg.lhs.to_canonical(lhs), cfg.rhs.to_canonical(rhs)  # (B, M, K), (B, N, K)
@@ -173,7 +187,8 @@ def _forward(lhs: jax.Array, rhs: jax.Array, cfg: Config):
   # float32 kernels copied, 7.18 ms estimated; behind the barrier none, 6.73 ms). The
   # values are the same either way. Only here: a barrier keeps all its operands, so
   # the product without a gradient (_primal) would compute the residuals for nothing.
-  q_x, q_w, w_t, x_t = jax.lax.optimization_barrier((q_x, q_w, w_t, x_t))
+  q_x, q_w, w_t, x_t = jax.lax.optimization_barrier(
+      tuple(_canonical_on_gpus(o) for o in (q_x, q_w, w_t, x_t)))
   return _product(q_x, q_w, cfg), (w_t, x_t)
 
 

@@ -52,6 +52,12 @@ from jaxmp._src.fp8 import int8
 from jaxmp._src.fp8 import mx
 from jaxmp._src.fp8 import recipes as recipes_lib
 
+try:  # JAX 0.7's names (earlier, DeviceLocalLayout); absent, XLA keeps its choice
+  from jax.experimental.layout import Layout as _Layout
+  from jax.experimental.layout import with_layout_constraint as _with_layout_constraint
+except ImportError:  # pragma: no cover
+  _Layout = _with_layout_constraint = None
+
 F32 = np.dtype(np.float32)
 BF16 = np.dtype(jnp.bfloat16)
 CANONICAL = (((2,), (2,)), ((0,), (0,)))
@@ -95,6 +101,44 @@ benchmarks/RESULTS.md, "On a real H100"). A bfloat16 GEMM of the same fp8 values
 the same computation: every fp8 value is a bfloat16 value and every product of two is
 exact in float32, so only the speed of a GEMM this small is given up.
 """
+
+
+def _row_major(x: jax.Array) -> jax.Array:
+  constrain, layout = _with_layout_constraint, _Layout
+  if constrain is None or layout is None:  # a JAX without layout constraints: XLA chooses
+    return x
+  return constrain(x, layout(tuple(range(x.ndim))))
+
+
+def in_own_layout_on_gpus(*operands: jax.Array) -> tuple[jax.Array, ...]:
+  """``operands``, each laid out row-major on CUDA GPUs (its own layout); elsewhere as is.
+
+  For quantized GEMM operands, whose layout XLA otherwise chooses. cuBLASLt's fp8 GEMMs
+  read both operands with the contracted dimension minor, and for that XLA had the
+  kernel that quantizes a Dense kernel ``(in, out)`` write it transposed, at a cost
+  seen in compiled H100 HLO (Llama-3-8B-shaped layer, benchmarks/RESULTS.md):
+
+  - delayed scaling (:mod:`~jaxmp._src.fp8.dot_general`, operands in the layer's own
+    shapes): a transposing kernel cannot also take the amax (XLA's reduction kernels
+    write their extra outputs in their input's layout), so each float32 kernel was
+    read twice, for its amax and for its quantization (224 MiB each for a
+    ``(4096, 14336)`` kernel). Row-major, the quantization joins the amax's kernel and
+    the GEMM's transposed copy is made from the fp8 values, a quarter of the bytes;
+  - per-row scaling (:mod:`~jaxmp._src.fp8.per_gemm`, canonical ``(B, R, C)``
+    operands, for which row-major *is* the contracted-minor layout the GEMM reads):
+    the kernel's quantizations were written in another layout and its two amaxes read
+    a transposed int16 copy of its magnitudes.
+
+  The values are the same on every platform; only where they are laid out changes.
+
+  Example:
+    >>> from jaxmp._src.fp8 import scaled_gemm
+    >>> (x,) = scaled_gemm.in_own_layout_on_gpus(jnp.ones((2, 3)))
+    >>> x.shape
+    (2, 3)
+  """
+  return tuple(jax.lax.platform_dependent(x, cuda=_row_major, default=lambda x: x)
+               for x in operands)
 
 
 def _contraction(a: jax.Array, dimension_numbers: Any) -> int:
