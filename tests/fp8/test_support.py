@@ -125,10 +125,14 @@ def test_an_mx_function_traced_for_blackwell_still_runs_here_with_the_same_numbe
     (types.SimpleNamespace(platform="tpu", device_kind="TPU v5 lite"), "v5e", False, False),
     (types.SimpleNamespace(platform="gpu", device_kind="AMD Instinct MI300X"),
      "AMD Instinct MI300X", None, False),
+    (types.SimpleNamespace(platform="gpu", device_kind="NVIDIA L4", compute_capability="8.9"),
+     "NVIDIA L4", True, False),
 ])
 def test_devices_are_read_as_targets(device, name, fp8_gemm, mx_gemm):
   target = support.target_for_device(device)
   assert (target.name, target.fp8, target.mx) == (name, fp8_gemm, mx_gemm)
+  # Only Hopper's (and Ada's) cuBLASLt reads fp8 operands K-major only.
+  assert target.k_major_fp8 == (name in ("NVIDIA H100 80GB HBM3", "NVIDIA L4"))
   # No claim about a GPU this module does not describe: no warning either.
   if fp8_gemm is None:
     assert support.lowering(fp8.MXScaling(), target).kind == "unknown"

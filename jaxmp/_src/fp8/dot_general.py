@@ -69,6 +69,8 @@ class _Config(NamedTuple):
   lhs_varying: frozenset = frozenset()
   rhs_varying: frozenset = frozenset()
   state_varying: tuple | None = None
+  # Whether the quantized operands are written row-major on CUDA (support.Target).
+  k_major_fp8: bool = False
 
 
 def _check_operand(name: str, x: jax.Array) -> None:
@@ -228,6 +230,11 @@ def _operand_grad(g: jax.Array, other: jax.Array, primal: jax.Array, dimension_n
   return out if out_axes == tuple(range(out.ndim)) else jax.lax.transpose(out, out_axes)
 
 
+def _laid_out(cfg: _Config, *operands: jax.Array) -> tuple[jax.Array, ...]:
+  """``operands`` row-major on CUDA where the target's fp8 GEMMs read K-major operands."""
+  return scaled_gemm.in_own_layout_on_gpus(*operands) if cfg.k_major_fp8 else operands
+
+
 def _forward(lhs, rhs, state, cfg: _Config):
   recipe = cfg.recipe
   if isinstance(recipe, recipes_lib.DelayedScaling):
@@ -252,9 +259,10 @@ def _forward(lhs, rhs, state, cfg: _Config):
                                (q.E4M3, q.E4M3, q.E5M2), margin, pow2)
     x_scale, k_scale, g_scale = scales[0], scales[1], scales[2]
     # Each operand is quantized in its own layout, so that one kernel reads it for its
-    # quantization and its amax (below); see scaled_gemm.in_own_layout_on_gpus.
-    q_lhs, q_rhs = scaled_gemm.in_own_layout_on_gpus(q.quantize(lhs, q.E4M3, x_scale),
-                                                     q.quantize(rhs, q.E4M3, k_scale))
+    # quantization and its amax (below); see scaled_gemm.in_own_layout_on_gpus. (With
+    # current scaling, below, the amax comes first, but the layout still saves a pass.)
+    q_lhs, q_rhs = _laid_out(cfg, q.quantize(lhs, q.E4M3, x_scale),
+                             q.quantize(rhs, q.E4M3, k_scale))
     # This step's amaxes are computed before the quantized operands are used (a
     # barrier). Left free, XLA fuses each kernel's amax with the optimizer's update of
     # that kernel (the last other reader of the parameter), and with a donated state
@@ -274,8 +282,8 @@ def _forward(lhs, rhs, state, cfg: _Config):
     x_scale = q.scale_from_amax(q.amax(lhs), one, q.E4M3, recipe.margin, recipe.power_of_two)
     k_scale = q.scale_from_amax(q.amax(rhs), one, q.E4M3, recipe.margin, recipe.power_of_two)
     g_scale, histories = None, None
-    q_lhs = q.quantize(lhs, q.E4M3, x_scale)
-    q_rhs = q.quantize(rhs, q.E4M3, k_scale)
+    q_lhs, q_rhs = _laid_out(cfg, q.quantize(lhs, q.E4M3, x_scale),
+                             q.quantize(rhs, q.E4M3, k_scale))
   out = scaled_gemm.rescaled_dot(q_lhs, q_rhs, cfg.dimension_numbers, x_scale * k_scale,
                                  cfg.out_dtype, exact_scale=recipe.power_of_two,
                                  out_sharding=cfg.out_sharding)
@@ -412,11 +420,11 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array,
           f"fp8_dot_general: out_sharding={out_sharding!r} is supported by the per-tensor "
           f"recipes only, not by {recipe!r}; shard the operands instead.")
     cfg = per_gemm_lib.config(lhs, rhs, dimension_numbers, recipe, out_dtype, target.mx,
-                              target.block_fp8)
+                              target.block_fp8, target.k_major_fp8)
     return per_gemm_lib.dot(lhs, rhs, cfg)
   cfg = _Config(dimension_numbers, recipe, np.dtype(lhs.dtype), np.dtype(rhs.dtype),
                 out_dtype, out_sharding, state_avals, sharding.varying_axes(lhs),
-                sharding.varying_axes(rhs), state_varying)
+                sharding.varying_axes(rhs), state_varying, target.k_major_fp8)
   return _fp8_dot_jit(lhs, rhs, state, cfg)
 
 

@@ -70,6 +70,7 @@ class Config(NamedTuple):
   lhs_varying: frozenset = frozenset()
   rhs_varying: frozenset = frozenset()
   block_fp8: bool = False
+  k_major_fp8: bool = False
 
 
 def operand_recipe(recipe: Any, role: str) -> Any:
@@ -160,16 +161,18 @@ def _primal(lhs: jax.Array, rhs: jax.Array, cfg: Config) -> jax.Array:
   return _product(quantize(x, forward, INPUT), quantize(w, forward, KERNEL), cfg)
 
 
-def _canonical_on_gpus(operand: Operand) -> Operand:
+def _canonical_on_gpus(operand: Operand, cfg: Config) -> Operand:
   """A quantized operand's data laid out as its GEMM reads it on CUDA, contracted minor.
 
+  Where the target's fp8 GEMMs read K-major operands (``cfg.k_major_fp8``, Hopper).
   Chosen by XLA, the forward pass's quantizations of a Dense kernel were written
   transposed and its two amaxes read a transposed int16 copy of its magnitudes
   (scaled_gemm.in_own_layout_on_gpus). Only the forward pass's: pinning the output
-  gradient's quantizations too changed nothing (compiled H100 HLO).
+  gradient's quantizations too changed nothing (compiled H100 HLO). On a B200, whose
+  fp8 GEMMs read any layout, XLA's own choice was as good or better.
   """
-  if not isinstance(operand, grouped.Quantized):
-    return operand  # a compute-dtype GEMM's operand: cuBLAS reads any layout
+  if not (cfg.k_major_fp8 and isinstance(operand, grouped.Quantized)):
+    return operand  # elsewhere, or a compute-dtype GEMM's operand (any layout)
   (data,) = scaled_gemm.in_own_layout_on_gpus(operand.data)
   return operand._replace(data=data)
 
@@ -188,7 +191,7 @@ def _forward(lhs: jax.Array, rhs: jax.Array, cfg: Config):
   # values are the same either way. Only here: a barrier keeps all its operands, so
   # the product without a gradient (_primal) would compute the residuals for nothing.
   q_x, q_w, w_t, x_t = jax.lax.optimization_barrier(
-      tuple(_canonical_on_gpus(o) for o in (q_x, q_w, w_t, x_t)))
+      tuple(_canonical_on_gpus(o, cfg) for o in (q_x, q_w, w_t, x_t)))
   return _product(q_x, q_w, cfg), (w_t, x_t)
 
 
@@ -218,13 +221,15 @@ dot = jax.jit(_dot, static_argnums=(2,))
 
 def config(lhs: jax.Array, rhs: jax.Array, dimension_numbers: tuple,
            recipes: recipes_lib.GemmRecipes, out_dtype: np.dtype,
-           block_scaled_gemm: bool, block_fp8: bool = False) -> Config:
+           block_scaled_gemm: bool, block_fp8: bool = False,
+           k_major_fp8: bool = False) -> Config:
   """The static configuration of ``dot(lhs, rhs, ...)``."""
   (lc, rc), (lb, rb) = dimension_numbers
   return Config(recipes, dimension_numbers, layout_lib.Layout.of(lhs.shape, lc, lb),
                 layout_lib.Layout.of(rhs.shape, rc, rb), np.dtype(lhs.dtype),
                 np.dtype(rhs.dtype), np.dtype(out_dtype), block_scaled_gemm,
-                sharding.varying_axes(lhs), sharding.varying_axes(rhs), block_fp8)
+                sharding.varying_axes(lhs), sharding.varying_axes(rhs), block_fp8,
+                k_major_fp8)
 
 
 __all__ = ("Config", "config", "dot", "fp8_format", "grouping", "operand_recipe", "quantize",

@@ -81,6 +81,10 @@ class Target:
     block_fp8: ``BlockScaling``'s GEMMs run as jaxmp's block-scaled fp8 kernel
       (``jaxmp._src.fp8.block_gemm``: Triton's ``wgmma``, Hopper, sm_90) where
       ``block_gemm.supports`` the recipe.
+    k_major_fp8: cuBLASLt's fp8 GEMMs read both operands with the contracted dimension
+      minor (Ada and Hopper, sm_89 and sm_90; Blackwell takes any layout), so jaxmp
+      writes the forward pass's quantized operands row-major
+      (``jaxmp._src.fp8.scaled_gemm.in_own_layout_on_gpus``).
   """
 
   name: str
@@ -90,11 +94,14 @@ class Target:
   description: str
   int8: bool | None = None
   block_fp8: bool = False
+  k_major_fp8: bool = False
 
 
 TARGETS = {
-    "h100": Target("h100", "gpu", True, False, "NVIDIA H100, sm_90", block_fp8=True),
-    "h200": Target("h200", "gpu", True, False, "NVIDIA H200, sm_90", block_fp8=True),
+    "h100": Target("h100", "gpu", True, False, "NVIDIA H100, sm_90", block_fp8=True,
+                   k_major_fp8=True),
+    "h200": Target("h200", "gpu", True, False, "NVIDIA H200, sm_90", block_fp8=True,
+                   k_major_fp8=True),
     "b200": Target("b200", "gpu", True, True, "NVIDIA B200, sm_100, cuDNN >= 9.10"),
     "a100": Target("a100", "gpu", False, False, "NVIDIA A100, sm_80: no fp8 tensor cores"),
     "v5e": Target("v5e", "tpu", False, False, "TPU v5e: fp8 at the bfloat16 rate", True),
@@ -183,7 +190,8 @@ def target_for_device(device: Any) -> Target:
   cudnn = _cudnn_version()
   mx = capability >= (10, 0) and (cudnn is None or cudnn >= 91000)
   return Target(kind, "gpu", capability >= (8, 9), mx,
-                f"{kind}, sm_{capability[0]}{capability[1]}", block_fp8=capability == (9, 0))
+                f"{kind}, sm_{capability[0]}{capability[1]}", block_fp8=capability == (9, 0),
+                k_major_fp8=capability in ((8, 9), (9, 0)))
 
 
 def current_target() -> Target:
