@@ -20,7 +20,8 @@ functions) on the local GPU and prints what it **measured**:
   allocator's peak counter only grows), its state built as zeros of the right shapes
   and dtypes (so initialisation's temporaries do not count), the allocator's
   ``peak_bytes_in_use`` after three donated steps, beside XLA's own accounting of the
-  compiled step;
+  compiled step; the :data:`LEAN_RUNS` again compiled without XLA's dot merger
+  (``gpu_report.LEAN_MEMORY``, each row against float32 compiled the same way);
 * first, a plain bf16 8192^3 matmul's TFLOP/s in the same process: the ceiling the
   tables are read against (``--preset gpu``);
 * with ``--profile DIR``, each timed variant traced for a few steps
@@ -105,9 +106,10 @@ def _zeros_like_shapes(tree: Any) -> Any:
   return jax.tree_util.tree_map(zeros, tree)
 
 
-def _compile(case: gpu_report.Case, zeros: bool = False) -> tuple[Any, tuple, bool]:
-  """The case's step compiled for the local device, its arguments (on the device), and
-  whether the step returns its state.
+def _compile(case: gpu_report.Case, zeros: bool = False, options: dict | None = None
+             ) -> tuple[Any, tuple, bool]:
+  """The case's step compiled for the local device (with XLA ``options``), its arguments
+  (on the device), and whether the step returns its state.
 
   A train step given as a plain function is compiled as a training loop runs it (and as
   ``examples/train_lm.py`` does): its state donated, so each step writes its new state
@@ -117,7 +119,7 @@ def _compile(case: gpu_report.Case, zeros: bool = False) -> tuple[Any, tuple, bo
   feeds_back = gpu_report.returns_its_state(case.fn, args)
   fn = case.fn if hasattr(case.fn, "trace") else jax.jit(
       case.fn, donate_argnums=(0,) if feeds_back else ())
-  return fn.trace(*args).lower().compile(), args, feeds_back
+  return fn.trace(*args).lower().compile(options), args, feeds_back
 
 
 def _runner(compiled: Any, args: tuple, feeds_back: bool) -> Callable[[int], None]:
@@ -267,9 +269,14 @@ def time_table(title: str, cases: dict[str, gpu_report.Case], results: dict,
                   results.setdefault(f"{title}, profiled", {}))
 
 
-def memory_run(name: str, preset: str) -> dict:
+LEAN_RUNS = ("float32", "(b) master + bf16 Adam")
+"""The memory runs measured a second time with :data:`gpu_report.LEAN_MEMORY`."""
+
+
+def memory_run(name: str, preset: str, lean: bool = False) -> dict:
   """One ``memory`` run in this (fresh) process: the allocator's peak and XLA's."""
-  compiled, args, feeds_back = _compile(gpu_report.memory_cases(preset)[name], zeros=True)
+  compiled, args, feeds_back = _compile(gpu_report.memory_cases(preset)[name], zeros=True,
+                                        options=gpu_report.LEAN_MEMORY if lean else None)
   _runner(compiled, args, feeds_back)(MEMORY_STEPS)
   stats = jax.devices()[0].memory_stats() or {}
   memory = memory_lib.compiled_memory(compiled)
@@ -281,17 +288,20 @@ def memory_table(preset: str, results: dict) -> None:
   """Every ``memory`` run in its own process; prints measured and XLA peaks."""
   names = list(gpu_report.memory_cases(preset))
   rows = {}
-  for name in names:
+  for name, lean in [(n, False) for n in names] + [(n, True) for n in LEAN_RUNS]:
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, __file__, "--memory-run", name, "--preset", preset],
+    row = f"{name}, dot merger off" if lean else name
+    out = subprocess.run([sys.executable, __file__, "--memory-run", name, "--preset", preset,
+                          *(["--lean"] if lean else [])],
                          capture_output=True, text=True, check=False)
     if out.returncode:
       print(out.stderr[-3000:], file=sys.stderr)
-      rows[name] = None
+      rows[row] = None
     else:
-      rows[name] = json.loads(out.stdout.strip().splitlines()[-1])
-    gpu_report.progress(f"memory run {name} in {time.perf_counter() - start:.0f} s")
+      rows[row] = json.loads(out.stdout.strip().splitlines()[-1])
+    gpu_report.progress(f"memory run {row} in {time.perf_counter() - start:.0f} s")
   base = (rows.get("float32") or {}).get("peak_bytes_in_use")
+  lean_base = (rows.get("float32, dot merger off") or {}).get("peak_bytes_in_use")
   print(f"\n### memory: one Llama-3-8B-shaped layer train step (clipped AdamW, state "
         f"donated), measured\n\nmeasured on {timing.device_description()}, jax "
         f"{jax.__version__}; peak = the allocator's peak_bytes_in_use after "
@@ -303,8 +313,9 @@ def memory_table(preset: str, results: dict) -> None:
       continue
     peak, xla = row["peak_bytes_in_use"], row["xla_peak_bytes"]
     # No allocator statistics on some backends (XLA:CPU): XLA's figure only.
+    against = lean_base if name.endswith(", dot merger off") else base
     print(f"| {name} | {f'{peak / 2**30:.3f}' if peak else 'n/a'} | "
-          f"{f'{peak / base:.3f}x' if peak and base else '-'} | "
+          f"{f'{peak / against:.3f}x' if peak and against else '-'} | "
           f"{f'{xla / 2**30:.3f}' if xla else '-'} |")
   results["memory"] = rows
   sys.stdout.flush()
@@ -353,9 +364,10 @@ def main(argv=None) -> None:
                       help="also trace each timed variant (jax.profiler) into this folder "
                            "and print where its GPU time went")
   parser.add_argument("--memory-run", help=argparse.SUPPRESS)  # one memory run (a child)
+  parser.add_argument("--lean", action="store_true", help=argparse.SUPPRESS)  # its options
   args = parser.parse_args(argv)
   if args.memory_run:
-    print(json.dumps(memory_run(args.memory_run, args.preset)))
+    print(json.dumps(memory_run(args.memory_run, args.preset, args.lean)))
     return
   chosen = [w for w in args.workloads.split(",") if w]
   unknown = [w for w in chosen if w not in WORKLOADS]

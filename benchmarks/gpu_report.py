@@ -306,6 +306,16 @@ def attention_cases(preset_name: str = "gpu") -> dict[str, Case]:
 MEMORY_TOKENS = {"gpu": (1, 512), "smoke": (1, 16)}
 """(batch, context) of the memory workload: few tokens, so params and state dominate."""
 
+LEAN_MEMORY = {"xla_disable_hlo_passes": "dot-merger"}
+"""XLA options for a step whose peak memory matters more than its last percent of speed.
+
+XLA's dot merger joins GEMMs that share an operand into one (the q, k and v
+projections' weight gradients share the layer's input) and copies each result out of
+the joined one; at the end of the backward pass, when every gradient is live, those
+copies sat on the Llama layer's peak (16 MiB at 512 tokens, deviceless H100 compile).
+``jax.jit(step, compiler_options=LEAN_MEMORY)`` compiles without it
+(docs/guides/memory.md)."""
+
 
 def memory_cases(preset_name: str = "gpu", config: Any = None,
                  runs: Any = None) -> dict[str, Case]:
@@ -324,6 +334,8 @@ def memory_table(preset_name: str = "gpu") -> None:
   """Peak memory of the compiled H100 train step, by XLA's accounting, per way."""
   cases = memory_cases(preset_name)
   reports = {name: audit(case, "cuBLAS", f"memory: {name}") for name, case in cases.items()}
+  lean = {name: audit(case, "cuBLAS", f"memory: {name}, dot merger off", options=LEAN_MEMORY)
+          for name, case in cases.items()}
   params = sum(x.size for x in jax.tree_util.tree_leaves(
       jax.eval_shape(lambda: next(iter(cases.values())).make()[0].params)))
   batch, context = MEMORY_TOKENS[preset_name]
@@ -331,13 +343,16 @@ def memory_table(preset_name: str = "gpu") -> None:
         f"({params / 1e6:.0f}M params), batch {batch} x context {context}, train step "
         "(clipped AdamW, state donated)\n")
   print("| run | peak GiB | vs float32 | arguments GiB | temporaries GiB | "
-        "temporaries bytes/param |\n|---|---:|---:|---:|---:|---:|")
+        "temporaries bytes/param | peak GiB, dot merger off | vs float32 |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|")
   base = reports["float32"].memory.peak_bytes
+  lean_base = lean["float32"].memory.peak_bytes
   for name, r in reports.items():
-    m = r.memory
+    m, lean_peak = r.memory, lean[name].memory.peak_bytes
     print(f"| {name} | {m.peak_bytes / 2**30:.3f} | {m.peak_bytes / base:.3f}x | "
           f"{m.argument_bytes / 2**30:.3f} | {m.temp_bytes / 2**30:.3f} | "
-          f"{m.temp_bytes / params:.2f} |")
+          f"{m.temp_bytes / params:.2f} | {lean_peak / 2**30:.3f} | "
+          f"{lean_peak / lean_base:.3f}x |")
 
 
 def traffic_cases(power_of_two: bool = False,
@@ -475,21 +490,22 @@ def returns_its_state(fn: Any, args: tuple) -> bool:
           and shapes(out[0]) == shapes(args[0]))
 
 
-def audit(case: Case, mode: str, name: str = "", donate: bool | None = None
-          ) -> jaxmp.tools.AuditReport:
+def audit(case: Case, mode: str, name: str = "", donate: bool | None = None,
+          options: dict | None = None) -> jaxmp.tools.AuditReport:
   """``case`` compiled deviceless for an H100 in GEMM ``mode``.
 
   ``donate``: whether its first argument (a train step's state) is donated. By default a
   train step (:func:`returns_its_state`) is compiled as a training loop (and
   ``gpu_measure.py``) runs it, its state donated; a case already jitted keeps its own
-  options.
+  options. ``options``: more XLA options (e.g. :data:`LEAN_MEMORY`).
   """
   start = time.perf_counter()
   args = jax.eval_shape(case.make)
   if donate is None:
     donate = not hasattr(case.fn, "trace") and returns_its_state(case.fn, args)
   fn = jax.jit(case.fn, donate_argnums=0) if donate else case.fn
-  report = jaxmp.tools.audit(fn, *args, target="h100", compiler_options=MODES[mode])
+  report = jaxmp.tools.audit(fn, *args, target="h100",
+                             compiler_options={**MODES[mode], **(options or {})})
   progress(f"compiled {name or 'a case'} ({mode}{', state donated' if donate else ''}) in "
            f"{time.perf_counter() - start:.0f} s")
   return report
