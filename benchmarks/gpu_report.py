@@ -47,7 +47,8 @@ Workloads (``--workloads``):
 * ``tpu``: 4096^3 matmuls in bf16, fp8 and int8, and jaxmp's fp8 and int8 Dense, compiled
   for TPU v5e, v5p, v6e and v7 (libtpu, deviceless): the operand dtypes in the HLO and
   the TPU cost model's estimated cycles per matmul; then the Llama-shaped layer's train
-  step (context 1024) in bf16, fp8 rowwise and int8 per chip, GEMM and total cycles.
+  step (context 1024) in bf16, fp8 rowwise and int8 per chip, GEMM and total cycles; then
+  the demo's train step (``--preset gpu``) the same way, with the demo's per-tensor fp8.
 
 On a machine with a GPU the same script also times each variant on it and prints
 measured milliseconds and TFLOP/s beside the estimates.
@@ -666,6 +667,62 @@ def tpu_llama_table(generations=("v5e", "v5p", "v6e", "v7"), preset_name: str = 
             f"{base / total:.2f}x |")
 
 
+def _demo_rules(recipe: Any) -> jaxmp.PolicyRules:
+  """The demo's fp8 rules (head kept out) with ``recipe`` for every Dense layer."""
+  rules = train_lm.fp8_rules()
+  return dataclasses.replace(rules, rules=(rules.rules[0], jaxmp.Rule(
+      (nn.Dense, nn.DenseGeneral), fp8=recipe)))
+
+
+def tpu_demo_table(generations=("v5e", "v5p", "v6e", "v7"), preset_name: str = "gpu") -> None:
+  """The demo's train step in bf16, fp8 and int8 per TPU (cost model).
+
+  ``examples/train_lm.py --preset gpu``'s model, batch and AdamW with Flax's attention
+  (cuDNN's fused attention is a GPU kernel); the rules keep the output projection out
+  of fp8 and int8, as the demo's do.
+  """
+  preset = train_lm.PRESETS[preset_name]
+  config, batch = preset["config"], preset["batch"]
+  base_run = {r.name: r for r in train_lm.RUNS}["bfloat16"]
+  variants = {
+      "bf16": base_run.policy,
+      "fp8 per-tensor (the demo's)": train_lm.fp8_rules(),
+      "fp8 rowwise": _demo_rules(fp8.RowwiseScaling()),
+      "int8": _demo_rules(fp8.Int8Scaling()),
+      "int8, weight grad bf16": _demo_rules(
+          fp8.GemmRecipes(fp8.Int8Scaling(), fp8.Int8Scaling(), None)),
+  }
+  print(f"\n### TPU: the demo's train step (width {config.width}, depth {config.depth}, "
+        f"batch {batch} x context {config.context}, AdamW), by the TPU cost model "
+        "(deviceless)\n")
+  print("| TPU | variant | GEMM operands | GEMM cycles | all cycles | step vs bf16 |\n"
+        "|---|---|---|---:|---:|---:|")
+  for gen in generations:
+    base = None
+    for name, policy in variants.items():
+      run = dataclasses.replace(base_run, policy=policy)
+      model = train_lm.make_model(run, config)
+      tokens = jax.ShapeDtypeStruct((batch, config.context + 1), jnp.int32)
+
+      def make(model=model, run=run):
+        t = jnp.zeros(tokens.shape, tokens.dtype)
+        return (jaxmp.linen.TrainState.create(
+            apply_fn=model.apply, variables=model.init(jax.random.key(0), t[:, :-1]),
+            tx=train_lm.make_optimizer(run, preset["lr"], preset["steps"])), t)
+
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fp8.Fp8FallbackWarning)  # the table shows it
+        r = jaxmp.tools.audit(jax.jit(train_lm.step, donate_argnums=0),
+                              *jax.eval_shape(make), target=gen)
+      progress(f"compiled TPU {gen}: demo step, {name}")
+      gemm_cycles, total = _tpu_cycles(r)
+      base = base or total
+      operands = ", ".join(sorted({"x".join(d.replace("float8_", "") for d in g.compute_dtypes)
+                                   for g in r.gemms}))
+      print(f"| {gen} | {name} | {operands} | {gemm_cycles:,} | {total:,} | "
+            f"{base / total:.2f}x |")
+
+
 WORKLOADS = ("traffic", "dense", "block", "demo", "llama", "memory", "tpu")
 """What ``--workloads`` accepts, in the default order (the module docstring says what each is)."""
 
@@ -689,7 +746,7 @@ def main(argv=None) -> None:
            "transformer block; llama: a Llama-3-8B-shaped decoder layer and a stack of "
            "two at context 4096, nine ways; memory: that layer's train step's peak "
            "memory with seven ways to store params and AdamW's state; traffic: jaxmp's fp8 against Flax's, non-GEMM bytes; tpu: "
-           "matmuls compiled for TPU v5e-v7. All of them compile for about half an hour on "
+           "matmuls, the Llama-shaped layer and the demo step compiled for TPU v5e-v7. All of them compile for about half an hour on "
            "2 cores; progress goes to stderr.")
   parser.add_argument("--power-of-two", action="store_true",
                       help="jaxmp's delayed scaling with power_of_two=True (traffic table)")
@@ -706,6 +763,7 @@ def main(argv=None) -> None:
     elif workload == "tpu":
       tpu_table(size=MATMUL_SIZE[args.preset])
       tpu_llama_table(preset_name=args.preset)
+      tpu_demo_table(preset_name=args.preset)
     elif workload == "demo":
       precision_table(f"demo train step, examples/train_lm.py --preset {args.preset} (AdamW)",
                       demo_cases(args.preset), on_gpu)

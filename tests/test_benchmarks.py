@@ -205,6 +205,12 @@ def test_gpu_report_compiles_every_workload_for_an_h100():
   if "tpu" in workloads:
     assert "### TPU:" in out and "| v7 (" in out, out
     assert "jaxmp int8 Dense fwd+bwd" in out and "| v5e | int8 | " in out, out
+    demo = out[out.index("### TPU: the demo's train step"):]
+    rows = [line for line in demo.splitlines() if line.startswith("| v5e | ")]
+    assert [row.split(" | ")[1] for row in rows] == [
+        "bf16", "fp8 per-tensor (the demo's)", "fp8 rowwise", "int8",
+        "int8, weight grad bf16"], demo
+    assert "int8xint8" in rows[3], rows  # int8 GEMMs on a TPU by rule
 
 
 def _check_deviceless(code: str, timeout: int) -> str:
