@@ -649,16 +649,22 @@ def tpu_llama_table(generations=("v5e", "v5p", "v6e", "v7"), preset_name: str = 
   model = _llama(config, 1)
   print(f"\n### TPU: one {config.d_model}-wide Llama-shaped decoder layer, batch {batch} x "
         f"context {context}, train step (SGD), by the TPU cost model (deviceless)\n")
+  _tpu_step_rows(generations, "llama layer", {
+      name: _wrapped_train_case(model, rule_set, x_shape, optax.sgd(1e-3))
+      for name, rule_set in variants.items()})
+
+
+def _tpu_step_rows(generations, what: str, cases: dict[str, Case]) -> None:
+  """A table of ``cases`` (train steps) compiled per TPU: GEMM and all cycles, vs the first."""
   print("| TPU | variant | GEMM operands | GEMM cycles | all cycles | step vs bf16 |\n"
         "|---|---|---|---:|---:|---:|")
   for gen in generations:
     base = None
-    for name, rule_set in variants.items():
-      case = _wrapped_train_case(model, rule_set, x_shape, optax.sgd(1e-3))
+    for name, case in cases.items():
       with warnings.catch_warnings():
         warnings.simplefilter("ignore", fp8.Fp8FallbackWarning)  # the table shows it
         r = jaxmp.tools.audit(case.fn, *jax.eval_shape(case.make), target=gen)
-      progress(f"compiled TPU {gen}: llama layer, {name}")
+      progress(f"compiled TPU {gen}: {what}, {name}")
       gemm_cycles, total = _tpu_cycles(r)
       base = base or total
       operands = ", ".join(sorted({"x".join(d.replace("float8_", "") for d in g.compute_dtypes)
@@ -695,32 +701,20 @@ def tpu_demo_table(generations=("v5e", "v5p", "v6e", "v7"), preset_name: str = "
   print(f"\n### TPU: the demo's train step (width {config.width}, depth {config.depth}, "
         f"batch {batch} x context {config.context}, AdamW), by the TPU cost model "
         "(deviceless)\n")
-  print("| TPU | variant | GEMM operands | GEMM cycles | all cycles | step vs bf16 |\n"
-        "|---|---|---|---:|---:|---:|")
-  for gen in generations:
-    base = None
-    for name, policy in variants.items():
-      run = dataclasses.replace(base_run, policy=policy)
-      model = train_lm.make_model(run, config)
-      tokens = jax.ShapeDtypeStruct((batch, config.context + 1), jnp.int32)
 
-      def make(model=model, run=run):
-        t = jnp.zeros(tokens.shape, tokens.dtype)
-        return (jaxmp.linen.TrainState.create(
-            apply_fn=model.apply, variables=model.init(jax.random.key(0), t[:, :-1]),
-            tx=train_lm.make_optimizer(run, preset["lr"], preset["steps"])), t)
+  def case(policy) -> Case:
+    run = dataclasses.replace(base_run, policy=policy)
+    model = train_lm.make_model(run, config)
 
-      with warnings.catch_warnings():
-        warnings.simplefilter("ignore", fp8.Fp8FallbackWarning)  # the table shows it
-        r = jaxmp.tools.audit(jax.jit(train_lm.step, donate_argnums=0),
-                              *jax.eval_shape(make), target=gen)
-      progress(f"compiled TPU {gen}: demo step, {name}")
-      gemm_cycles, total = _tpu_cycles(r)
-      base = base or total
-      operands = ", ".join(sorted({"x".join(d.replace("float8_", "") for d in g.compute_dtypes)
-                                   for g in r.gemms}))
-      print(f"| {gen} | {name} | {operands} | {gemm_cycles:,} | {total:,} | "
-            f"{base / total:.2f}x |")
+    def make():
+      t = jnp.zeros((batch, config.context + 1), jnp.int32)
+      return (jaxmp.linen.TrainState.create(
+          apply_fn=model.apply, variables=model.init(jax.random.key(0), t[:, :-1]),
+          tx=train_lm.make_optimizer(run, preset["lr"], preset["steps"])), t)
+    return Case(jax.jit(train_lm.step, donate_argnums=0), make)
+
+  _tpu_step_rows(generations, "demo step",
+                 {name: case(policy) for name, policy in variants.items()})
 
 
 WORKLOADS = ("traffic", "dense", "block", "demo", "llama", "memory", "tpu")
