@@ -30,8 +30,9 @@ v7 (:attr:`Target.int8`). jaxmp makes no claim about int8 speed on GPUs (no warn
 of JAX's default backend (its platform, compute capability or TPU kind). A deviceless
 compile runs with ``JAX_PLATFORMS=cpu`` and would see the CPU: name the chip with
 ``compile_target``. The choices it makes at trace time are only the MX GEMM's
-implementation and whether ``BlockScaling`` uses jaxmp's block-scaled fp8 kernel
-(:attr:`Target.block_fp8`), and both are wrapped in ``lax.platform_dependent``, so a
+implementation, whether ``BlockScaling`` uses jaxmp's block-scaled fp8 kernel
+(:attr:`Target.block_fp8`) and whether quantized operands are pinned row-major
+(:attr:`Target.k_major_fp8`), and all are wrapped in ``lax.platform_dependent``, so a
 function traced for one target still lowers on any other. A recipe whose GEMMs fall back on
 the target warns once (:class:`Fp8FallbackWarning`), naming the target and what runs.
 
