@@ -230,11 +230,6 @@ def _operand_grad(g: jax.Array, other: jax.Array, primal: jax.Array, dimension_n
   return out if out_axes == tuple(range(out.ndim)) else jax.lax.transpose(out, out_axes)
 
 
-def _laid_out(cfg: _Config, *operands: jax.Array) -> tuple[jax.Array, ...]:
-  """``operands`` row-major on CUDA where the target's fp8 GEMMs read K-major operands."""
-  return scaled_gemm.in_own_layout_on_gpus(*operands) if cfg.k_major_fp8 else operands
-
-
 def _forward(lhs, rhs, state, cfg: _Config):
   recipe = cfg.recipe
   if isinstance(recipe, recipes_lib.DelayedScaling):
@@ -261,8 +256,8 @@ def _forward(lhs, rhs, state, cfg: _Config):
     # Each operand is quantized in its own layout, so that one kernel reads it for its
     # quantization and its amax (below); see scaled_gemm.in_own_layout_on_gpus. (With
     # current scaling, below, the amax comes first, but the layout still saves a pass.)
-    q_lhs, q_rhs = _laid_out(cfg, q.quantize(lhs, q.E4M3, x_scale),
-                             q.quantize(rhs, q.E4M3, k_scale))
+    q_lhs, q_rhs = scaled_gemm.in_own_layout_on_gpus(
+        cfg.k_major_fp8, q.quantize(lhs, q.E4M3, x_scale), q.quantize(rhs, q.E4M3, k_scale))
     # This step's amaxes are computed before the quantized operands are used (a
     # barrier). Left free, XLA fuses each kernel's amax with the optimizer's update of
     # that kernel (the last other reader of the parameter), and with a donated state
@@ -282,8 +277,8 @@ def _forward(lhs, rhs, state, cfg: _Config):
     x_scale = q.scale_from_amax(q.amax(lhs), one, q.E4M3, recipe.margin, recipe.power_of_two)
     k_scale = q.scale_from_amax(q.amax(rhs), one, q.E4M3, recipe.margin, recipe.power_of_two)
     g_scale, histories = None, None
-    q_lhs, q_rhs = _laid_out(cfg, q.quantize(lhs, q.E4M3, x_scale),
-                             q.quantize(rhs, q.E4M3, k_scale))
+    q_lhs, q_rhs = scaled_gemm.in_own_layout_on_gpus(
+        cfg.k_major_fp8, q.quantize(lhs, q.E4M3, x_scale), q.quantize(rhs, q.E4M3, k_scale))
   out = scaled_gemm.rescaled_dot(q_lhs, q_rhs, cfg.dimension_numbers, x_scale * k_scale,
                                  cfg.out_dtype, exact_scale=recipe.power_of_two,
                                  out_sharding=cfg.out_sharding)

@@ -164,16 +164,16 @@ def _primal(lhs: jax.Array, rhs: jax.Array, cfg: Config) -> jax.Array:
 def _canonical_on_gpus(operand: Operand, cfg: Config) -> Operand:
   """A quantized operand's data laid out as its GEMM reads it on CUDA, contracted minor.
 
-  Where the target's fp8 GEMMs read K-major operands (``cfg.k_major_fp8``, Hopper).
-  Chosen by XLA, the forward pass's quantizations of a Dense kernel were written
-  transposed and its two amaxes read a transposed int16 copy of its magnitudes
-  (scaled_gemm.in_own_layout_on_gpus). Only the forward pass's: pinning the output
+  Where the target's fp8 GEMMs read K-major operands (``cfg.k_major_fp8``, Hopper;
+  scaled_gemm.in_own_layout_on_gpus decides). Chosen by XLA, the forward pass's
+  quantizations of a Dense kernel were written transposed and its two amaxes read a
+  transposed int16 copy of its magnitudes. Only the forward pass's: pinning the output
   gradient's quantizations too changed nothing (compiled H100 HLO). On a B200, whose
   fp8 GEMMs read any layout, XLA's own choice was as good or better.
   """
-  if not (cfg.k_major_fp8 and isinstance(operand, grouped.Quantized)):
-    return operand  # elsewhere, or a compute-dtype GEMM's operand (any layout)
-  (data,) = scaled_gemm.in_own_layout_on_gpus(operand.data)
+  if not isinstance(operand, grouped.Quantized):
+    return operand  # a compute-dtype GEMM's operand: cuBLAS reads any layout
+  (data,) = scaled_gemm.in_own_layout_on_gpus(cfg.k_major_fp8, operand.data)
   return operand._replace(data=data)
 
 

@@ -110,8 +110,11 @@ def _row_major(x: jax.Array) -> jax.Array:
   return constrain(x, layout(tuple(range(x.ndim))))
 
 
-def in_own_layout_on_gpus(*operands: jax.Array) -> tuple[jax.Array, ...]:
-  """``operands``, each laid out row-major on CUDA GPUs (its own layout); elsewhere as is.
+def in_own_layout_on_gpus(k_major_fp8: bool, *operands: jax.Array) -> tuple[jax.Array, ...]:
+  """``operands``, each laid out row-major on CUDA GPUs (its own layout) if ``k_major_fp8``.
+
+  ``k_major_fp8`` is the target's :attr:`~jaxmp._src.fp8.support.Target.k_major_fp8`
+  (Hopper); without it, and off CUDA, the operands are returned as they are.
 
   For quantized GEMM operands, whose layout XLA otherwise chooses. cuBLASLt's fp8 GEMMs
   read both operands with the contracted dimension minor, and for that XLA had the
@@ -132,16 +135,17 @@ def in_own_layout_on_gpus(*operands: jax.Array) -> tuple[jax.Array, ...]:
     a transposed int16 copy of its magnitudes.
 
   The values are the same on every platform; only where they are laid out changes.
-  Callers ask for it where the target is Hopper (``support.Target.k_major_fp8``): on a
-  B200, whose fp8 GEMMs read any layout, and an A100, XLA's own choice compiled as
-  well or better.
+  Only for Hopper: on a B200, whose fp8 GEMMs read any layout, and an A100, XLA's own
+  choice compiled as well or better.
 
   Example:
     >>> from jaxmp._src.fp8 import scaled_gemm
-    >>> (x,) = scaled_gemm.in_own_layout_on_gpus(jnp.ones((2, 3)))
+    >>> (x,) = scaled_gemm.in_own_layout_on_gpus(True, jnp.ones((2, 3)))
     >>> x.shape
     (2, 3)
   """
+  if not k_major_fp8:
+    return operands
   return tuple(jax.lax.platform_dependent(x, cuda=_row_major, default=lambda x: x)
                for x in operands)
 
