@@ -146,23 +146,34 @@ def layer_cases(workload: str, power_of_two: bool = False,
   return cases
 
 
+def _demo_tokens(preset_name: str) -> jax.Array:
+  preset = train_lm.PRESETS[preset_name]
+  config = preset["config"]
+  return jax.random.randint(jax.random.key(1), (preset["batch"], config.context + 1), 0,
+                            config.vocab)
+
+
+def _demo_case(run: train_lm.Run, preset_name: str, fused_attention: bool) -> Case:
+  """The demo's train step for ``run`` at its ``preset_name`` preset."""
+  preset = train_lm.PRESETS[preset_name]
+
+  def make():
+    model = train_lm.make_model(run, preset["config"], fused_attention)
+    t = _demo_tokens(preset_name)
+    variables = model.init(jax.random.key(0), t[:, :-1])
+    return (jaxmp.linen.TrainState.create(
+        apply_fn=model.apply, variables=variables,
+        tx=train_lm.make_optimizer(run, preset["lr"], preset["steps"])), t)
+  return Case(train_lm.step, make)
+
+
 def demo_cases(preset_name: str = "gpu") -> dict[str, Case]:
   """The demo's train step at its ``preset_name`` preset (``--preset gpu``), seven ways."""
   preset = train_lm.PRESETS[preset_name]
-  config, batch = preset["config"], preset["batch"]
+  config = preset["config"]
   runs = {r.name: r for r in train_lm.RUNS}
-  tokens = lambda: jax.random.randint(jax.random.key(1), (batch, config.context + 1), 0,
-                                      config.vocab)
-
-  def jaxmp_case(run, fused_attention=preset.get("fused_attention", False)):
-    def make():
-      model = train_lm.make_model(run, config, fused_attention)
-      t = tokens()
-      variables = model.init(jax.random.key(0), t[:, :-1])
-      return (jaxmp.linen.TrainState.create(
-          apply_fn=model.apply, variables=variables,
-          tx=train_lm.make_optimizer(run, preset["lr"], preset["steps"])), t)
-    return Case(train_lm.step, make)
+  jaxmp_case = lambda run, fused=preset.get("fused_attention", False): _demo_case(
+      run, preset_name, fused)
 
   # Flax's own fp8: the model written in bfloat16 with Fp8DirectDotGeneralOp in the
   # blocks (the head stays out of fp8, as the demo's rule keeps it), its fp8 state
@@ -173,7 +184,7 @@ def demo_cases(preset_name: str = "gpu") -> dict[str, Case]:
                                     preset["lr"], preset["steps"])
 
   def flax_make():
-    t = tokens()
+    t = _demo_tokens(preset_name)
     variables = flax_model.init(jax.random.key(0), t[:, :-1])
     return (variables, flax_tx.init(variables["params"])), t
 
@@ -673,48 +684,30 @@ def _tpu_step_rows(generations, what: str, cases: dict[str, Case]) -> None:
             f"{base / total:.2f}x |")
 
 
-def _demo_rules(recipe: Any) -> jaxmp.PolicyRules:
-  """The demo's fp8 rules (head kept out) with ``recipe`` for every Dense layer."""
-  rules = train_lm.fp8_rules()
-  return dataclasses.replace(rules, rules=(rules.rules[0], jaxmp.Rule(
-      (nn.Dense, nn.DenseGeneral), fp8=recipe)))
-
-
 def tpu_demo_table(generations=("v5e", "v5p", "v6e", "v7"), preset_name: str = "gpu") -> None:
   """The demo's train step in bf16, fp8 and int8 per TPU (cost model).
 
   ``examples/train_lm.py --preset gpu``'s model, batch and AdamW with Flax's attention
-  (cuDNN's fused attention is a GPU kernel); the rules keep the output projection out
-  of fp8 and int8, as the demo's do.
+  (cuDNN's fused attention is a GPU kernel), the state donated; the rules keep the
+  output projection out of fp8 and int8, as the demo's do.
   """
-  preset = train_lm.PRESETS[preset_name]
-  config, batch = preset["config"], preset["batch"]
-  base_run = {r.name: r for r in train_lm.RUNS}["bfloat16"]
+  config, batch = (train_lm.PRESETS[preset_name][k] for k in ("config", "batch"))
+  bf16 = {r.name: r for r in train_lm.RUNS}["bfloat16"]
   variants = {
-      "bf16": base_run.policy,
+      "bf16": bf16.policy,
       "fp8 per-tensor (the demo's)": train_lm.fp8_rules(),
-      "fp8 rowwise": _demo_rules(fp8.RowwiseScaling()),
-      "int8": _demo_rules(fp8.Int8Scaling()),
-      "int8, weight grad bf16": _demo_rules(
+      "fp8 rowwise": train_lm.fp8_rules(fp8.RowwiseScaling()),
+      "int8": train_lm.fp8_rules(fp8.Int8Scaling()),
+      "int8, weight grad bf16": train_lm.fp8_rules(
           fp8.GemmRecipes(fp8.Int8Scaling(), fp8.Int8Scaling(), None)),
   }
   print(f"\n### TPU: the demo's train step (width {config.width}, depth {config.depth}, "
         f"batch {batch} x context {config.context}, AdamW), by the TPU cost model "
         "(deviceless)\n")
-
-  def case(policy) -> Case:
-    run = dataclasses.replace(base_run, policy=policy)
-    model = train_lm.make_model(run, config)
-
-    def make():
-      t = jnp.zeros((batch, config.context + 1), jnp.int32)
-      return (jaxmp.linen.TrainState.create(
-          apply_fn=model.apply, variables=model.init(jax.random.key(0), t[:, :-1]),
-          tx=train_lm.make_optimizer(run, preset["lr"], preset["steps"])), t)
-    return Case(jax.jit(train_lm.step, donate_argnums=0), make)
-
-  _tpu_step_rows(generations, "demo step",
-                 {name: case(policy) for name, policy in variants.items()})
+  cases = {name: _demo_case(dataclasses.replace(bf16, policy=policy), preset_name, False)
+           for name, policy in variants.items()}
+  _tpu_step_rows(generations, "demo step", {
+      name: Case(jax.jit(case.fn, donate_argnums=0), case.make) for name, case in cases.items()})
 
 
 WORKLOADS = ("traffic", "dense", "block", "demo", "llama", "memory", "tpu")

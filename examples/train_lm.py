@@ -98,10 +98,13 @@ class Run:
   optimizer: Callable[[Any], optax.GradientTransformation] = adamw  # of the LR schedule
 
 
-def fp8_rules() -> jaxmp.PolicyRules:
+def fp8_rules(recipe: Any = None) -> jaxmp.PolicyRules:
+  """bfloat16 compute with every Dense layer but the head under ``recipe`` (default:
+  per-tensor delayed scaling)."""
   return jaxmp.PolicyRules("params=float32,compute=bfloat16,output=float32", [
       jaxmp.Rule("head"),  # first match wins: keep the output projection out of fp8
-      jaxmp.Rule((nn.Dense, nn.DenseGeneral), fp8=jaxmp.fp8.DelayedScaling()),
+      jaxmp.Rule((nn.Dense, nn.DenseGeneral),
+                 fp8=jaxmp.fp8.DelayedScaling() if recipe is None else recipe),
   ])
 
 
