@@ -244,12 +244,17 @@ def test_h100_fp8_train_step_launches_at_most_twice_bf16_s_kernels():
   # state donated (as training loops run a step), the selects go leaf by leaf (a
   # select over leaves laid end to end copied each leaf: 158 kernels, 2.6x); the
   # amaxes behind a barrier cost a few kernels (109 -> 119 undonated) and won 0.6
-  # ms of 8.7 on an H200 (RESULTS.md).
+  # ms of 8.7 on an H200 (RESULTS.md). Since each Dense's output gradient is written
+  # before its transpose (the Llama layer's step 2.7% faster on an H200, the demo's
+  # 5.3%; test_h100_delayed_scaling_transposes_each_output_gradient_as_fp8_values),
+  # this small layer's donated step is 155 kernels, was 138: at this size XLA also
+  # copies the 21 new scales (f32[1]) into the donated state, which it does not at
+  # the Llama layer's size (160 -> 163) or the demo's (1552 -> 1553).
   rows = {name: (int(launches), int(fp8)) for name, launches, fp8 in
           (line.split("|") for line in _check_deviceless(_FP8_KERNELS, 600).splitlines())}
   assert rows["fp8 per-tensor"][1] == 21, rows  # the 7 Dense layers' 3 GEMMs, in fp8
   assert rows["fp8 per-tensor"][0] <= 2.0 * rows["bf16"][0], rows
-  assert rows["fp8 per-tensor donated"][0] <= 2.4 * rows["bf16 donated"][0], rows
+  assert rows["fp8 per-tensor donated"][0] <= 2.6 * rows["bf16 donated"][0], rows
 
 
 _DONATED_COPIES = textwrap.dedent("""\
@@ -308,6 +313,28 @@ def test_h100_delayed_scaling_reads_each_float32_kernel_once_for_its_amax_and_qu
   rows = [line.split() for line in _check_deviceless(_KERNEL_READERS, 600).splitlines()]
   assert len(rows) == 7, rows  # q, k, v, o, gate, up, down
   assert all(int(row[1]) == 2 for row in rows), rows
+
+
+_GRADIENT_TRANSPOSES = textwrap.dedent("""\
+    import sys
+    sys.argv = ["gpu_report"]
+    import gpu_report
+    report = gpu_report.audit(gpu_report.llama_cases("smoke")["fp8 per-tensor"], "cuBLAS",
+                              donate=True)
+    print(sum(k.count for k in report.kernels
+              if k.unfused == "transpose" and k.output.startswith("f8e5m2")))
+    """)
+
+
+@NEEDS_CUDA_PLUGIN
+def test_h100_delayed_scaling_transposes_each_output_gradient_as_fp8_values():
+  # The weight-gradient GEMM reads the output gradient transposed. XLA cast g to fp8
+  # and transposed it in one kernel (two outputs, or the transposed one beside the
+  # producer's), and on an H200 those kernels moved 0.3-1.7 TB/s where most others
+  # moved 3-4.4. Written first (scaled_gemm.in_own_layout_on_gpus, own_kernel=True), each
+  # Dense's g is copied by a plain fp8 transpose: one per Dense (q, k, v, o, gate, up,
+  # down). Fails without it: none.
+  assert _check_deviceless(_GRADIENT_TRANSPOSES, 600).strip() == "7"
 
 
 _MEMORY_CHECK = textwrap.dedent("""\

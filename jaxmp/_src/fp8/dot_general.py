@@ -291,10 +291,14 @@ def _backward(cfg: _Config, residuals, g):
   if isinstance(recipe, recipes_lib.DelayedScaling):
     x_history, k_history, old_g_history = histories
     g_history = q.record_amax(old_g_history, q.shared_amax(g, old_g_history))
+    # Written by the kernel that computes g, then transposed for the weight gradient's
+    # GEMM (see scaled_gemm.in_own_layout_on_gpus: measured faster on an H200).
+    (q_g,) = scaled_gemm.in_own_layout_on_gpus(
+        cfg.k_major_fp8, q.quantize(g, q.E5M2, g_scale), own_kernel=True)
   else:
     g_scale = q.scale_from_amax(q.amax(g), jnp.ones((), F32), q.E5M2, recipe.margin,
                                 recipe.power_of_two)
-  q_g = q.quantize(g, q.E5M2, g_scale)
+    q_g = q.quantize(g, q.E5M2, g_scale)
   (lc, rc), (lb, rb) = cfg.dimension_numbers
   pow2 = recipe.power_of_two
   d_lhs = _operand_grad(q_g, q_rhs, q_lhs, cfg.dimension_numbers, primal_is_lhs=True,

@@ -110,7 +110,8 @@ def _row_major(x: jax.Array) -> jax.Array:
   return constrain(x, layout(tuple(range(x.ndim))))
 
 
-def in_own_layout_on_gpus(k_major_fp8: bool, *operands: jax.Array) -> tuple[jax.Array, ...]:
+def in_own_layout_on_gpus(k_major_fp8: bool, *operands: jax.Array, own_kernel: bool = False
+                          ) -> tuple[jax.Array, ...]:
   """``operands``, each laid out row-major on CUDA GPUs (its own layout) if ``k_major_fp8``.
 
   ``k_major_fp8`` is the target's :attr:`~jaxmp._src.fp8.support.Target.k_major_fp8`
@@ -134,6 +135,18 @@ def in_own_layout_on_gpus(k_major_fp8: bool, *operands: jax.Array) -> tuple[jax.
     the kernel's quantizations were written in another layout and its two amaxes read
     a transposed int16 copy of its magnitudes.
 
+  With ``own_kernel``, each is also written out by the kernel that computes it (an
+  optimization barrier), so that a transposed copy the other GEMM needs is made from
+  the written fp8 values by a plain transpose, not fused into that kernel. For the
+  output gradient under delayed scaling: XLA otherwise cast it and transposed it in
+  one kernel with two outputs, and on an H200 such kernels moved 0.3-1.7 TB/s where
+  most fusions moved 3-4.4 and fp8 transposes 2.3-2.9; written first, its
+  quantization joins the kernel that computes the gradient. Measured on an H200
+  (benchmarks/RESULTS.md, "Fifth run"): the Llama-3-8B layer's fp8 step 7.85 -> 7.64
+  ms, the demo's 32.9 -> 31.1 ms. Not for current scaling, whose quantization follows
+  an amax and cannot join the producer: the separate transpose only added bytes
+  (compiled H100 HLO).
+
   The values are the same on every platform; only where they are laid out changes.
   Only for Hopper: on a B200, whose fp8 GEMMs read any layout, and an A100, XLA's own
   choice compiled as well or better.
@@ -146,7 +159,8 @@ def in_own_layout_on_gpus(k_major_fp8: bool, *operands: jax.Array) -> tuple[jax.
   """
   if not k_major_fp8:
     return operands
-  return tuple(jax.lax.platform_dependent(x, cuda=_row_major, default=lambda x: x)
+  on_cuda = (lambda x: jax.lax.optimization_barrier(_row_major(x))) if own_kernel else _row_major
+  return tuple(jax.lax.platform_dependent(x, cuda=on_cuda, default=lambda x: x)
                for x in operands)
 
 
