@@ -25,8 +25,9 @@ functions) on the local GPU and prints what it **measured**:
 * first, a plain bf16 8192^3 matmul's TFLOP/s in the same process: the ceiling the
   tables are read against (``--preset gpu``);
 * with ``--profile DIR``, each timed variant traced for a few steps
-  (``jax.profiler``): the GPU's busy time per step split into GEMM, attention and other
-  kernels, the idle rest of the measured (back-to-back) step, and the kernels that took
+  (``jax.profiler``): the GPU's busy time per step split into GEMM, attention,
+  transposing and other kernels (with the bandwidth the last two achieved, their bytes
+  read from the compiled HLO), the idle rest of the measured (back-to-back) step, and the kernels that took
   longest, by name and HLO op; each trace is also copied to ``DIR/<table>/<variant>
   .trace.json.gz``.
 
@@ -151,9 +152,31 @@ _GEMM = re.compile(r"gemm|xmma|cutlass|cublas|wgmma|sm90_", re.I)
 _ATTENTION = re.compile(r"fmha|cudnn|flash|sdpa", re.I)
 
 
+CLASSES = ("GEMM", "attention", "transposing", "other")
+"""What :func:`kernel_class` sorts kernels into."""
+
+
 def kernel_class(name: str) -> str:
-  """``"GEMM"``, ``"attention"`` or ``"other"``, from a GPU kernel's name."""
-  return "attention" if _ATTENTION.search(name) else "GEMM" if _GEMM.search(name) else "other"
+  """``"GEMM"``, ``"attention"``, ``"transposing"`` or ``"other"``, from a kernel's name.
+
+  "transposing": XLA's fusions whose hero is a transpose (``input_transpose_fusion``,
+  ``input_convert_transpose_fusion``, ``wrapped_transpose``...). On an H200 they moved
+  0.3-2.9 TB/s where most other fusions moved 3-4.4 (fp8's quantized operands are
+  transposed for cuBLASLt; benchmarks/RESULTS.md, "Fifth run"), so they are counted
+  apart.
+  """
+  if _ATTENTION.search(name):
+    return "attention"
+  if _GEMM.search(name):
+    return "GEMM"
+  return "transposing" if "transpose" in name.split(" [")[0] else "other"
+
+
+def hlo_name(kernel: str) -> str:
+  """The HLO instruction a kernel's trace name is for: ``"input_transpose_fusion_4
+  [command_buffer_1]"`` -> ``"input_transpose_fusion.4"`` (the trace writes XLA's
+  ``.N`` suffix as ``_N``)."""
+  return re.sub(r"_(\d+)$", r".\1", kernel.split(" [")[0])
 
 
 def device_kernels(trace: dict) -> list[tuple[str, float]]:
@@ -182,22 +205,39 @@ def device_kernels(trace: dict) -> list[tuple[str, float]]:
 
 
 def profile_summary(kernels: list[tuple[str, float]], steps: int, wall_ms: float,
-                    top: int = 8) -> dict:
-  """Per step: kernels, GPU busy time by class, the gap to ``wall_ms``, the top kernels."""
-  by_class: dict[str, float] = {"GEMM": 0.0, "attention": 0.0, "other": 0.0}
+                    top: int = 8, bytes_of: dict[str, int] | None = None) -> dict:
+  """Per step: kernels, GPU busy time by class, the gap to ``wall_ms``, the top kernels.
+
+  With ``bytes_of`` (HLO instruction -> bytes one execution moves, e.g. from
+  ``jaxmp.tools.audit``'s kernels), also each class's achieved bandwidth (``<class>
+  _tbps``: bytes over time of its kernels whose bytes are known; None without any).
+  """
+  by_class = dict.fromkeys(CLASSES, 0.0)
+  moved = {c: [0, 0.0] for c in CLASSES}  # bytes and microseconds of the known kernels
   by_name: dict[str, list[float]] = {}
   for name, us in kernels:
-    by_class[kernel_class(name)] += us / 1e3 / steps
+    cls = kernel_class(name)
+    by_class[cls] += us / 1e3 / steps
     by_name.setdefault(name, []).append(us)
+    if bytes_of and hlo_name(name) in bytes_of:
+      moved[cls][0] += bytes_of[hlo_name(name)]
+      moved[cls][1] += us
   busy = sum(by_class.values())
   ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+  bandwidth = {f"{c}_tbps": (b / (us * 1e-6) / 1e12 if us else None)
+               for c, (b, us) in moved.items()} if bytes_of else {}
   return {"kernels": len(kernels) / steps, "busy_ms": busy, "idle_ms": wall_ms - busy,
-          **{f"{k}_ms": v for k, v in by_class.items()},
+          **{f"{k}_ms": v for k, v in by_class.items()}, **bandwidth,
           "top": [(name, sum(us) / 1e3 / steps, len(us) / steps) for name, us in ranked]}
 
 
-def profile_table(runs: dict, measured: dict, directory: pathlib.Path, results: dict) -> None:
-  """Traces :data:`PROFILED_STEPS` steps of each variant; prints where the GPU time went."""
+def profile_table(runs: dict, measured: dict, directory: pathlib.Path, results: dict,
+                  bytes_of: dict[str, dict[str, int]] | None = None) -> None:
+  """Traces :data:`PROFILED_STEPS` steps of each variant; prints where the GPU time went.
+
+  ``bytes_of``: per variant, its kernels' bytes by HLO instruction (its compile's
+  audit), for the bandwidth columns.
+  """
   summaries = {}
   for name, run in runs.items():
     where = directory / re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
@@ -207,14 +247,20 @@ def profile_table(runs: dict, measured: dict, directory: pathlib.Path, results: 
     # A copy beside the folder: the profiler's own path is six folders deep.
     shutil.copyfile(trace_file, where.parent / f"{where.name}.trace.json.gz")
     kernels = device_kernels(json.loads(gzip.open(trace_file).read()))
-    summaries[name] = profile_summary(kernels, PROFILED_STEPS, measured[name].ms)
+    summaries[name] = profile_summary(kernels, PROFILED_STEPS, measured[name].ms,
+                                      bytes_of=(bytes_of or {}).get(name))
   print(f"\nprofiled (jax.profiler, {PROFILED_STEPS} steps dispatched back to back; ms per "
-        "step; idle = measured step (back to back) - GPU busy)\n")
-  print("| variant | kernels | GPU busy | GEMM | attention | other | idle |\n"
-        "|---|---:|---:|---:|---:|---:|---:|")
+        "step; idle = measured step (back to back) - GPU busy; TB/s: bytes (operands and "
+        "outputs, from the compiled HLO) over time, of the transposing and the other "
+        "fusions)\n")
+  print("| variant | kernels | GPU busy | GEMM | attention | transposing | other | idle | "
+        "TB/s transposing | TB/s other |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  tbps = lambda v: "-" if v is None else f"{v:.2f}"
   for name, row in summaries.items():
     print(f"| {name} | {row['kernels']:.0f} | {row['busy_ms']:.3f} | {row['GEMM_ms']:.3f} | "
-          f"{row['attention_ms']:.3f} | {row['other_ms']:.3f} | {row['idle_ms']:.3f} |")
+          f"{row['attention_ms']:.3f} | {row['transposing_ms']:.3f} | {row['other_ms']:.3f} | "
+          f"{row['idle_ms']:.3f} | {tbps(row.get('transposing_tbps'))} | "
+          f"{tbps(row.get('other_tbps'))} |")
   for name, row in summaries.items():
     print(f"\n{name}: top kernels (ms per step, launches per step)")
     for kernel, ms, count in row["top"]:
@@ -266,7 +312,8 @@ def time_table(title: str, cases: dict[str, gpu_report.Case], results: dict,
   sys.stdout.flush()
   if profile is not None:
     profile_table(runs, measured, profile / re.sub(r"\W+", "_", title.split(":")[0]),
-                  results.setdefault(f"{title}, profiled", {}))
+                  results.setdefault(f"{title}, profiled", {}),
+                  {n: {k.name: k.bytes for k in r.kernels} for n, r in reports.items()})
 
 
 LEAN_RUNS = ("float32", "(b) master + bf16 Adam")

@@ -509,15 +509,26 @@ def test_gpu_measure_reads_where_the_gpu_time_went_from_a_profiler_trace():
        "args": {"hlo_op": "convert.7"}},
       {"ph": "X", "pid": 2, "tid": 7, "ts": 4, "dur": 50.0, "name": "loop_convert_fusion",
        "args": {"hlo_op": "convert.7"}},
+      {"ph": "X", "pid": 2, "tid": 7, "ts": 5, "dur": 40.0,
+       "name": "input_convert_transpose_fusion_4", "args": {"hlo_op": "command_buffer_1"}},
       {"ph": "X", "pid": 2, "tid": 8, "ts": 1, "dur": 300.0, "name": "cublas-gemm.3"},
   ]}
   kernels = gpu_measure.device_kernels(trace)
   assert kernels == [("sm90_xmma_gemm_e4m3f32_e4m3f32 [cublas-gemm.3]", 300.0),
                      ("cudnn_generated_fmha", 100.0), ("loop_convert_fusion [convert.7]", 50.0),
-                     ("loop_convert_fusion [convert.7]", 50.0)]
-  summary = gpu_measure.profile_summary(kernels, steps=2, wall_ms=1.0, top=2)
-  assert summary["kernels"] == 2
-  assert (summary["GEMM_ms"], summary["attention_ms"], summary["other_ms"]) == (0.15, 0.05, 0.05)
-  assert summary["busy_ms"] == 0.25 and summary["idle_ms"] == 0.75
+                     ("loop_convert_fusion [convert.7]", 50.0),
+                     ("input_convert_transpose_fusion_4 [command_buffer_1]", 40.0)]
+  # Bytes per execution by HLO instruction (the trace writes XLA's ".4" as "_4").
+  bytes_of = {"loop_convert_fusion": 200_000_000, "input_convert_transpose_fusion.4": 40_000_000}
+  summary = gpu_measure.profile_summary(kernels, steps=2, wall_ms=1.0, top=2, bytes_of=bytes_of)
+  assert summary["kernels"] == 2.5
+  assert (summary["GEMM_ms"], summary["attention_ms"], summary["transposing_ms"],
+          summary["other_ms"]) == (0.15, 0.05, 0.02, 0.05)
+  assert summary["busy_ms"] == pytest.approx(0.27) and summary["idle_ms"] == pytest.approx(0.73)
+  # Two convert runs, 400 MB in 100 us; the transposing one, 40 MB in 40 us.
+  assert summary["other_tbps"] == pytest.approx(4.0)
+  assert summary["transposing_tbps"] == pytest.approx(1.0)
+  assert summary["GEMM_tbps"] is None  # no bytes given for it
+  assert "other_tbps" not in gpu_measure.profile_summary(kernels, steps=2, wall_ms=1.0)
   assert summary["top"] == [("sm90_xmma_gemm_e4m3f32_e4m3f32 [cublas-gemm.3]", 0.15, 0.5),
                             ("cudnn_generated_fmha", 0.05, 0.5)]
