@@ -290,7 +290,13 @@ def _forward(lhs, rhs, state, cfg: _Config):
     # with both amaxes behind the barrier, and to 8.59 ms with the kernel's alone.
     x_amax, k_amax = (q.shared_amax(lhs, st.input_amax_history),
                       q.shared_amax(rhs, st.kernel_amax_history))
-    q_lhs, q_rhs, x_amax, k_amax = jax.lax.optimization_barrier((q_lhs, q_rhs, x_amax, k_amax))
+    # The scales pass it too: they are also the new state's scales, and left free XLA
+    # could recompute them from the old ones inside fp8/state.merge's select, which
+    # then cannot write the donated state in place (a small Llama layer's donated step
+    # copied its 21 scales: 155 kernels, 140 with this; compiled H100 HLO).
+    q_lhs, q_rhs, x_amax, k_amax, scales = jax.lax.optimization_barrier(
+        (q_lhs, q_rhs, x_amax, k_amax, scales))
+    x_scale, k_scale, g_scale = scales[0], scales[1], scales[2]
     x_history = q.record_amax(st.input_amax_history, x_amax)
     k_history = q.record_amax(st.kernel_amax_history, k_amax)
     g_history = q.valid_history(st.output_grad_amax_history)
