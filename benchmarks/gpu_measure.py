@@ -318,6 +318,8 @@ def time_table(title: str, cases: dict[str, gpu_report.Case], results: dict,
 
 LEAN_RUNS = ("float32", "(b) master + bf16 Adam")
 """The memory runs measured a second time with :data:`gpu_report.LEAN_MEMORY`."""
+LEAN_ROW = "{}, dot merger off"
+"""The memory table's row of a :data:`LEAN_RUNS` run measured that way."""
 
 
 def memory_run(name: str, preset: str, lean: bool = False) -> dict:
@@ -337,7 +339,7 @@ def memory_table(preset: str, results: dict) -> None:
   rows = {}
   for name, lean in [(n, False) for n in names] + [(n, True) for n in LEAN_RUNS]:
     start = time.perf_counter()
-    row = f"{name}, dot merger off" if lean else name
+    row = LEAN_ROW.format(name) if lean else name
     out = subprocess.run([sys.executable, __file__, "--memory-run", name, "--preset", preset,
                           *(["--lean"] if lean else [])],
                          capture_output=True, text=True, check=False)
@@ -348,7 +350,7 @@ def memory_table(preset: str, results: dict) -> None:
       rows[row] = json.loads(out.stdout.strip().splitlines()[-1])
     gpu_report.progress(f"memory run {row} in {time.perf_counter() - start:.0f} s")
   base = (rows.get("float32") or {}).get("peak_bytes_in_use")
-  lean_base = (rows.get("float32, dot merger off") or {}).get("peak_bytes_in_use")
+  lean_base = (rows.get(LEAN_ROW.format("float32")) or {}).get("peak_bytes_in_use")
   print(f"\n### memory: one Llama-3-8B-shaped layer train step (clipped AdamW, state "
         f"donated), measured\n\nmeasured on {timing.device_description()}, jax "
         f"{jax.__version__}; peak = the allocator's peak_bytes_in_use after "
@@ -360,7 +362,7 @@ def memory_table(preset: str, results: dict) -> None:
       continue
     peak, xla = row["peak_bytes_in_use"], row["xla_peak_bytes"]
     # No allocator statistics on some backends (XLA:CPU): XLA's figure only.
-    against = lean_base if name.endswith(", dot merger off") else base
+    against = lean_base if name in {LEAN_ROW.format(n) for n in LEAN_RUNS} else base
     print(f"| {name} | {f'{peak / 2**30:.3f}' if peak else 'n/a'} | "
           f"{f'{peak / against:.3f}x' if peak and against else '-'} | "
           f"{f'{xla / 2**30:.3f}' if xla else '-'} |")

@@ -251,6 +251,14 @@ def _delayed_scales(st: state_lib.DelayedScalingState, recipe: recipes_lib.Delay
                            (q.E4M3, q.E4M3, q.E5M2), recipe.margin, recipe.power_of_two)
 
 
+def _scaled_product(q_lhs: jax.Array, q_rhs: jax.Array, scale: jax.Array, cfg: _Config
+                    ) -> jax.Array:
+  """The forward GEMM of the quantized operands, rescaled by ``scale`` (input x kernel)."""
+  return scaled_gemm.rescaled_dot(q_lhs, q_rhs, cfg.dimension_numbers, scale, cfg.out_dtype,
+                                  exact_scale=cfg.recipe.power_of_two,
+                                  out_sharding=cfg.out_sharding)
+
+
 def _primal(lhs, rhs, state, cfg: _Config):
   """The product when nothing differentiates it (an eval step, say).
 
@@ -264,10 +272,8 @@ def _primal(lhs, rhs, state, cfg: _Config):
   if not isinstance(recipe, recipes_lib.DelayedScaling):
     return _forward(lhs, rhs, state, cfg)[0]
   scales = _delayed_scales(state_lib.DelayedScalingState(*(_read(x) for x in state)), recipe)
-  return scaled_gemm.rescaled_dot(
-      q.quantize(lhs, q.E4M3, scales[0]), q.quantize(rhs, q.E4M3, scales[1]),
-      cfg.dimension_numbers, scales[0] * scales[1], cfg.out_dtype,
-      exact_scale=recipe.power_of_two, out_sharding=cfg.out_sharding)
+  return _scaled_product(q.quantize(lhs, q.E4M3, scales[0]), q.quantize(rhs, q.E4M3, scales[1]),
+                         scales[0] * scales[1], cfg)
 
 
 def _forward(lhs, rhs, state, cfg: _Config):
@@ -275,12 +281,11 @@ def _forward(lhs, rhs, state, cfg: _Config):
   if isinstance(recipe, recipes_lib.DelayedScaling):
     st = state_lib.DelayedScalingState(*(_read(x) for x in state))
     scales = _delayed_scales(st, recipe)
-    x_scale, k_scale, g_scale = scales[0], scales[1], scales[2]
     # Each operand is quantized in its own layout, so that one kernel reads it for its
     # quantization and its amax (below); see scaled_gemm.in_own_layout_on_gpus. (With
     # current scaling, below, the amax comes first, but the layout still saves a pass.)
     q_lhs, q_rhs = scaled_gemm.in_own_layout_on_gpus(
-        cfg.k_major_fp8, q.quantize(lhs, q.E4M3, x_scale), q.quantize(rhs, q.E4M3, k_scale))
+        cfg.k_major_fp8, q.quantize(lhs, q.E4M3, scales[0]), q.quantize(rhs, q.E4M3, scales[1]))
     # This step's amaxes are computed before the quantized operands are used (a
     # barrier). Left free, XLA fuses each kernel's amax with the optimizer's update of
     # that kernel (the last other reader of the parameter), and with a donated state
@@ -308,9 +313,7 @@ def _forward(lhs, rhs, state, cfg: _Config):
     g_scale, histories = None, None
     q_lhs, q_rhs = scaled_gemm.in_own_layout_on_gpus(
         cfg.k_major_fp8, q.quantize(lhs, q.E4M3, x_scale), q.quantize(rhs, q.E4M3, k_scale))
-  out = scaled_gemm.rescaled_dot(q_lhs, q_rhs, cfg.dimension_numbers, x_scale * k_scale,
-                                 cfg.out_dtype, exact_scale=recipe.power_of_two,
-                                 out_sharding=cfg.out_sharding)
+  out = _scaled_product(q_lhs, q_rhs, x_scale * k_scale, cfg)
   return out, (q_lhs, q_rhs, x_scale, k_scale, g_scale, histories)
 
 
