@@ -630,8 +630,10 @@ def test_cuda_lowering_writes_bfloat16_from_every_gemm_with_any_per_tensor_scale
 
 
 def test_cuda_form_of_a_bfloat16_product_is_within_the_bfloat16_scale_rounding():
-  # What XLA's folded cuBLASLt GEMM computes from the CUDA form: the float32
-  # accumulator times the bfloat16-rounded scale, rounded once. Against jaxmp's
+  # What XLA's folded Triton GEMM computes from the CUDA form: the float32
+  # accumulator times the bfloat16-rounded scale, rounded once (its cuBLASLt GEMM is
+  # given the float32 scale: the float32 form's value; test_support's
+  # test_h100_bfloat16_gemm_scale_reaches_cublaslt_in_float32). Against jaxmp's
   # float32 form (the CPU's), each element differs by that scale's rounding and the
   # two outputs' roundings, each at most bfloat16's unit roundoff 2^-8 (relative).
   k = jax.random.split(jax.random.key(5), 2)

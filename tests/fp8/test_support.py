@@ -268,6 +268,37 @@ def test_rowwise_reads_its_float32_kernel_without_a_transposed_int16_copy_on_an_
   assert launches <= 22, launches
 
 
+_SCALE_CHECK = textwrap.dedent("""\
+    import re
+    import jax, jax.numpy as jnp
+    import jaxmp
+    from jaxmp._src.fp8 import scaled_gemm
+    def product(a, b, scale):
+      return scaled_gemm.rescaled_dot(a, b, scaled_gemm.CANONICAL, scale, jnp.bfloat16)
+    fp8 = jax.ShapeDtypeStruct((1, 256, 256), jnp.float8_e4m3fn)
+    scale = jax.ShapeDtypeStruct((), jnp.float32)
+    for mode, options in (("cuBLAS", {"xla_gpu_enable_triton_gemm": False}), ("Triton", {})):
+      r = jaxmp.tools.audit(jax.jit(product), fp8, fp8, scale, target="h100",
+                            compiler_options=options)
+      calls = re.findall(r'custom-call\\(([^)]*)\\), custom_call_target="__cublas', r.hlo)
+      rounded = bool(re.search(r"= bf16\\[\\] convert\\(", r.hlo))
+      print(mode, [g.backend for g in r.gemms], [c.split(", ")[2] for c in calls], rounded)
+    """)
+
+
+def test_h100_bfloat16_gemm_scale_reaches_cublaslt_in_float32():
+  # rescaled_dot's CUDA form multiplies a bfloat16-output GEMM by its scale converted to
+  # bfloat16 (fuses_output_on_gpus). XLA's cuBLASLt call drops the conversion and is
+  # given the float32 scale (the scalar parameter itself); its Triton GEMM keeps the
+  # bfloat16 rounding. What the docstring and the fp8 guide say.
+  if not audit_targets.cuda_plugin_installed():
+    pytest.skip("needs the jax[cuda12] plugin (make gpu-report builds .venv-cuda)")
+  lines = [line for line in _deviceless(_SCALE_CHECK).stdout.splitlines()
+           if line.split(" ", 1)[0] in ("cuBLAS", "Triton")]
+  assert lines == ["cuBLAS ['fp8 cuBLASLt'] ['%scale.1'] False",
+                   "Triton ['Triton GEMM fusion'] [] True"], lines
+
+
 @pytest.mark.parametrize("target, warns", [
     ("cpu", False), ("v5e", False), ("v5p", False), ("v6e", False), ("v7", True),
     ("h100", False), ("b200", False), ("a100", False),

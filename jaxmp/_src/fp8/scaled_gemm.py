@@ -82,10 +82,13 @@ def fuses_output_on_gpus(out_dtype: Any, scale: jax.Array) -> bool:
   XLA folds a scalar multiplying a bfloat16-output fp8 GEMM into the cuBLASLt call,
   which applies it to the float32 accumulator before its one rounding; XLA's Triton
   GEMMs apply it in their epilogue. Either way no float32 product reaches memory.
-  The scale reaches the GEMM rounded to bfloat16, as in Flax's fp8 GEMMs: exact for
-  power-of-two scales, otherwise a relative error of at most 2^-8 (bfloat16's unit
-  roundoff; where Triton rounds the accumulator to bfloat16 before scaling, one more
-  rounding). Row scales vary across the product and cannot be folded.
+  What the scale is multiplied in differs (compiled H100 HLO): the cuBLASLt call is
+  given the float32 scale itself (XLA drops the conversion to bfloat16 written
+  here), so it computes the float32 form's value; a Triton GEMM multiplies by the
+  scale rounded to bfloat16, as Flax's fp8 GEMMs do: exact for power-of-two scales,
+  otherwise a relative error of at most 2^-8 (bfloat16's unit roundoff; where it
+  rounds the accumulator to bfloat16 before scaling, one more rounding). Row scales
+  vary across the product and cannot be folded.
   """
   return np.dtype(out_dtype) == BF16 and np.size(scale) == 1
 

@@ -403,27 +403,40 @@ def merge(old_state: T, state_cotangent: T, grads_finite: ArrayLike = True) -> T
   # H100 HLO). Leaves of one shape are stacked to be decided together; each row is
   # decided alone, so every decision is the leaf-by-leaf one.
   take: list[Any] = [None] * len(leaves)
+  new: list[Any] = [pair.cotangent for pair in leaves]
   for group in _group(leaves, lambda pair: pair.old.shape):
     for start in range(0, len(group), _LEAVES_PER_REDUCTION):
       members = group[start:start + _LEAVES_PER_REDUCTION]
-      decided = ok_step & _informative(
-          jnp.stack([leaves[i].cotangent.astype(F32).reshape(-1) for i in members]))
+      dtype = jnp.result_type(F32, *(leaves[i].cotangent.dtype for i in members))
+      stacked = jnp.stack([leaves[i].cotangent.astype(dtype).reshape(-1) for i in members])
+      if stacked.shape[1] > 1:
+        # A new history is its old one rolled, which is not elementwise in the old
+        # leaf: computed inside the select below, the select could not write a donated
+        # history in place, and every history was copied after it (21 copies, 163
+        # kernels on a Llama-3-8B layer's fp8 step; 143 this way, compiled H100 HLO).
+        # Behind a barrier the new histories are computed once, stacked, into a buffer
+        # of their own, and each select reads its row. Scales (one element) need not.
+        stacked = jax.lax.optimization_barrier(stacked)
+        for row, i in enumerate(members):
+          new[i] = stacked[row].reshape(leaves[i].old.shape)
+      decided = ok_step & _informative(stacked)
       for row, i in enumerate(members):
         take[i] = decided[row]
   # The selects leaf by leaf: each is elementwise in its old leaf, so a step whose
   # state is donated writes every new leaf in place. Selected together (the leaves
   # laid end to end and sliced apart again) each new leaf became a copy of its old
   # one: 288 copies on the demo's step, 1568 kernels against 1424 (compiled H100 HLO).
-  merged = [jnp.where(take[i], pair.cotangent.astype(pair.old.dtype), pair.old)
+  merged = [jnp.where(take[i], new[i].astype(pair.old.dtype), pair.old)
             for i, pair in enumerate(leaves)]
   return jax.tree_util.tree_unflatten(treedef, merged)
 
 
-# Leaves per reduction in merge. XLA fuses a reduction with the computation of each
-# new history it reads (the amax pushed into the rolled old one) only while a fusion's
-# operands and outputs stay within its limit (about 96 on GPUs); otherwise each new
-# history becomes a kernel of its own. 32 gave the fewest kernels in compiled H100 HLO
-# of a Llama layer (42 state leaves) and of the demo's step (288 leaves).
+# Leaves per reduction in merge. XLA computes the new histories a reduction stacks
+# (each the amax pushed into its rolled old one) in one kernel only while a fusion's
+# operands and outputs stay within its limit (about 96 on GPUs); beyond it they split
+# into more kernels. 32 gave the fewest kernels in compiled H100 HLO of a Llama layer
+# (42 state leaves) and of the demo's step (288 leaves: 1400 kernels; 64: 1540; all
+# 144 histories at once: 1648).
 _LEAVES_PER_REDUCTION = 32
 
 
