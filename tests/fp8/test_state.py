@@ -95,6 +95,8 @@ class TestMerge:
       # empty leaf03 and leaf28, nor leaf01 with its inf); the rest keep the old state.
       assert taken == (["leaf00", "leaf02", "leaf04", "leaf25", "leaf26", "leaf27",
                         "leaf29"] if finite else []), taken
+      for k in taken:  # the cotangent itself, in the old leaf's shape and dtype
+        chex.assert_trees_all_equal(merged[k], ct[k].astype(old[k].dtype))
 
   def test_errors(self):
     old = _used_state()
