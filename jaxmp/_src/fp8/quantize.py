@@ -76,6 +76,12 @@ def quantize(x: jax.Array, fp8_dtype: Any, scale: jax.Array) -> jax.Array:
   skips the step instead of applying saturated gradients. So does, in E4M3, a finite
   value whose quotient overflows float32 (:func:`saturate`).
 
+  Compiled, XLA may turn the division by a scalar into a multiplication by its
+  reciprocal (its simplifier does for ``jax.jit(lambda x, s: x / s)``), depending on
+  how the scale reaches it in the program; the two can differ in the quotient's last
+  bit, so a compiled train step's fp8 codes, and its losses, can move slightly when
+  the program around the quantization changes (seen in ``make demo``'s fp8 run).
+
   Args:
     x: a floating-point array of any dtype.
     fp8_dtype: ``E4M3`` or ``E5M2``.
