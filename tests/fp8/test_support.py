@@ -281,8 +281,12 @@ _SCALE_CHECK = textwrap.dedent("""\
       r = jaxmp.tools.audit(jax.jit(product), fp8, fp8, scale, target="h100",
                             compiler_options=options)
       calls = re.findall(r'custom-call\\(([^)]*)\\), custom_call_target="__cublas', r.hlo)
+      # The entry computation's float32 scalar parameter (the scale), by name.
+      entry = r.hlo[r.hlo.index("\\nENTRY"):]
+      (param,) = re.findall(r"(%\\S+) = f32\\[\\]\\S* parameter\\(", entry)
       rounded = bool(re.search(r"= bf16\\[\\] convert\\(", r.hlo))
-      print(mode, [g.backend for g in r.gemms], [c.split(", ")[2] for c in calls], rounded)
+      print(mode, [g.backend for g in r.gemms],
+            ["the scale" if c.split(", ")[2] == param else c for c in calls], rounded)
     """)
 
 
@@ -295,7 +299,7 @@ def test_h100_bfloat16_gemm_scale_reaches_cublaslt_in_float32():
     pytest.skip("needs the jax[cuda12] plugin (make gpu-report builds .venv-cuda)")
   lines = [line for line in _deviceless(_SCALE_CHECK).stdout.splitlines()
            if line.split(" ", 1)[0] in ("cuBLAS", "Triton")]
-  assert lines == ["cuBLAS ['fp8 cuBLASLt'] ['%scale.1'] False",
+  assert lines == ["cuBLAS ['fp8 cuBLASLt'] ['the scale'] False",
                    "Triton ['Triton GEMM fusion'] [] True"], lines
 
 
