@@ -76,11 +76,12 @@ def quantize(x: jax.Array, fp8_dtype: Any, scale: jax.Array) -> jax.Array:
   skips the step instead of applying saturated gradients. So does, in E4M3, a finite
   value whose quotient overflows float32 (:func:`saturate`).
 
-  Compiled, XLA may turn the division by a scalar into a multiplication by its
-  reciprocal (its simplifier does for ``jax.jit(lambda x, s: x / s)``), depending on
-  how the scale reaches it in the program; the two can differ in the quotient's last
-  bit, so a compiled train step's fp8 codes, and its losses, can move slightly when
-  the program around the quantization changes (seen in ``make demo``'s fp8 run).
+  Compiled for a CPU, XLA may turn the division by a scalar into a multiplication by
+  its reciprocal (it does for ``jax.jit(lambda x, s: x / s)``; compiled for an H100
+  or a TPU v5e that function keeps its division), depending on how the scale reaches
+  it in the program; the two can differ in the quotient's last bit, so on a CPU a
+  compiled train step's fp8 codes, and its losses, can move slightly when the program
+  around the quantization changes (seen in ``make demo``'s fp8 run).
 
   Args:
     x: a floating-point array of any dtype.
