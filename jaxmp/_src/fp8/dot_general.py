@@ -259,6 +259,17 @@ def _scaled_product(q_lhs: jax.Array, q_rhs: jax.Array, scale: jax.Array, cfg: _
                                   out_sharding=cfg.out_sharding)
 
 
+def _quantized_operands(lhs: jax.Array, rhs: jax.Array, x_scale: jax.Array,
+                        k_scale: jax.Array, k_major_fp8: bool) -> tuple[jax.Array, ...]:
+  """The forward GEMM's operands in E4M3, in their own layout on Hopper if ``k_major_fp8``.
+
+  See :func:`~jaxmp._src.fp8.scaled_gemm.in_own_layout_on_gpus`; ``False`` leaves the
+  layouts to XLA.
+  """
+  return scaled_gemm.in_own_layout_on_gpus(
+      k_major_fp8, q.quantize(lhs, q.E4M3, x_scale), q.quantize(rhs, q.E4M3, k_scale))
+
+
 def _primal(lhs, rhs, state, cfg: _Config):
   """The product when nothing differentiates it (an eval step, say).
 
@@ -272,8 +283,8 @@ def _primal(lhs, rhs, state, cfg: _Config):
   if not isinstance(recipe, recipes_lib.DelayedScaling):
     return _forward(lhs, rhs, state, cfg)[0]
   scales = _delayed_scales(state_lib.DelayedScalingState(*(_read(x) for x in state)), recipe)
-  return _scaled_product(q.quantize(lhs, q.E4M3, scales[0]), q.quantize(rhs, q.E4M3, scales[1]),
-                         scales[0] * scales[1], cfg)
+  q_lhs, q_rhs = _quantized_operands(lhs, rhs, scales[0], scales[1], k_major_fp8=False)
+  return _scaled_product(q_lhs, q_rhs, scales[0] * scales[1], cfg)
 
 
 def _forward(lhs, rhs, state, cfg: _Config):
@@ -284,8 +295,7 @@ def _forward(lhs, rhs, state, cfg: _Config):
     # Each operand is quantized in its own layout, so that one kernel reads it for its
     # quantization and its amax (below); see scaled_gemm.in_own_layout_on_gpus. (With
     # current scaling, below, the amax comes first, but the layout still saves a pass.)
-    q_lhs, q_rhs = scaled_gemm.in_own_layout_on_gpus(
-        cfg.k_major_fp8, q.quantize(lhs, q.E4M3, scales[0]), q.quantize(rhs, q.E4M3, scales[1]))
+    q_lhs, q_rhs = _quantized_operands(lhs, rhs, scales[0], scales[1], cfg.k_major_fp8)
     # This step's amaxes are computed before the quantized operands are used (a
     # barrier). Left free, XLA fuses each kernel's amax with the optimizer's update of
     # that kernel (the last other reader of the parameter), and with a donated state
@@ -311,8 +321,7 @@ def _forward(lhs, rhs, state, cfg: _Config):
     x_scale = q.scale_from_amax(q.amax(lhs), one, q.E4M3, recipe.margin, recipe.power_of_two)
     k_scale = q.scale_from_amax(q.amax(rhs), one, q.E4M3, recipe.margin, recipe.power_of_two)
     g_scale, histories = None, None
-    q_lhs, q_rhs = scaled_gemm.in_own_layout_on_gpus(
-        cfg.k_major_fp8, q.quantize(lhs, q.E4M3, x_scale), q.quantize(rhs, q.E4M3, k_scale))
+    q_lhs, q_rhs = _quantized_operands(lhs, rhs, x_scale, k_scale, cfg.k_major_fp8)
   out = _scaled_product(q_lhs, q_rhs, x_scale * k_scale, cfg)
   return out, (q_lhs, q_rhs, x_scale, k_scale, g_scale, histories)
 
