@@ -169,7 +169,7 @@ def kernel_class(name: str) -> str:
     return "attention"
   if _GEMM.search(name):
     return "GEMM"
-  return "transposing" if "transpose" in name.split(" [")[0] else "other"
+  return "transposing" if "transpose" in hlo_name(name) else "other"
 
 
 def hlo_name(kernel: str) -> str:
@@ -219,8 +219,9 @@ def profile_summary(kernels: list[tuple[str, float]], steps: int, wall_ms: float
     cls = kernel_class(name)
     by_class[cls] += us / 1e3 / steps
     by_name.setdefault(name, []).append(us)
-    if bytes_of and hlo_name(name) in bytes_of:
-      moved[cls][0] += bytes_of[hlo_name(name)]
+    known = bytes_of.get(hlo_name(name)) if bytes_of else None
+    if known is not None:
+      moved[cls][0] += known
       moved[cls][1] += us
   busy = sum(by_class.values())
   ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
