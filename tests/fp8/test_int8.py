@@ -5,6 +5,8 @@ int32 accumulation leaves one float32 conversion and one float32 rescale, both
 reproduced by :func:`tests.fp8.reference.int8_matmul`.
 """
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -173,14 +175,20 @@ def test_int8_keeps_no_state_and_composes_with_gemm_recipes():
     fp8.GemmRecipes(forward=fp8.Int8Scaling)
 
 
-@pytest.mark.slow
-def test_linen_lm1b_runs_its_dense_gemms_in_int8_by_rule():
+def _lm1b_in_int8(mode: str):
+  """Flax's published lm1b LM with int8 on every Dense but the logit head: the entry,
+  a batch, the wrapped model and its variables."""
   entry = registry.BY_NAME["lm1b_transformer_lm"]
   rules = jaxmp.PolicyRules(BF16, [jaxmp.Rule("decoder/logitdense"),
                                    jaxmp.Rule((nn.Dense, nn.DenseGeneral), fp8=INT8)])
   batch = entry.batch(jax.random.key(1))
-  model = jaxmp.linen.mixed_precision(entry.module("train"), rules)
-  variables = entry.init(model, jax.random.key(0), batch)
+  model = jaxmp.linen.mixed_precision(entry.module(mode), rules)
+  return entry, batch, model, entry.init(model, jax.random.key(0), batch)
+
+
+@pytest.mark.slow
+def test_linen_lm1b_runs_its_dense_gemms_in_int8_by_rule():
+  entry, batch, model, variables = _lm1b_in_int8("train")
   assert set(variables) == {"params"}                          # int8 keeps no state
 
   def loss(params):
@@ -194,6 +202,24 @@ def test_linen_lm1b_runs_its_dense_gemms_in_int8_by_rule():
   assert dots == [np.dtype(np.int32)] * (3 * 6 * registry.LAYERS)
   value, grads = jax.jit(jax.value_and_grad(loss))(variables["params"])
   assert np.isfinite(value) and all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+
+
+def test_int8_by_rule_on_a_chip_where_it_does_not_pay_warns_one_text_naming_it_and_the_chip():
+  # Each of lm1b's twelve int8 layers traces the check; every message is the same text,
+  # so Python's warning filter shows it once, not once per layer.
+  entry, batch, model, variables = _lm1b_in_int8("eval")
+  forward = lambda v: entry.forward(model, v, batch, "eval", jax.random.key(2))
+  for target, expected in (("v5e", 0), ("v7", 6 * registry.LAYERS)):
+    with warnings.catch_warnings(record=True) as caught, fp8.compile_target(target):
+      warnings.simplefilter("always")
+      jax.eval_shape(forward, variables)
+    messages = [str(w.message) for w in caught if issubclass(w.category, fp8.Fp8FallbackWarning)]
+    assert len(messages) == expected
+  assert set(messages) == {
+      "jaxmp fp8: Int8Scaling() does not run in int8 on v7 (TPU v7: int8 at the bfloat16 "
+      "rate): its forward, input-gradient, weight-gradient GEMMs run as int8 GEMMs at the "
+      "bfloat16 rate (libtpu's cost model): only the quantization's cost is added. Name "
+      "another target with jaxmp.fp8.compile_target if this is not the chip."}
 
 
 @pytest.mark.slow

@@ -65,7 +65,7 @@ def test_recipes_that_fall_back_warn_naming_the_target(target, warns):
 def test_the_warning_names_the_gemms_that_fall_back_and_what_runs():
   recipe = fp8.GemmRecipes(fp8.RowwiseScaling(), fp8.BlockScaling(power_of_two=True), None)
   (message,) = _fallback_warnings(recipe, "h100")
-  assert ("its input-gradient GEMM run as a bfloat16 GEMM on dequantized operands (exact "
+  assert ("its input-gradient GEMM runs as a bfloat16 GEMM on dequantized operands (exact "
           "with power-of-two scales, and faster than jaxmp's block-scaled fp8 GEMM, which "
           "runs the other scales)") in message
   assert "forward" not in message.split("its ")[1] and "weight" not in message.split("its ")[1]
@@ -313,12 +313,13 @@ def test_int8_warns_where_it_runs_at_the_bfloat16_rate_naming_the_chip(target, w
     assert messages == []
     return
   (message,) = messages
-  assert message.startswith("jaxmp fp8: GemmRecipes(forward=Int8Scaling(), input_grad=")
+  # The recipe as the user wrote it, not the per-GEMM form jaxmp runs it in.
+  assert message.startswith("jaxmp fp8: Int8Scaling() does not run in int8 on v7 ")
   assert ("does not run in int8 on v7 (TPU v7: int8 at the bfloat16 rate): its forward, "
           "input-gradient, weight-gradient GEMMs run as int8 GEMMs at the bfloat16 rate") in message
   # Only the int8 GEMMs are named; an fp8 GEMM beside them runs in fp8 on v7.
   (message,) = _fallback_warnings(fp8.GemmRecipes(fp8.Int8Scaling(), fp8.RowwiseScaling()), "v7")
-  assert "its forward GEMM run as int8 GEMMs" in message
+  assert "its forward GEMM runs as int8 GEMMs" in message
 
 
 def test_int8_lowers_to_int8_gemms_where_jaxmp_claims_so():

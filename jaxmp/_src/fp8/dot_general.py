@@ -441,9 +441,9 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array,
   dimension_numbers = _canonical_dimension_numbers(dimension_numbers)
   _check_axes(dimension_numbers, lhs, rhs)
   out_dtype = _output_dtype(lhs, rhs, preferred_element_type)
-  recipe = recipes_lib.per_gemm(recipe)
   target = support.current_target()
-  support.warn_on_fallback(recipe, target)
+  support.warn_on_fallback(recipe, target)  # the recipe as the user wrote it
+  recipe = recipes_lib.per_gemm(recipe)
   if isinstance(recipe, recipes_lib.DelayedScaling):
     state = _as_state(state, recipe)
     state_avals = tuple((x.shape, x.dtype) for x in state)

@@ -269,8 +269,11 @@ _GEMM_NAMES = ("forward", "input-gradient", "weight-gradient")
 def warn_on_fallback(recipe: Any, target: Target | None = None) -> None:
   """Warns (:class:`Fp8FallbackWarning`) if some of ``recipe``'s GEMMs fall back on ``target``.
 
+  One message per recipe and chip, whichever layer traces it: the same text each time,
+  so Python's warning filter shows it once rather than once per layer of a large model.
+
   Args:
-    recipe: any fp8 recipe.
+    recipe: any fp8 recipe, as the user gave it (the message shows it).
     target: the chip; :func:`current_target` by default.
   """
   target = current_target() if target is None else target
@@ -281,10 +284,10 @@ def warn_on_fallback(recipe: Any, target: Target | None = None) -> None:
       fallbacks.setdefault((recipes_lib.narrow_type(gemm_recipe), found.detail),
                            []).append(name)
   for (narrow, detail), names in fallbacks.items():
+    gemms = "GEMMs run" if len(names) > 1 else "GEMM runs"
     warnings.warn(
         f"jaxmp fp8: {recipe!r} does not run in {narrow} on {target.name} "
-        f"({target.description}): "
-        f"its {', '.join(names)} GEMM{'s' if len(names) > 1 else ''} run as {detail}. "
+        f"({target.description}): its {', '.join(names)} {gemms} as {detail}. "
         "Name another target with jaxmp.fp8.compile_target if this is not the chip.",
         Fp8FallbackWarning, stacklevel=4)
 
