@@ -9,6 +9,7 @@ import re
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -326,7 +327,7 @@ CASES = [
     ("CurrentScaling negative margin", lambda: fp8.CurrentScaling(margin=-1), ValueError,
      "got -1"),
     ("CurrentScaling power_of_two string", lambda: fp8.CurrentScaling(power_of_two="yes"),
-     TypeError, "power_of_two must be a bool, got 'yes'"),
+     TypeError, "power_of_two must be True or False, got 'yes'"),
     ("DelayedScaling power_of_two int", lambda: fp8.DelayedScaling(power_of_two=1), TypeError,
      "got 1 of type int"),
     ("RowwiseScaling negative margin", lambda: fp8.RowwiseScaling(margin=-1), ValueError,
@@ -631,3 +632,41 @@ def test_bad_input_inside_jit_is_refused_at_trace_time():
     jax.jit(lambda f: jaxmp.DynamicLossScale().adjust(f))(jnp.array([True, False]))
   with pytest.raises(TypeError, match="dtype int32"):
     jax.jit(lambda p: jaxmp.select_tree(p, PARAMS, PARAMS))(jnp.int32(1))
+
+
+# Every flag (an argument that is True or False) takes a Python or a NumPy bool, holds
+# it as a Python bool, and refuses anything else with one message (checks.flag).
+MHA = nn.MultiHeadDotProductAttention
+FLAGS = {
+    "Rule causal_attention": lambda b: jaxmp.Rule(MHA, causal_attention=b).causal_attention,
+    "Rule padded_attention": lambda b: jaxmp.Rule(MHA, padded_attention=b).padded_attention,
+    "PolicyRules fused_attention":
+        lambda b: jaxmp.PolicyRules("float32", fused_attention=b).fused_attention,
+    "PolicyRules float32_normalization":
+        lambda b: jaxmp.PolicyRules("float32", float32_normalization=b).float32_normalization,
+    "PolicyRules trace_nonfinite":
+        lambda b: jaxmp.PolicyRules("float32", trace_nonfinite=b).trace_nonfinite,
+    **{f"{recipe.__name__} power_of_two": (lambda b, r=recipe: r(power_of_two=b).power_of_two)
+       for recipe in (fp8.DelayedScaling, fp8.CurrentScaling, fp8.RowwiseScaling,
+                      fp8.BlockScaling)},
+}
+
+
+@pytest.mark.parametrize("read", FLAGS.values(), ids=list(FLAGS))
+def test_numpy_bools_are_flags_wherever_a_bool_is(read):
+  for value in (True, False):
+    held = read(np.bool_(value))
+    assert held is value, held
+  with pytest.raises(TypeError, match=r"must be True or False, got 1 of type int\."):
+    read(1)
+  with pytest.raises(TypeError, match=r"must be True or False, got np.int64\(0\) of type int64"):
+    read(np.int64(0))
+
+
+def test_master_weights_remainders_takes_a_numpy_bool():
+  params = {"w": jnp.ones(2, jnp.bfloat16)}
+  made = lambda b: jaxmp.optim.master_weights(optax.sgd(1.0), remainders=b).init(params)
+  assert jax.tree.map(lambda x: x.dtype, made(np.bool_(True))) == jax.tree.map(
+      lambda x: x.dtype, made(True))
+  with pytest.raises(TypeError, match=r"remainders must be True or False, got 1 of type int"):
+    made(1)

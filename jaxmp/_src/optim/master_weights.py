@@ -93,10 +93,7 @@ class MasterWeightsState(NamedTuple):
 
 
 def _check_remainders(remainders: Any) -> bool:
-  if not isinstance(remainders, bool):
-    raise TypeError(f"{_WHERE}: remainders must be True or False, got {remainders!r} of "
-                    f"type {type(remainders).__name__}.")
-  return remainders
+  return checks.flag(remainders, "remainders", where=_WHERE)
 
 
 def _select(params: Any, remainders: bool) -> Any:
