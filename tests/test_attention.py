@@ -687,3 +687,27 @@ def test_causal_rule_on_published_wmt_decoder_leaves_its_cross_attention_alone()
     np.testing.assert_allclose(np.asarray(logits)[real],
                                np.asarray(plain.apply(variables, inputs, targets))[real],
                                atol=2e-5)
+
+
+def test_a_lifted_layer_is_self_attention_called_with_its_query_alone():
+  # nn.remat hands the layer each argument as a value of its own, so layer(x, x) of a
+  # lifted layer class reads as cross-attention (and says how to write it); layer(x)
+  # stays causal self-attention.
+  class Block(nn.Module):
+    twice: bool
+
+    @nn.compact
+    def __call__(self, x, mask=None):
+      attention = nn.remat(nn.MultiHeadDotProductAttention)(num_heads=2, name="attention")
+      return attention(x, x, mask=mask) if self.twice else attention(x, mask=mask)
+
+  plain = jaxmp.linen.mixed_precision(Block(twice=False), jaxmp.PolicyRules(F32))
+  variables = plain.init(jax.random.key(0), X)
+  declared = lambda twice: jaxmp.linen.mixed_precision(Block(twice=twice),
+                                                       jaxmp.PolicyRules(F32, [CAUSAL]))
+  with warnings.catch_warnings():
+    warnings.filterwarnings("error", message=".*cross-attention")
+    np.testing.assert_allclose(declared(False).apply(variables, X),
+                               plain.apply(variables, X, MASK), atol=1e-6)
+  with pytest.warns(UserWarning, match=r"lifted by nn.remat.*call it as layer\(x\)"):
+    declared(True).apply(variables, X)

@@ -348,7 +348,9 @@ class Call:
         "come from another sequence, so this call computes as the layer does, with the "
         "mask it is handed. A causal declaration applies to self-attention calls only "
         "(no inputs_k/inputs_v, or the query itself); match only the self-attention "
-        "layers (a path regex) to leave the cross-attention ones out of the rule.",
+        "layers (a path regex) to leave the cross-attention ones out of the rule. (A "
+        "self-attention call written layer(x, x) of a layer class lifted by nn.remat or "
+        "another transform reaches the layer as two values: call it as layer(x).)",
         UserWarning, stacklevel=4)
     return dataclasses.replace(precision, causal_attention=False, attention_window=None)
 
