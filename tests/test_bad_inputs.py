@@ -456,6 +456,15 @@ CASES = [
         apply_fn=lambda v, x: x, variables=PARAMS, tx=optax.sgd(1.0)), ValueError, "['w']"),
     ("MultiSteps outside loss_scaling", lambda: jaxmp.get_loss_scale(_wrong_nesting_state()),
      ValueError, "jaxmp.loss_scaling(optax.MultiSteps(opt, k))"),
+    ("TrainState.create with a MultiSteps object", lambda: jaxmp.linen.TrainState.create(
+        apply_fn=lambda v, x: x, variables={"params": PARAMS},
+        tx=optax.MultiSteps(optax.sgd(1.0), 2)), TypeError, "pass tx.gradient_transformation()"),
+    ("clip chained before loss_scaling", lambda: jaxmp.get_loss_scale(optax.chain(
+        optax.clip_by_global_norm(1.0), jaxmp.loss_scaling(optax.sgd(1.0))).init(PARAMS)),
+     ValueError, "jaxmp.loss_scaling(optax.chain(..., opt))"),
+    ("apply_if_finite around loss_scaling", lambda: jaxmp.loss_scaling_metrics(
+        optax.apply_if_finite(jaxmp.loss_scaling(optax.sgd(1.0)), 3).init(PARAMS)),
+     ValueError, "the scale never backs off"),
     ("loss_scaling max_consecutive_skips 0", lambda: jaxmp.loss_scaling(
         optax.sgd(1.0), max_consecutive_skips=0), ValueError, "max_consecutive_skips"),
     ("loss_scaling max_consecutive_skips string", lambda: jaxmp.loss_scaling(
