@@ -37,8 +37,9 @@ gradients and a skipped step skips them too. Wherever jaxmp reads the state
   Optax wrapper's state. ``inject_hyperparams`` around it is accepted: it passes the
   gradients on untouched (its count, and so an injected schedule, advances on skipped
   steps; inject inside to count applied steps only). Containers of one's own (a dict, a
-  list) and :mod:`jaxmp.optim`'s wrappers, which land a skip's ``-0.0`` updates exactly,
-  are accepted too.
+  list) and :mod:`jaxmp.optim`'s wrappers, which write the params from the updates
+  loss_scaling returns (``docs/guides/memory.md`` says which order suits each), are
+  accepted too.
 
 An ``optax.chain``'s state is a plain tuple, so a tuple of one's own holding the state
 beside something else reads as a chain: pass the optimizer state itself. A
@@ -247,8 +248,8 @@ def loss_scaling(
   for how the skip is formulated.
 
   With an ``optax.MultiSteps`` inside, each update is one micro-batch: a non-finite
-  one is dropped and backs the scale off at once; the growth counter counts
-  optimizer steps (module docstring).
+  one is dropped (it does not count towards the window) and backs the scale off at
+  once; the growth counter counts optimizer steps (module docstring).
 
   Args:
     inner: the optimizer to wrap: any ``optax.GradientTransformation`` (with or
@@ -425,9 +426,11 @@ def _chain_position(node: Any, key: Any) -> tuple[str, str, int, int] | None:
 def _chain_error(node: Any, key: Any, caller: str) -> str | None:
   """Why a LossScalingState may not sit at ``key`` of a chain's ``node``, if it may not."""
   position = _chain_position(node, key)
-  if position is None or position[3] == 1:
+  if position is None:
     return None
-  chain, kind, index, _ = position
+  chain, kind, index, length = position
+  if length == 1:
+    return None
   message = _CHAINED_BEFORE if index > 0 else _CHAINED_AFTER
   return message.format(caller=caller, chain=chain) + _OWN_CONTAINER.format(kind=kind, chain=chain)
 
