@@ -457,6 +457,15 @@ CASES = [
         apply_fn=lambda v, x: x, variables=PARAMS, tx=optax.sgd(1.0)), ValueError, "['w']"),
     ("MultiSteps outside loss_scaling", lambda: jaxmp.get_loss_scale(_wrong_nesting_state()),
      ValueError, "jaxmp.loss_scaling(optax.MultiSteps(opt, k))"),
+    ("TrainState.create with a MultiSteps object", lambda: jaxmp.linen.TrainState.create(
+        apply_fn=lambda v, x: x, variables={"params": PARAMS},
+        tx=optax.MultiSteps(optax.sgd(1.0), 2)), TypeError, "pass tx.gradient_transformation()"),
+    ("clip chained before loss_scaling", lambda: jaxmp.get_loss_scale(optax.chain(
+        optax.clip_by_global_norm(1.0), jaxmp.loss_scaling(optax.sgd(1.0))).init(PARAMS)),
+     ValueError, "jaxmp.loss_scaling(optax.chain(..., opt))"),
+    ("apply_if_finite around loss_scaling", lambda: jaxmp.loss_scaling_metrics(
+        optax.apply_if_finite(jaxmp.loss_scaling(optax.sgd(1.0)), 3).init(PARAMS)),
+     ValueError, "the scale never backs off"),
     ("loss_scaling max_consecutive_skips 0", lambda: jaxmp.loss_scaling(
         optax.sgd(1.0), max_consecutive_skips=0), ValueError, "max_consecutive_skips"),
     ("loss_scaling max_consecutive_skips string", lambda: jaxmp.loss_scaling(
@@ -496,6 +505,24 @@ CASES = [
     ("master_params of other params", lambda: jaxmp.optim.master_params(
         jaxmp.optim.master_weights(optax.sgd(1.0)).init(BF16_PARAMS), {"v": jnp.ones(2)}),
      ValueError, "the params have ['v'] where the master weights have ['w']"),
+    ("master_params of params of another shape", lambda: jaxmp.optim.master_params(
+        jaxmp.optim.master_weights(optax.sgd(1.0)).init(BF16_PARAMS),
+        {"w": jnp.ones(3, jnp.bfloat16)}), ValueError,
+     "param ['w'] has shape (3,) where its master has shape (2,)"),
+    ("master_params of remainders, given float32 params", lambda: jaxmp.optim.master_params(
+        jaxmp.optim.master_weights(optax.sgd(1.0), remainders=True).init(BF16_PARAMS), PARAMS),
+     TypeError, "param ['w'] has dtype float32; with remainders=True"),
+    ("master_weights inside master_weights", lambda: jaxmp.optim.master_weights(
+        jaxmp.optim.master_weights(optax.sgd(1.0))).init(BF16_PARAMS), ValueError,
+     "master_weights is nested inside master_weights"),
+    ("stochastic_rounding inside master_weights", lambda: jaxmp.optim.master_weights(
+        jaxmp.optim.stochastic_rounding(optax.sgd(1.0), jax.random.key(0))).init(BF16_PARAMS),
+     ValueError, "stochastic_rounding is nested inside master_weights"),
+    ("kahan_summation inside master_weights, deeper in a chain", lambda: jaxmp.optim.master_weights(
+        optax.chain(optax.clip(1.0), jaxmp.optim.kahan_summation(optax.sgd(1.0)))).init(
+            BF16_PARAMS), ValueError, "kahan_summation is nested inside master_weights"),
+    ("state_dtypes choice of one argument", lambda: jaxmp.optim.state_dtypes(
+        optax.adam(1e-3), lambda path: "bfloat16"), TypeError, "dtype(path, leaf)"),
     ("state_dtypes int8", lambda: jaxmp.optim.state_dtypes(optax.adam(1e-3), "int8"),
      ValueError, "storage dtype 'int8' is not accepted"),
     ("state_dtypes int32 dtype", lambda: jaxmp.optim.state_dtypes(optax.adam(1e-3), jnp.int32),
@@ -540,6 +567,12 @@ CASES = [
             BF16_PARAMS)), ValueError, "params=None"),
     ("kahan_add float32 param", lambda: jaxmp.optim.kahan_add(X, X, X), TypeError,
      "dtype float32"),
+    ("kahan_add update of another shape", lambda: jaxmp.optim.kahan_add(
+        jnp.ones(3, jnp.bfloat16), jnp.ones(4), jnp.zeros(3, jnp.bfloat16)), ValueError,
+     "update has shape (4,), the param (3,)"),
+    ("kahan_add update a Python float", lambda: jaxmp.optim.kahan_add(
+        jnp.ones((), jnp.bfloat16), 1e-4, jnp.zeros((), jnp.bfloat16)), TypeError,
+     "update must be a floating-point array"),
     ("split_remainder of bfloat16", lambda: jaxmp.optim.split_remainder(
         BF16_PARAMS["w"]), TypeError, "dtype bfloat16"),
     ("join_remainder shapes", lambda: jaxmp.optim.join_remainder(
