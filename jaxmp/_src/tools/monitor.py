@@ -325,26 +325,15 @@ def _count(value: Any, name: str) -> int:
   return int(value)
 
 
-def _loss_scale_metric(metrics: Mapping) -> float | None:
-  value = _scalar(metrics, "loss_scale")
+def _real_metric(metrics: Mapping, key: str, valid, requirement: str) -> float | None:
+  """``metrics[key]`` as a float, ``None`` when missing; ``valid(value)`` or a ValueError."""
+  value = _scalar(metrics, key)
   if value is None:
     return None
-  scale = _real(value, "metrics['loss_scale']")
-  if not (math.isfinite(scale) and scale > 0):  # a loss scale always is
-    raise ValueError(f"Monitor.update: metrics['loss_scale'] must be positive and finite, got "
-                     f"{scale!r}.")
-  return scale
-
-
-def _grad_norm_metric(metrics: Mapping) -> float | None:
-  value = _scalar(metrics, "grad_norm")
-  if value is None:
-    return None
-  norm = _real(value, "metrics['grad_norm']")
-  if norm < 0:
-    raise ValueError(f"Monitor.update: metrics['grad_norm'] must be >= 0 (or inf or NaN for "
-                     f"non-finite gradients), got {norm!r}.")
-  return norm
+  number = _real(value, f"metrics[{key!r}]")
+  if not valid(number):
+    raise ValueError(f"Monitor.update: metrics[{key!r}] must be {requirement}, got {number!r}.")
+  return number
 
 
 def _finite_metric(metrics: Mapping) -> bool | None:
@@ -525,10 +514,12 @@ class Monitor:
     metrics = jax.device_get(dict(metrics))
     loss = self._loss(loss)
     step = self._step(step)
-    scale = _loss_scale_metric(metrics)
+    scale = _real_metric(metrics, "loss_scale", lambda v: math.isfinite(v) and v > 0,
+                         "positive and finite")  # as every loss scale is
     finite = _finite_metric(metrics)
     nonfinite = _nonfinite_metric(metrics)
-    grad_norm = _grad_norm_metric(metrics)
+    grad_norm = _real_metric(metrics, "grad_norm", lambda v: not v < 0,
+                             ">= 0 (or inf or NaN for non-finite gradients)")
     streak = _count_metric(metrics, "consecutive_skips")
     _count_metric(metrics, "skipped_steps")
     trace = metrics.get("nonfinite_trace")
