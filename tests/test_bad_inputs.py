@@ -131,6 +131,12 @@ def _probe():
   return nonfinite.probe(PROBE_CALLS)
 
 
+def _recorded_trace():
+  """A step's trace: every call recorded once (count 1), every value finite."""
+  values = jnp.zeros((len(PROBE_CALLS), 10)).at[:, -1].set(1.0)
+  return jaxmp.tools.NonfiniteTrace(PROBE_CALLS, values)
+
+
 def _controller(model=None, **kwargs):
   if model is None:
     model = jaxmp.linen.mixed_precision(nn.Dense(2), TRACE_RULES)
@@ -144,11 +150,17 @@ def _controller_update(metrics):
   return controller.update(jaxmp.linen.mixed_precision(nn.Dense(2), TRACE_RULES))
 
 
-def _propose(origin_path="dense", **kwargs):
+def _step_record(origin_path="dense", **fields):
   origin = jaxmp.tools.Origin(origin_path, "__call__", "forward", "output", float("inf"))
-  step = jaxmp.tools.StepRecord(0, None, True, 1.0, origin, True, frozenset())
+  return jaxmp.tools.StepRecord(**{"step": 0, "loss": None, "skipped": True, "loss_scale": 1.0,
+                                   "origin": origin, "traced": True, "active": frozenset(),
+                                   **fields})
+
+
+def _propose(origin_path="dense", modules=None, **kwargs):
   args = {"culprit_steps": 1, "bfloat16": False, **kwargs}
-  return jaxmp.tools.propose_change(TRACE_RULES, [step], {"": nn.Dense}, **args)
+  return jaxmp.tools.propose_change(TRACE_RULES, [_step_record(origin_path)],
+                                    modules or {"": nn.Dense}, **args)
 
 
 def _nnx_with_rules_restoring_params():
@@ -605,7 +617,35 @@ CASES = [
     ("nonfinite_report negative loss scale", lambda: jaxmp.tools.nonfinite_report(
         _probe(), loss_scale=-1.0), ValueError, "-1.0"),
     ("NonfiniteReport.largest unknown value",
-     lambda: jaxmp.tools.nonfinite_report(_probe()).largest("bogus"), ValueError, "'bogus'"),
+     lambda: jaxmp.tools.nonfinite_report(_recorded_trace()).largest("bogus"), ValueError,
+     "'bogus'"),
+    ("nonfinite_report of the zero probe", lambda: jaxmp.tools.nonfinite_report(_probe()),
+     ValueError, "recorded no module call: it is the zero probe"),
+    ("nonfinite_report inside jit", lambda: jax.jit(
+        lambda t: jaxmp.tools.nonfinite_report(t).loss_scale)(_recorded_trace()), TypeError,
+     "nonfinite_report reads the trace on the host"),
+    ("Monitor.update negative loss scale", lambda: jaxmp.tools.Monitor().update(
+        {"loss_scale": -1.0}), ValueError, "must be positive and finite, got -1.0"),
+    ("Monitor.update last_step_finite string", lambda: jaxmp.tools.Monitor().update(
+        {"last_step_finite": "yes"}), TypeError, "got 'yes'"),
+    ("Monitor.update inside jit", lambda: jax.jit(
+        lambda loss: jaxmp.tools.Monitor().update({}, loss) and loss)(1.0), TypeError,
+     "Monitor.update reads the metrics and loss on the host"),
+    ("suggest_scale negative magnitude", lambda: jaxmp.tools.suggest_scale(-1.0, 1e-3, "f16"),
+     ValueError, "got -1.0"),
+    ("suggest_scale NaN magnitude", lambda: jaxmp.tools.suggest_scale(float("nan"), 1e-3, "f16"),
+     ValueError, "got nan"),
+    ("suggest_scale min above max", lambda: jaxmp.tools.suggest_scale(1e-3, 1.0, "f16"),
+     ValueError, "min_abs (1.0) is larger than max_abs (0.001)"),
+    ("relative_error of other trees", lambda: jaxmp.tools.relative_error(
+        {"a": jnp.ones(2)}, {"b": jnp.ones(2)}), ValueError, "'a' in the reference and 'b'"),
+    ("relative_error of other shapes", lambda: jaxmp.tools.relative_error(
+        jnp.ones(3), jnp.ones(4)), ValueError, "shape (3,) in the reference and (4,)"),
+    ("summary of a wrapper with other rules", lambda: jaxmp.tools.summary(
+        jaxmp.linen.mixed_precision(nn.Dense(2), "float32"), "bf16", X), ValueError,
+     "the wrapper runs its own rules"),
+    ("device_capabilities of a name", lambda: jaxmp.tools.device_capabilities("tpu"),
+     TypeError, "types.SimpleNamespace(platform='tpu', device_kind='TPU v5 lite')"),
     ("accumulate_gradients traces of different models", _traces_of_two_models, ValueError,
      "2 and 1 call sites"),
     ("nnx value_and_grad with two tracing wrappers", _two_traced_nnx_wrappers, ValueError,
@@ -634,6 +674,21 @@ CASES = [
     ("propose_change rule that would match no module", lambda: _propose("decoder/attention"),
      ValueError, "'decoder/attention', which is not a module of the model"),
     ("propose_change culprit_steps 0", lambda: _propose(culprit_steps=0), ValueError, "got 0"),
+    ("propose_change one StepRecord", lambda: jaxmp.tools.propose_change(
+        TRACE_RULES, _step_record(), {"": nn.Dense}, culprit_steps=1, bfloat16=False),
+     TypeError, "got one StepRecord (step 0); pass [record]"),
+    ("propose_change class names as modules", lambda: _propose(modules={"": "Dense"}),
+     TypeError, "'' maps to 'Dense' of type str"),
+    ("Origin misspelt value", lambda: jaxmp.tools.Origin("dense", "__call__", "forward",
+                                                         "outptu", 1.0), ValueError, "'outptu'"),
+    ("StepRecord skipped as a string", lambda: _step_record(skipped="no"), TypeError,
+     "skipped must be True, False or None, got 'no'"),
+    ("StepRecord misspelt anomaly kind", lambda: _step_record(active={"scale_colapse"}),
+     ValueError, "unknown anomaly kind 'scale_colapse'"),
+    ("PrecisionChange unknown kind", lambda: jaxmp.tools.PrecisionChange(
+        0, "bogus", None, "r", TRACE_RULES, TRACE_RULES, ()), ValueError, "got 'bogus'"),
+    ("PrecisionController device name", lambda: _controller(device="h100"), TypeError,
+     "a description of one"),
     ("propose_change bfloat16 string", lambda: _propose(bfloat16="yes"), TypeError, "got 'yes'"),
     ("linen with_rules of a policy string", lambda: jaxmp.linen.mixed_precision(
         nn.Dense(2), "float32").with_rules("bfloat16"), TypeError, "got 'bfloat16'"),

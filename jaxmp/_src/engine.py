@@ -199,6 +199,7 @@ class Wrapper:
 
   __slots__ = ()
   model: Any  # the wrapped model; each adapter's wrapper sets it
+  rules: rules_lib.PolicyRules  # the rules it runs; each adapter's wrapper sets it
 
   def module_types(self) -> dict[str, type]:
     """The class of every module of the wrapped model, by '/'-joined path."""
