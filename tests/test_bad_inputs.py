@@ -170,6 +170,76 @@ def _nnx_with_rules_restoring_params():
   return model.with_rules(jaxmp.PolicyRules("bfloat16"))
 
 
+class _Counter(nn.Module):
+  """A model keeping an integer in its params."""
+
+  @nn.compact
+  def __call__(self, x):
+    calls = self.param("calls", lambda key: jnp.zeros((), jnp.int32))
+    return nn.Dense(2)(x) + calls.astype(x.dtype)
+
+
+def _counter_state():
+  model = jaxmp.linen.mixed_precision(_Counter(), "params=float32,compute=float16")
+  return jaxmp.linen.TrainState.create(apply_fn=model.apply,
+                                       variables=model.init(jax.random.key(0), X),
+                                       tx=jaxmp.loss_scaling(optax.adam(0.1)))
+
+
+def _counter_train_step():
+  state = _counter_state()
+  _, grads = state.value_and_grad(lambda v: jnp.sum(state.apply_fn(v, X)))()
+  return state.apply_gradients(grads)
+
+
+def _nnx_value_and_grad_of_an_integer_param():
+  from flax import nnx
+
+  class Counter(nnx.Module):
+    def __init__(self):
+      self.linear = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+      self.calls = nnx.Param(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x):
+      return self.linear(x) + self.calls[...]
+
+  model = jaxmp.nnx.mixed_precision(Counter(), "float32")
+  return jaxmp.nnx.value_and_grad(lambda m: jnp.sum(m(X)))(model)
+
+
+def _nnx_optimizer_of_every_variable():
+  from flax import nnx
+
+  model = jaxmp.nnx.mixed_precision(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), jaxmp.PolicyRules(
+      "float32", [jaxmp.Rule(nnx.Linear, fp8=RECIPE)]))
+  optimizer = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Variable)
+  _, grads = jaxmp.nnx.value_and_grad(lambda m: jnp.sum(m(X)))(model)
+  return jaxmp.nnx.apply_gradients(optimizer, model, grads)
+
+
+def _fp8_state_stepped_with_gradients_of_another_state():
+  def state_of(rules):
+    model = jaxmp.linen.mixed_precision(nn.Dense(2), rules)
+    return jaxmp.linen.TrainState.create(apply_fn=model.apply,
+                                         variables=model.init(jax.random.key(0), X),
+                                         tx=optax.sgd(0.1))
+  fp8_state = state_of(jaxmp.PolicyRules("float32", [jaxmp.Rule(nn.Dense, fp8=RECIPE)]))
+  plain = state_of(jaxmp.PolicyRules("float32"))
+  _, grads = plain.value_and_grad(lambda v: jnp.sum(plain.apply_fn(v, X)))()
+  return fp8_state.apply_gradients(grads)
+
+
+def _linen_with_rules_restoring_params():
+  model = jaxmp.linen.mixed_precision(nn.Dense(2), "float32")
+  model.init(jax.random.key(0), X)
+  return model.with_rules(jaxmp.PolicyRules("bfloat16"))
+
+
+def _linen_probe_given_to_a_wrapper_that_does_not_trace():
+  model, variables = _traced_linen()
+  return model.with_rules(jaxmp.PolicyRules("float32")).apply(variables, X)
+
+
 # (id, call, exception type, text the message must contain)
 CASES = [
     # Policies and dtypes.
@@ -696,6 +766,24 @@ CASES = [
      TypeError, "apply_fn must be the apply of a jaxmp.linen wrapper"),
     ("nnx with_rules re-storing params", _nnx_with_rules_restoring_params, ValueError,
      "stored in float32, but the new rules store it in bfloat16"),
+    # The Flax adapters: errors that named neither the cause nor the fix (issue 47).
+    ("linen with_rules re-storing params", _linen_with_rules_restoring_params, ValueError,
+     "'bias' is stored in float32, but the new rules store it in bfloat16"),
+    ("linen probe given to a wrapper that does not trace",
+     _linen_probe_given_to_a_wrapper_that_does_not_trace, ValueError,
+     "Drop it ({k: v for k, v in variables.items() if k != 'jaxmp_nonfinite'}"),
+    ("linen value_and_grad of an integer param", lambda: jaxmp.linen.value_and_grad(
+        lambda v: jnp.sum(_counter_state().apply_fn(v, X)))(_counter_state().variables),
+     TypeError, "'calls' (int32)"),
+    ("TrainState step with an integer param", _counter_train_step, TypeError,
+     "self.variable('state', name, ...) instead of self.param"),
+    ("nnx value_and_grad of an integer param", _nnx_value_and_grad_of_an_integer_param,
+     TypeError, "'model/calls' (Param, int32)"),
+    ("nnx optimizer wrt=nnx.Variable with fp8 state", _nnx_optimizer_of_every_variable,
+     ValueError, "nnx.Optimizer(model, tx, wrt=nnx.Param)"),
+    ("fp8 state stepped with gradients of another state",
+     _fp8_state_stepped_with_gradients_of_another_state, ValueError,
+     "has 0 leaves, the state 6: the gradients lack ['Fp8DotGeneral_0']['input_amax_history']"),
 ]
 
 

@@ -24,11 +24,16 @@ for every module the adapter hands it:
    argument: a KV cache, a recurrent carry) goes back in the dtypes it came in, so a
    ``lax.scan`` over the wrapped model keeps its carry type.
 6. **caches written in place** (linen's ``cache`` collection, NNX's ``nnx.Cache``
-   variables: a KV cache a decoder updates with ``lax.dynamic_update_slice`` and
-   assigns back): read like an input, in the compute dtype of the module that owns
-   them (:meth:`Call.read_cache`), and written, like a param, in the dtypes the
-   variable held (:func:`written`). The in-place update sees one dtype, and the cache
-   keeps the dtype the model built it with (a float32 ``init_cache`` stays float32).
+   variables, the model's own or handed to a module as an argument: a KV cache a
+   decoder updates with ``lax.dynamic_update_slice`` and assigns back): read like an
+   input, in the compute dtype of the module that owns them or is handed them
+   (:meth:`Call.read_cache`), and written, like a param, in the dtypes the variable
+   held (:func:`written`; a cache read and not written keeps its bits). The in-place
+   update sees one dtype, and the cache keeps the dtype the model built it with (a
+   float32 ``init_cache`` stays float32). Other floating-point state is left as it
+   is held; an in-place update that meets it in another dtype fails with lax's error,
+   which the adapters re-raise naming the state and the fix
+   (:func:`uncast_state_error`).
 7. **record**: a :class:`CallRecord` per module call, for the unused-rule report and
    :func:`jaxmp.tools.summary` (which, with ``annotate=True``, attributes every
    traced matmul to the module call it ran in).
@@ -204,6 +209,60 @@ class Wrapper:
   def module_types(self) -> dict[str, type]:
     """The class of every module of the wrapped model, by '/'-joined path."""
     raise NotImplementedError(f"{type(self).__name__} does not list its modules.")
+
+
+def param_storage_error(path: str, stored: np.dtype, wanted: np.dtype, restore: str
+                        ) -> ValueError:
+  """The refusal of a ``with_rules`` whose rules store a param in another dtype.
+
+  Both adapters' ``with_rules`` swap the rules and keep every variable as it is, and an
+  optimizer state made for the params as they are stored; converting the param would
+  change both behind the user's back, and keeping it while the rules say otherwise
+  would leave the rules untrue. So the new rules must store every param as it is.
+
+  Args:
+    path: the param's '/'-joined path.
+    stored: the dtype it is stored in.
+    wanted: the dtype the new rules store it in.
+    restore: how the user stores params in another dtype with this adapter.
+
+  Example:
+    >>> from jaxmp._src import engine
+    >>> print(engine.param_storage_error("head/kernel", np.dtype("float32"),
+    ...                                  jnp.dtype("bfloat16"), "wrap the model again"))
+    with_rules: the param 'head/kernel' is stored in float32, but the new rules store it
+    in bfloat16; ... not how params are stored: wrap the model again.
+  """
+  return ValueError(
+      f"with_rules: the param {path!r} is stored in {np.dtype(stored).name}, but the new "
+      f"rules store it in {np.dtype(wanted).name}; with_rules keeps every variable (and an "
+      f"optimizer state made for the params) as it is, so it changes how modules compute, "
+      f"not how params are stored: {restore}.")
+
+
+def integer_params_error(differentiated: str, integers: Sequence[str], keep: str
+                         ) -> TypeError:
+  """The refusal of integer (or bool) params by both adapters' ``value_and_grad``.
+
+  Differentiating only the floating-point params instead would hand the optimizer
+  gradients it cannot take for the others (``float0``, which no Optax transform
+  accepts; or integer zeros, which turn Adam's integer moments into floats and break a
+  skipped step's branch): an integer is state, not a parameter.
+
+  Args:
+    differentiated: what the adapter's ``value_and_grad`` differentiates, in words.
+    integers: the integer params, one description each.
+    keep: where the adapter keeps integer state instead.
+
+  Example:
+    >>> from jaxmp._src import engine
+    >>> print(engine.integer_params_error("every param", ["'calls' (int32)"], "elsewhere"))
+    every param is differentiated (and stepped by the optimizer), but these hold
+    integers, which have no gradient: 'calls' (int32). Keep integer state elsewhere.
+  """
+  return TypeError(
+      f"{differentiated} is differentiated (and stepped by the optimizer), but these hold "
+      f"integers, which have no gradient: {', '.join(integers)}. Keep integer state {keep}.")
 
 
 NOT_A_DTYPE_FIELD = object()
@@ -553,7 +612,7 @@ def _same_shapes(a: Any, b: Any, is_node: Callable[[Any], bool] | None) -> bool:
       for x, y in zip(leaves_a, leaves_b))
 
 
-def written(value: T, stored: Any) -> T:
+def written(value: T, stored: Any, read: Any = None) -> T:
   """``value``, written in place to a variable that held ``stored``, in ``stored``'s dtypes.
 
   The rule for state a module writes in place (a param it overwrites, a cache, step 6
@@ -561,21 +620,92 @@ def written(value: T, stored: Any) -> T:
   leaf it replaces, so the variable keeps the dtype the model gave it. A value of
   another tree structure (a variable that held ``None``) is written as it is.
 
+  Args:
+    value: what the module left in the variable.
+    stored: what the variable held before the module read it.
+    read: what the module was given for ``stored`` (:meth:`Call.read_cache`), or
+      ``None``. A leaf of ``value`` that is still the leaf it was given goes back as
+      the stored leaf itself: a cache read in a narrower dtype and not written keeps
+      its bits.
+
+  Returns:
+    The value to store.
+
   Example:
     >>> from jaxmp._src import engine
     >>> cache = {"k": jnp.zeros(4, jnp.float32), "index": jnp.int32(0)}
     >>> new = engine.written({"k": jnp.ones(4, jnp.bfloat16), "index": jnp.int32(1)}, cache)
     >>> new["k"].dtype, new["index"].dtype
     (dtype('float32'), dtype('int32'))
+    >>> stored = jnp.float32(1 / 3)
+    >>> given = stored.astype(jnp.bfloat16)
+    >>> engine.written(given, stored, read=given) is stored   # read, not written
+    True
   """
   leaves, treedef = jax.tree_util.tree_flatten(value)
   stored_leaves, stored_treedef = jax.tree_util.tree_flatten(stored)
   if treedef != stored_treedef:
     return value
+  read_leaves = jax.tree_util.tree_leaves(read)
+  if jax.tree_util.tree_structure(read) != treedef:
+    read_leaves = [None] * len(leaves)
   return jax.tree_util.tree_unflatten(treedef, [
+      y if x is r else
       x.astype(y.dtype) if tree_lib.is_float_array(x) and tree_lib.is_float_array(y)
       and x.dtype != y.dtype else x
-      for x, y in zip(leaves, stored_leaves)])
+      for x, y, r in zip(leaves, stored_leaves, read_leaves)])
+
+
+_LAX_DTYPE_MISMATCH = "requires arguments to have the same dtypes"
+"""How lax refuses operands of two dtypes (``lax.dynamic_update_slice``, ``lax.add``)."""
+
+_MAX_STATE_IN_ERROR = 8
+
+
+def uncast_state_error(error: Exception, uncast_state: Sequence[str], caches: str,
+                       declare: str) -> TypeError | None:
+  """Explains lax's two-dtype error where the model keeps state jaxmp leaves as stored.
+
+  Step 6 of the module docstring reads only the state an adapter knows as caches in a
+  module's compute dtype; any other floating-point state a module holds (a buffer in
+  a variable of another type or collection) keeps its dtype. A decoder that writes a
+  value it computed into such a buffer in place then meets two dtypes, and lax's
+  error names neither the buffer nor the fix.
+
+  Args:
+    error: what the model's call raised.
+    uncast_state: the model's floating-point state that jaxmp neither casts nor reads
+      as a cache, one ``"name (kind, dtype)"`` each.
+    caches: the state the adapter reads as caches, in words.
+    declare: how a user makes a buffer such a cache, in words.
+
+  Returns:
+    A TypeError naming the state and the fix, to raise from ``error``; ``None`` when
+    ``error`` is not lax's two-dtype error or there is no such state.
+
+  Example:
+    >>> from jaxmp._src import engine
+    >>> error = TypeError("lax.dynamic_update_slice requires arguments to have the same "
+    ...                   "dtypes, got float32, bfloat16.")
+    >>> explained = engine.uncast_state_error(error, ["'k' (Variable, float32)"],
+    ...                                       "nnx.Cache variables", "an nnx.Cache")
+    >>> "'k' (Variable, float32)" in str(explained)
+    True
+  """
+  if not (isinstance(error, TypeError) and _LAX_DTYPE_MISMATCH in str(error)
+          and uncast_state):
+    return None
+  listed = ", ".join(uncast_state[:_MAX_STATE_IN_ERROR])
+  if len(uncast_state) > _MAX_STATE_IN_ERROR:
+    listed += f" and {len(uncast_state) - _MAX_STATE_IN_ERROR} more"
+  return TypeError(
+      f"jaxmp: {error} The model keeps floating-point state that jaxmp leaves in the "
+      f"dtype it is stored in, whatever a module computes in: {listed}. A module that "
+      f"writes a value it computed into such state in place (lax.dynamic_update_slice, "
+      f"as a decoder updates its KV cache) meets two dtypes. jaxmp reads {caches} in the "
+      f"compute dtype of the module that uses them and writes them back in their own "
+      f"dtype: if this state is a cache the model writes in place, make it {declare}; "
+      f"or create it in the compute dtype.")
 
 
 def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
@@ -695,7 +825,10 @@ __all__ = (
     "Wrapper",
     "check_hooks",
     "describe_paths",
+    "integer_params_error",
+    "param_storage_error",
     "resolve",
+    "uncast_state_error",
     "unused_rules",
     "warn_unused_rules",
     "written",

@@ -291,3 +291,29 @@ def test_with_rules_keeps_every_leaf_and_swaps_the_apply_function():
   assert new.tx is state.tx
   with pytest.raises(TypeError, match="apply_fn must be the apply of a jaxmp.linen wrapper"):
     state.replace(apply_fn=model.model.apply).with_rules(new_rules)
+
+
+def test_with_rules_that_stop_tracing_drop_the_probe_and_the_step_runs():
+  tracing = jaxmp.PolicyRules("params=float32,compute=float16,output=float32",
+                              trace_nonfinite=True)
+  model = jaxmp.linen.mixed_precision(TwoDense(), tracing)
+  x, y = _data()
+  state = jaxmp.linen.TrainState.create(apply_fn=model.apply,
+                                        variables=model.init(jax.random.key(0), x),
+                                        tx=jaxmp.loss_scaling(optax.adam(1e-3)))
+  assert jaxmp.linen.NONFINITE_COLLECTION in state.collections
+  plain = state.with_rules(jaxmp.PolicyRules("params=float32,compute=float16,output=float32"))
+  # A wrapper that does not trace refuses the probe; the state no longer holds it.
+  assert plain.collections == {}
+  assert all(a is b for a, b in zip(jax.tree.leaves((state.params, state.opt_state)),
+                                    jax.tree.leaves((plain.params, plain.opt_state))))
+  stepped, loss = _step(plain, x, y)
+  _, grads = plain.value_and_grad(_mse(plain.apply_fn, x, y))()
+  assert grads.nonfinite is None
+  # The same step as a model that never traced: tracing changes no value.
+  never = jaxmp.linen.TrainState.create(
+      apply_fn=jaxmp.linen.mixed_precision(TwoDense(), plain.apply_fn.__self__.rules).apply,
+      variables={"params": state.params}, tx=state.tx)
+  expected, expected_loss = _step(never, x, y)
+  assert float(loss) == float(expected_loss)
+  chex.assert_trees_all_equal(stepped.params, expected.params)

@@ -504,3 +504,67 @@ def test_with_rules_rewraps_the_same_model_and_knows_its_modules():
       jaxmp.linen.mixed_precision(model.model, rules).apply(variables, x))
   with pytest.raises(TypeError, match=r"got Rule\(match='layers_1'"):
     model.with_rules(jaxmp.Rule("layers_1", "float32"))
+
+
+class _Mlp(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(2, name="head")(nn.relu(nn.Dense(4, name="hidden")(x)))
+
+
+def test_with_rules_refuses_to_change_how_params_are_stored():
+  # As NNX's with_rules: the params stay as init stored them, so rules that store one
+  # in another dtype are refused, naming it, rather than ignored.
+  model = jaxmp.linen.mixed_precision(_Mlp(), BF16)
+  x = jnp.ones((4, 3))
+  model.with_rules(jaxmp.PolicyRules("bfloat16"))  # nothing stored yet: nothing to keep
+  variables = model.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=r"'head/(bias|kernel)' is stored in float32, but the "
+                     r"new rules store it in bfloat16.*init a wrapper with these rules"):
+    model.with_rules(jaxmp.PolicyRules("bfloat16"))
+  with pytest.raises(ValueError, match=r"'hidden/(bias|kernel)' is stored in float32"):
+    model.with_rules(jaxmp.PolicyRules(BF16, [jaxmp.Rule("hidden", "bfloat16")]))
+  # Another compute dtype, or a param-free module's param dtype, stores nothing anew.
+  wider = model.with_rules(jaxmp.PolicyRules(BF16, [jaxmp.Rule("head", "float32"),
+                                                   jaxmp.Rule("", "bfloat16")]))
+  assert wider.apply(variables, x).dtype == jnp.float32
+  # The wrapper with_rules made knows what init stored, too.
+  with pytest.raises(ValueError, match="'head/(bias|kernel)' is stored in float32"):
+    wider.with_rules(jaxmp.PolicyRules("bfloat16"))
+
+
+def test_a_wrapper_that_does_not_trace_refuses_the_probe_naming_the_fix():
+  tracing = jaxmp.linen.mixed_precision(_Mlp(), jaxmp.PolicyRules(BF16, trace_nonfinite=True))
+  x = jnp.ones((4, 3))
+  variables = tracing.init(jax.random.key(0), x)
+  plain = tracing.with_rules(jaxmp.PolicyRules(BF16))
+  with pytest.raises(ValueError, match=r"does not trace non-finite values.*'jaxmp_nonfinite' "
+                     r"collection.*Drop it.*trace_nonfinite=True"):
+    plain.apply(variables, x)
+  without = {k: v for k, v in variables.items() if k != jaxmp.linen.NONFINITE_COLLECTION}
+  np.testing.assert_array_equal(plain.apply(without, x), tracing.apply(variables, x))
+
+
+class _OwnCacheDecoder(nn.Module):
+  """A decoder step that keeps its key cache in a collection of its own ('kv')."""
+
+  @nn.compact
+  def __call__(self, x):
+    k = nn.Dense(4, name="key")(x)
+    initialized = self.has_variable("kv", "k")  # as Flax's decoders: no update in init
+    cached = self.variable("kv", "k", jnp.zeros, (2, 3, 4), jnp.float32)
+    if initialized:
+      cached.value = jax.lax.dynamic_update_slice(cached.value, k[:, None], (0, 0, 0))
+    return k
+
+
+def test_an_in_place_update_of_state_jaxmp_does_not_cast_names_the_state_and_the_fix():
+  model = jaxmp.linen.mixed_precision(_OwnCacheDecoder(), BF16)
+  x = jnp.ones((2, 4))
+  variables = model.init(jax.random.key(0), x)
+  with pytest.raises(TypeError, match=r"dynamic_update_slice requires arguments to have the "
+                     r"same dtypes.*'kv/k' \(float32\).*'cache' collection") as info:
+    model.apply(variables, x, mutable=["kv"])
+  assert "batch_stats" not in str(info.value) and "params" not in str(info.value)
+  assert "same dtypes" in str(info.value.__cause__)

@@ -420,6 +420,82 @@ def test_exception_inside_the_call_leaves_the_model_untouched():
   assert type(model) is Broken and type(model.bn) is nnx.BatchNorm
 
 
+# ---- caches the caller owns ------------------------------------------------------------------
+
+
+class _LayerCache(nnx.Module):
+  """A per-layer KV cache the caller builds and passes in (as bonsai's decoders do)."""
+
+  def __init__(self, dtype):
+    self.k = nnx.Cache(jnp.full((3, 4), 1 / 3, dtype))
+
+
+class _CachedLayer(nnx.Module):
+
+  def __init__(self, rngs):
+    self.proj = nnx.Linear(4, 4, rngs=rngs)
+
+  def __call__(self, x, cache, write=True):
+    k = cache.k if isinstance(cache, _LayerCache) else cache
+    if write:
+      k[...] = jax.lax.dynamic_update_slice(k[...], self.proj(x), (0, 0))
+    return x @ k[...].T
+
+
+@pytest.mark.parametrize("handed", ["module", "variable"])
+def test_a_cache_handed_in_is_read_in_the_compute_dtype_and_written_in_its_own(handed):
+  model = _CachedLayer(nnx.Rngs(0))
+  wrapped = jaxmp.nnx.mixed_precision(model, BF16)
+  x = jax.random.normal(jax.random.key(1), (1, 4))
+  cache = _LayerCache(jnp.float32)
+  out = wrapped(x, cache if handed == "module" else cache.k)
+  assert cache.k[...].dtype == jnp.float32
+  # The update was the projection computed in bfloat16, written into the float32 cache.
+  expected = _bf16_copy(model.proj)(x.astype(jnp.bfloat16))
+  assert expected.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(cache.k[...][:1], expected.astype(jnp.float32))
+  assert out.dtype == jnp.float32
+
+
+def _bf16_copy(linear):
+  copy = nnx.clone(linear)
+  for _, variable in nnx.to_flat_state(nnx.state(copy, nnx.Param)):
+    variable.set_raw_value(variable.get_raw_value().astype(jnp.bfloat16))
+  return copy
+
+
+def test_a_cache_handed_in_and_only_read_keeps_its_bits():
+  wrapped = jaxmp.nnx.mixed_precision(_CachedLayer(nnx.Rngs(0)), BF16)
+  cache = _LayerCache(jnp.float32)
+  wrapped(jnp.ones((1, 4)), cache, write=False)
+  # Read in bfloat16 for the call, never written: 1/3 is not rounded to bfloat16.
+  np.testing.assert_array_equal(cache.k[...], jnp.full((3, 4), 1 / 3, jnp.float32))
+
+
+def test_an_in_place_update_of_state_jaxmp_does_not_cast_names_the_state_and_the_fix():
+
+  class Model(nnx.Module):
+
+    def __init__(self, rngs):
+      self.layer = _CachedLayer(rngs)
+      self.bn = nnx.BatchNorm(4, rngs=rngs)  # float32 statistics: not a suspect
+
+    def __call__(self, x, cache):
+      return self.layer(self.bn(x), cache)
+
+  wrapped = jaxmp.nnx.mixed_precision(Model(nnx.Rngs(0)), BF16)
+  with pytest.raises(TypeError, match=r"dynamic_update_slice requires arguments to have the "
+                     r"same dtypes.*'argument 0' \(Variable, float32\).*make it an "
+                     r"nnx.Cache") as info:
+    # A cache in a plain nnx.Variable, which jaxmp cannot tell from other state.
+    wrapped(jnp.ones((1, 4)), nnx.Variable(jnp.zeros((3, 4), jnp.float32)))
+  assert "'bn/" not in str(info.value)
+  # As an nnx.Cache, the same buffer is read in bfloat16 and written back in float32.
+  cache = _LayerCache(jnp.float32)
+  wrapped(jnp.ones((1, 4)), cache)
+  assert cache.k[...].dtype == jnp.float32
+
+
 def _regression(n=64):
   x = jax.random.normal(jax.random.key(1), (n, 5))
   return x, x @ jax.random.normal(jax.random.key(2), (5, 3))

@@ -43,6 +43,14 @@ in ``flax_gemma`` ``from jaxtyping import Array`` -> ``from jax import Array``
 The ``docs_nnx`` copies are cut from documentation pages at that commit (a code
 cell, or one side of a codediff block), so each first line names the lines it took.
 
+One model comes from outside Flax: ``bonsai_qwen3/modeling.py`` is a verbatim copy of
+``bonsai/models/qwen3/modeling.py`` of https://github.com/jax-ml/bonsai (the JAX
+Authors' NNX model implementations, Apache License 2.0, the same license text) at
+commit 36284254cf738d99c1c5d1e3a292d27656a0a365: NNX Qwen3, whose KV cache the caller
+builds and passes in (``test_caller_owned_cache.py``). Its one change is the import
+line ``from jaxtyping import Array, ArrayLike`` -> ``from jax import Array`` and
+``from jax.typing import ArrayLike``, marked ``# jaxmp: import path``.
+
 ``models.py`` is the registry (tiny versions of the published configs, inputs, call
 flags, losses), ``matmuls.py`` counts matmuls in a jaxpr by dtype, and
 ``report_baseline.py`` prints the baseline (``python -m tests.published.report_baseline``).

@@ -358,6 +358,28 @@ def _check_predicate(grads_finite: Any) -> jax.Array:
   return jnp.asarray(grads_finite)
 
 
+def _refuse_a_cotangent_of_another_state(old_state: Any, state_cotangent: Any) -> None:
+  """Refuses a cotangent of another tree, saying what each holds and where it comes from."""
+  if jax.tree_util.tree_structure(old_state) == jax.tree_util.tree_structure(state_cotangent):
+    return
+  paths = lambda tree: [jax.tree_util.keystr(p)
+                        for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  old, new = paths(old_state), paths(state_cotangent)
+  old_set, new_set = frozenset(old), frozenset(new)
+  missing = [p for p in old if p not in new_set]
+  extra = [p for p in new if p not in old_set]
+  listed = lambda ps: ", ".join(ps[:3]) + (f" and {len(ps) - 3} more" if len(ps) > 3 else "")
+  differences = ([f"the gradients lack {listed(missing)}"] if missing else []) + (
+      [f"they hold {listed(extra)}, which the state does not"] if extra else [])
+  raise ValueError(
+      f"the fp8 state after a step (jaxmp.fp8.state.merge): the gradients' next fp8 state "
+      f"(Gradients.fp8, the cotangent of the state the step read) has {len(new)} leaves, "
+      f"the state {len(old)}: {'; '.join(differences) or 'the trees differ in structure'}. "
+      f"They are gradients of another model, or of a state with other fp8 rules: take "
+      f"them from value_and_grad of this state or model (state.value_and_grad(...) with a "
+      f"TrainState), and step that same state.")
+
+
 def merge(old_state: T, state_cotangent: T, grads_finite: ArrayLike = True) -> T:
   """The next fp8 state from the old one and the state cotangent of a step.
 
@@ -392,9 +414,10 @@ def merge(old_state: T, state_cotangent: T, grads_finite: ArrayLike = True) -> T
     Array([1.], dtype=float32)
   """
   ok_step = _check_predicate(grads_finite)
-  pairs = tree_lib.map_pairs(lambda _, old, ct: _Pair(old, ct), old_state,
-                             from_grad(state_cotangent), where="merge",
-                             names=("the state", "the cotangent"))
+  state_cotangent = from_grad(state_cotangent)
+  _refuse_a_cotangent_of_another_state(old_state, state_cotangent)
+  pairs = tree_lib.map_pairs(lambda _, old, ct: _Pair(old, ct), old_state, state_cotangent,
+                             where="merge", names=("the state", "the cotangent"))
   is_pair = lambda x: isinstance(x, _Pair)
   leaves, treedef = jax.tree_util.tree_flatten(pairs, is_leaf=is_pair)
   # The decisions as a few reductions over all leaves, not one per leaf: a model's

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxmp._src import engine
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import loss_scaling as loss_scaling_lib
 from jaxmp._src import nonfinite
@@ -130,7 +131,8 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callabl
     loss is unscaled, the params gradients scaled.
 
   Raises:
-    TypeError: if ``fun`` is not callable.
+    TypeError: if ``fun`` is not callable, or a param holds integers (keep integer
+      state in a collection of its own).
 
   Example:
     >>> import flax.linen as nn
@@ -160,6 +162,7 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callabl
                       **kwargs):
     loss_scale = loss_scale_lib.as_loss_scale(loss_scale, where="value_and_grad")
     params, fp8, collections = split_variables(variables)
+    _refuse_integer_params(params)
     if NONFINITE not in collections:
       out, (g_params, g_fp8) = loss_scale.value_and_grad(
           differentiable, has_aux=has_aux, argnums=(0, 1))(params, fp8, collections, *args,
@@ -174,6 +177,18 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> Callabl
     return out, Gradients(g_params, g_fp8, collections, trace)
 
   return value_and_grads
+
+
+def _refuse_integer_params(params: Any) -> None:
+  """Refuses params holding integers (:func:`jaxmp._src.engine.integer_params_error`)."""
+  integers = [f"{'/'.join(path)!r} ({leaf.dtype})" for path, leaf in _named_leaves(params)
+              if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
+  if integers:
+    raise engine.integer_params_error(
+        "jaxmp.linen.value_and_grad: every leaf of the 'params' collection", integers,
+        "in a collection of its own (self.variable('state', name, ...) instead of "
+        "self.param): value_and_grad passes the other collections through, and "
+        "TrainState.apply_gradients(collections=...) keeps what apply wrote to them")
 
 
 def _named_leaves(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
@@ -357,7 +372,10 @@ class TrainState(flax.struct.PyTreeNode):
     (:meth:`jaxmp.linen.MixedPrecision.with_rules`). Params, fp8 state, collections,
     the optimizer state and its loss scale are the same arrays: nothing is
     re-initialised. ``apply_fn`` is a static field, so a jitted step traces once more
-    for the new rules.
+    for the new rules. One exception: rules that do not trace non-finite values
+    (``trace_nonfinite=False``) drop a tracing wrapper's probe from the collections
+    (the :data:`~jaxmp.linen.NONFINITE_COLLECTION`, which a wrapper that does not trace
+    refuses), as NNX's ``with_rules`` drops its probe.
 
     Args:
       rules: the new :class:`jaxmp.PolicyRules`.
@@ -366,8 +384,11 @@ class TrainState(flax.struct.PyTreeNode):
       TypeError: if ``apply_fn`` is not a jaxmp wrapper's ``apply``, or ``rules`` not
         :class:`jaxmp.PolicyRules`.
     """
-    return self.replace(apply_fn=wrapper_of(self.apply_fn, "TrainState.with_rules")
-                        .with_rules(rules).apply)
+    wrapper = wrapper_of(self.apply_fn, "TrainState.with_rules").with_rules(rules)
+    collections = self.collections
+    if not wrapper.rules.trace_nonfinite and NONFINITE in collections:
+      collections = {k: v for k, v in collections.items() if k != NONFINITE}
+    return self.replace(apply_fn=wrapper.apply, collections=collections)
 
   @property
   def variables(self) -> dict:

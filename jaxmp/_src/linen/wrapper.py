@@ -18,7 +18,10 @@ module call by its path and class and:
 :data:`CACHE_COLLECTION` variables (the KV caches Flax's decoders write in place) in
 its compute dtype and writes them in the dtypes they hold, so a float32 cache stays
 float32 (:func:`jaxmp._src.engine.written`). Other collections (``batch_stats``, fp8
-state) are never cast.
+state, collections of the model's own) are never cast: a module that writes a value it
+computed in place into one of another dtype fails with lax's error, which ``apply``
+re-raises naming the variable and the fix (a decode cache belongs in
+:data:`CACHE_COLLECTION`).
 
 With ``PolicyRules(..., trace_nonfinite=True)``, ``init`` also returns the non-finite
 probe (:mod:`jaxmp._src.nonfinite`) as the collection :data:`NONFINITE_COLLECTION`,
@@ -56,6 +59,7 @@ from jaxmp._src import nonfinite
 from jaxmp._src import paths as paths_lib
 from jaxmp._src import rules as rules_lib
 from jaxmp._src import tree as tree_lib
+from jaxmp._src.fp8 import state as fp8_state_lib
 from jaxmp._src.linen import injection
 
 CallRecord = engine.CallRecord
@@ -200,9 +204,46 @@ def _without_probe(variables: Any) -> Any:
   return variables
 
 
+def _refuse_probe(variables: Any) -> None:
+  """Refuses a tracing wrapper's probe in the variables of a wrapper that does not trace."""
+  if isinstance(variables, Mapping) and NONFINITE_COLLECTION in variables:
+    raise ValueError(
+        f"jaxmp: this wrapper does not trace non-finite values (its rules have "
+        f"trace_nonfinite=False), but the variables hold the {NONFINITE_COLLECTION!r} "
+        f"collection: the probe of a tracing wrapper, which this one would not fill. Drop "
+        f"it ({{k: v for k, v in variables.items() if k != {NONFINITE_COLLECTION!r}}}; "
+        f"TrainState.with_rules drops it itself), or keep tracing: "
+        f"PolicyRules(..., trace_nonfinite=True).")
+
+
+# Collections a module reads and writes in their own dtype by design: batch statistics
+# (their layers compute them in float32) and sow-n intermediates (written, not read).
+_OWN_DTYPE_COLLECTIONS = ("batch_stats", "intermediates")
+
+
+def _uncast_state(variables: Any) -> list[str]:
+  """The floating-point variables ``apply`` neither casts nor reads as caches, described."""
+  if not isinstance(variables, Mapping):
+    return []
+  kept = ("params", CACHE_COLLECTION, fp8_state_lib.OVERWRITE_WITH_GRADIENT,
+          *_OWN_DTYPE_COLLECTIONS)
+  described = []
+  for collection, tree in variables.items():
+    if collection in kept:
+      continue
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      if tree_lib.is_float_array(leaf):
+        name = "/".join([str(collection), *(str(getattr(k, "key", k)) for k in path)])
+        described.append(f"{name!r} ({leaf.dtype.name})")
+  return described
+
+
+def _path_tuple(path: str) -> tuple[str, ...]:
+  return tuple(path.split("/")) if path else ()
+
+
 def _param_dtypes_by_path(records: list[CallRecord]) -> dict[tuple[str, ...], np.dtype]:
-  return {tuple(r.path.split("/")) if r.path else (): r.precision.policy.param_dtype
-          for r in records}
+  return {_path_tuple(r.path): r.precision.policy.param_dtype for r in records}
 
 
 def _cast_params_to_storage(params: Any, dtypes: dict[tuple[str, ...], np.dtype],
@@ -258,6 +299,9 @@ class MixedPrecision(engine.Wrapper):
   # facts about the model (like _warned), filled by trace(), which init, apply and
   # summary go through, so that with_rules and module_types need no example inputs.
   _module_types: dict = dataclasses.field(default_factory=dict, repr=False)
+  # The dtype init stored each floating-point param in, by path: with _module_types,
+  # what with_rules checks new rules against (they must store every param as it is).
+  _param_dtypes: dict = dataclasses.field(default_factory=dict, repr=False)
 
   def trace(self, fun: Callable[[], Any], *, annotate: bool = False,
             hooks: Sequence[engine.CallHook] = ()) -> tuple[Any, list[CallRecord]]:
@@ -288,11 +332,12 @@ class MixedPrecision(engine.Wrapper):
     """The same model under other rules; the variables it takes are the same.
 
     Nothing is re-initialised: ``apply`` of the new wrapper takes the variables this
-    one's ``init`` returned (params in the dtypes they are stored in, which a rule
-    with another param dtype does not change; the fp8 state of a layer the new rules
-    leave without a recipe stays in the variables, unused). A jitted step that closes
-    over or is given ``apply`` traces again once, because the wrapper is a new static
-    value. :class:`jaxmp.tools.PrecisionController` changes precision this way.
+    one's ``init`` returned (the fp8 state of a layer the new rules leave without a
+    recipe stays in the variables, unused). The params stay in the dtypes they are
+    stored in, so the new rules must store each param ``init`` made in that dtype:
+    another param dtype is refused, as by NNX's ``with_rules``. A jitted step that
+    closes over or is given ``apply`` traces again once, because the wrapper is a new
+    static value. :class:`jaxmp.tools.PrecisionController` changes precision this way.
 
     Args:
       rules: the new :class:`jaxmp.PolicyRules`.
@@ -302,6 +347,9 @@ class MixedPrecision(engine.Wrapper):
 
     Raises:
       TypeError: if ``rules`` is not a :class:`jaxmp.PolicyRules`.
+      ValueError: if the new rules store a param this wrapper's ``init`` made in
+        another dtype (to store params in another dtype, ``init`` a wrapper with those
+        rules, or cast the params and make their optimizer state again).
 
     Example:
       >>> import flax.linen as nn
@@ -312,7 +360,17 @@ class MixedPrecision(engine.Wrapper):
       (True, dtype('float32'))
     """
     rules = rules_lib.check_rules(rules, "with_rules")
-    return MixedPrecision(self.model, rules, _module_types=dict(self._module_types))
+    modules = {_path_tuple(path): rules.resolve(path, cls).policy.param_dtype
+               for path, cls in self._module_types.items()}
+    for path, stored in self._param_dtypes.items():
+      wanted = paths_lib.owner(path, modules) or rules.default.param_dtype
+      if wanted != stored:
+        raise engine.param_storage_error(
+            "/".join(path), stored, wanted,
+            "init a wrapper with these rules to store params in them, or cast the params "
+            "to them yourself and make their optimizer state again")
+    return MixedPrecision(self.model, rules, _module_types=dict(self._module_types),
+                          _param_dtypes=dict(self._param_dtypes))
 
   def init_with_output(self, rngs, *args, **kwargs) -> tuple[Any, Any]:
     """Like ``Module.init_with_output``; params are stored in their param dtypes.
@@ -335,13 +393,30 @@ class MixedPrecision(engine.Wrapper):
     """Like ``Module.apply``, with every module computing in its resolved precision.
 
     Raises:
-      ValueError: for a tracing wrapper, if ``variables`` holds no non-finite probe.
+      ValueError: for a tracing wrapper, if ``variables`` holds no non-finite probe;
+        for one that does not trace, if they hold one (the variables of a tracing
+        wrapper: drop its collection, :data:`NONFINITE_COLLECTION`).
+      TypeError: where a module writes a value it computed in place into
+        floating-point state of another dtype that jaxmp does not read as a cache
+        (a collection other than :data:`CACHE_COLLECTION`): lax's error, with the
+        state and the fix named.
     """
     probe = None
     if self.rules.trace_nonfinite:
       variables, probe = self._take_probe(variables)
-    out, _ = self.trace(lambda: self.model.apply(variables, *args, **kwargs),
-                        hooks=nonfinite.hooks(self.rules, probe))
+    else:
+      _refuse_probe(variables)
+    try:
+      out, _ = self.trace(lambda: self.model.apply(variables, *args, **kwargs),
+                          hooks=nonfinite.hooks(self.rules, probe))
+    except TypeError as error:
+      explained = engine.uncast_state_error(
+          error, _uncast_state(variables), f"the {CACHE_COLLECTION!r} collection",
+          f"a variable of the {CACHE_COLLECTION!r} collection (Flax's collection for "
+          f"decode caches)")
+      if explained is None:
+        raise
+      raise explained from error
     return out
 
   def nonfinite_probe(self, variables, *args, **kwargs) -> Any:
@@ -383,6 +458,10 @@ class MixedPrecision(engine.Wrapper):
       return variables
     params = _cast_params_to_storage(variables["params"], _param_dtypes_by_path(records),
                                      self.rules.default.param_dtype)
+    self._param_dtypes.update(
+        (tuple(str(getattr(k, "key", k)) for k in path), np.dtype(leaf.dtype))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+        if tree_lib.is_float_array(leaf))
     return {**variables, "params": params}
 
   def _warn_unused(self, records: list[CallRecord], attention_rules_reached: set[int]) -> None:

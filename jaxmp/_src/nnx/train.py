@@ -34,11 +34,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxmp._src import engine
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import loss_scaling as loss_scaling_lib
+from jaxmp._src import paths as paths_lib
 from jaxmp._src import step as step_lib
 from jaxmp._src.nnx import fp8 as fp8_nnx
 from jaxmp._src.nnx import nonfinite as nonfinite_nnx
@@ -84,7 +87,8 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False,
     trace of a tracing wrapper (``None`` for others).
 
   Raises:
-    TypeError: if ``fun`` is not callable or ``loss_scale`` not a jaxmp loss scale.
+    TypeError: if ``fun`` is not callable, ``loss_scale`` not a jaxmp loss scale, or a
+      variable ``wrt`` selects holds integers (keep integer state out of ``nnx.Param``).
     ValueError: if the model holds more than one tracing wrapper.
 
   Example:
@@ -101,6 +105,7 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False,
     raise TypeError(f"value_and_grad: fun must be callable, got {fun!r}.")
   def value_and_grads(model, *args, loss_scale=None, **kwargs):
     scale = loss_scale_lib.as_loss_scale(loss_scale, where="jaxmp.nnx.value_and_grad")
+    _refuse_integer_params(model, wrt)
     differentiable, traced = nonfinite_nnx.differentiates(model, wrt)
 
     def with_fp8_for_grad(model, *args):
@@ -120,6 +125,56 @@ def value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False,
   return value_and_grads
 
 
+def _describe(path: tuple) -> str:
+  """A variable's path, '/'-joined (the root layer's fp8 state is under ``<root>``)."""
+  return "/".join(str(k) or paths_lib.ROOT for k in path)
+
+
+def _describe_filter(wrt: Any) -> str:
+  return f"nnx.{wrt.__name__}" if isinstance(wrt, type) else repr(wrt)
+
+
+def _refuse_integer_params(model: nnx.Module, wrt: Any) -> None:
+  """Refuses differentiated variables holding integers (or bools).
+
+  As :func:`jaxmp.linen.value_and_grad` refuses them
+  (:func:`jaxmp._src.engine.integer_params_error`).
+  """
+  integers = [f"{_describe(path)!r} ({type(variable).__name__}, {leaf.dtype})"
+              for path, variable in nnx.to_flat_state(nnx.state(model, wrt))
+              for leaf in jax.tree_util.tree_leaves(variable.get_raw_value())
+              if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)]
+  if integers:
+    raise engine.integer_params_error(
+        f"jaxmp.nnx.value_and_grad: every variable wrt={_describe_filter(wrt)} selects",
+        integers, "in an nnx.Variable (or a Variable type of its own) rather than an "
+        "nnx.Param: gradients and the optimizer (wrt=nnx.Param) leave it alone")
+
+
+def _refuse_an_optimizer_of_other_variables(optimizer: nnx.Optimizer, model: nnx.Module,
+                                            grads: Gradients) -> None:
+  """Refuses an optimizer whose ``wrt`` selects variables the gradients do not hold.
+
+  ``nnx.Optimizer(model, tx, wrt=nnx.Variable)`` also selects a wrapper's fp8 state and
+  non-finite probe (and batch statistics): Optax would then fail on two trees of
+  different structures, naming neither the variables nor the fix.
+  """
+  held = {path for path, _ in nnx.to_flat_state(grads.params)}
+  extra = [f"{_describe(path)!r} ({type(variable).__name__})"
+           for path, variable in nnx.to_flat_state(nnx.state(model, optimizer.wrt))
+           if path not in held]
+  if extra:
+    listed = ", ".join(extra[:6]) + (f" and {len(extra) - 6} more" if len(extra) > 6 else "")
+    raise ValueError(
+        f"jaxmp.nnx.apply_gradients: the optimizer (wrt={_describe_filter(optimizer.wrt)}) "
+        f"steps "
+        f"variables the gradients do not hold: {listed}. An optimizer steps the params "
+        f"jaxmp.nnx.value_and_grad differentiated (its wrt=, nnx.Param by default); a "
+        f"wrapper's fp8 state is merged by apply_gradients and its non-finite probe is "
+        f"read from the gradients, neither is stepped. Build the optimizer with "
+        f"nnx.Optimizer(model, tx, wrt=nnx.Param).")
+
+
 def apply_gradients(optimizer: nnx.Optimizer, model: nnx.Module, grads: Gradients,
                     **kwargs) -> optax.Updates:
   """One step of an ``nnx.Optimizer`` on the params, and the fp8 state merged.
@@ -135,7 +190,10 @@ def apply_gradients(optimizer: nnx.Optimizer, model: nnx.Module, grads: Gradient
   state (e.g. Adam's ``count``) advances only on applied steps.
 
   Args:
-    optimizer: an ``nnx.Optimizer`` over ``model`` (``wrt=nnx.Param``).
+    optimizer: an ``nnx.Optimizer`` over ``model`` (``wrt=nnx.Param``). It keeps no
+      reference to the model it was made for (none since Flax 0.11), so an optimizer
+      of another model with the same variables would step ``model`` with that model's
+      optimizer state: as with ``optimizer.update``, pass the pair you built together.
     model: the model (or wrapper) the gradients are of.
     grads: from :func:`value_and_grad`.
     **kwargs: passed on to ``optimizer.update``.
@@ -146,8 +204,10 @@ def apply_gradients(optimizer: nnx.Optimizer, model: nnx.Module, grads: Gradient
   Raises:
     TypeError: if ``optimizer`` is not an ``nnx.Optimizer`` or ``grads`` not
       :class:`~jaxmp.linen.Gradients`.
-    ValueError: if the optimizer's ``jaxmp.loss_scaling`` is not its outermost
-      transform (:func:`jaxmp.get_loss_scale` says why), before anything changes.
+    ValueError: before anything changes, if the optimizer's ``jaxmp.loss_scaling`` is
+      not its outermost transform (:func:`jaxmp.get_loss_scale` says why), or its
+      ``wrt`` selects variables the gradients do not hold (``wrt=nnx.Variable``
+      selects the fp8 state too): use ``wrt=nnx.Param``.
 
   Example:
     >>> from flax import nnx
@@ -170,6 +230,7 @@ def apply_gradients(optimizer: nnx.Optimizer, model: nnx.Module, grads: Gradient
   # Before the update, which changes the optimizer in place: a loss scaling nested
   # where it cannot decide the step is refused with nothing changed.
   loss_scaling_lib.find_state(optimizer.opt_state, "jaxmp.nnx.apply_gradients")
+  _refuse_an_optimizer_of_other_variables(optimizer, model, grads)
   updates = optimizer.update(model, grads.params, **kwargs)
   old = nnx.state(model, fp8_nnx.Fp8State)
   restore = jax.tree_util.tree_leaves(grads.state_before)

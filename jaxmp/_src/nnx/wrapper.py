@@ -23,10 +23,15 @@ inputs:
    for the outermost call, to the default output dtype. Integer inputs, bools, PRNG
    keys and graph nodes (``nnx.Rngs``, variables, modules) are never cast. An
    ``nnx.Cache`` (a KV cache the model writes in place) holds its value in the
-   compute dtype of its module, as an input would be; other non-param variables
-   (``BatchStat``, fp8 state) are not cast. The module's path and precision ride on
-   the copy as a static attribute, so modules that NNX transforms inside the model
-   (``nnx.scan``, ``nnx.vmap``, ``nnx.remat``) split and merge again keep them;
+   compute dtype of its module, as an input would be; so does one a module is handed
+   among its arguments (a decoder's per-layer cache objects), while that module runs,
+   going back to the caller in the dtype it came in. Other non-param variables
+   (``BatchStat``, fp8 state, a plain ``nnx.Variable``) are not cast: an in-place
+   update that meets one in another dtype fails with lax's error, re-raised naming
+   the variable and the fix (make a cache an ``nnx.Cache``). The module's path and
+   precision ride on the copy as a static attribute, so modules that NNX transforms
+   inside the model (``nnx.scan``, ``nnx.vmap``, ``nnx.remat``) split and merge again
+   keep them;
 3. layers an fp8 rule matches (``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``
    and the projections of ``nnx.MultiHeadAttention``) compute their product with the
    :class:`~jaxmp.nnx.Fp8DotGeneral`/:class:`~jaxmp.nnx.Fp8Einsum` the
@@ -148,7 +153,8 @@ def _intercepted(name: str, attribute: Any) -> Callable[..., Any]:
     precision = call.attention_precision(module_call.path, module_call.module_type,
                                          module_call.precision,
                                          vars(self).get("attention_fn"), bound, args, kwargs)
-    with _attention_fn_in(self, precision, call):
+    with _attention_fn_in(self, precision, call), _argument_caches_read(module_call,
+                                                                        (args, kwargs)):
       return call.run(module_call.path, module_call.module_type, name, precision, bound,
                       args, kwargs)
 
@@ -179,6 +185,41 @@ def _attention_fn_in(module: nnx.Module, precision: rules_lib.ModulePrecision,
     yield
   finally:
     object.__setattr__(module, "attention_fn", original)
+
+
+def _argument_caches_read(module_call: _ModuleCall, arguments: Any) -> Iterator[None]:
+  """The caches a module is handed, read in its compute dtype while it runs.
+
+  A cache the caller owns (an ``nnx.Cache`` variable among the call's arguments, or
+  held by a module among them: a decoder's per-layer cache objects) is an input of
+  the module, as the module's own caches are (:meth:`MixedPrecision._prepare`): read
+  in the module's compute dtype (:meth:`jaxmp._src.engine.Call.read_cache`), so that
+  an in-place update (``lax.dynamic_update_slice``) sees one dtype, and written back
+  when the module returns in the dtype the caller handed it in
+  (:func:`jaxmp._src.engine.written`; a cache the module did not write keeps its bits).
+  """
+  dtype = module_call.precision.policy.compute_dtype
+  held = [(variable, variable.get_raw_value()) for variable in _caches_among(arguments)]
+  given = [module_call.call.read_cache(value, dtype) for _, value in held]
+  for (variable, _), value in zip(held, given):
+    variable.set_raw_value(value)
+  try:
+    yield
+  finally:
+    for (variable, stored), value in zip(held, given):
+      variable.set_raw_value(engine.written(variable.get_raw_value(), stored, value))
+
+
+def _caches_among(arguments: Any) -> list[nnx.Variable]:
+  """The ``nnx.Cache`` variables among ``arguments``'s graph nodes and in them, once each."""
+  caches: dict[int, nnx.Variable] = {}
+  for node in jax.tree_util.tree_leaves(arguments, is_leaf=_is_node):
+    if isinstance(node, nnx.Variable):
+      if isinstance(node, nnx.Cache):
+        caches[id(node)] = node
+    elif graphlib.is_graph_node(node):
+      caches.update((id(v), v) for _, v in _variables(node, nnx.Cache))
+  return list(caches.values())
 
 
 def _public_methods(cls: type) -> dict[str, Any]:
@@ -357,10 +398,10 @@ class MixedPrecision(nnx.Module, engine.Wrapper):
       value = variable.get_raw_value()
       dtype = _policy(path, modules, rules).param_dtype
       if tree_lib.cast_tree(value, dtype) is not value:
-        raise ValueError(
-            f"with_rules: the param {_path_str(path)!r} is stored in {value.dtype.name}, but "
-            f"the new rules store it in {dtype.name}; with_rules keeps every variable as "
-            f"it is: wrap the model again with jaxmp.nnx.mixed_precision to recast params.")
+        raise engine.param_storage_error(
+            _path_str(path), value.dtype, dtype,
+            "wrap the model again with jaxmp.nnx.mixed_precision to recast params, and "
+            "make its optimizer")
     _warn_unused(self.model, rules, modules)
     probe = vars(self).get("nonfinite")
     if probe is None and rules.trace_nonfinite:
@@ -407,7 +448,15 @@ class MixedPrecision(nnx.Module, engine.Wrapper):
         lambda x: substitutes.get(id(x), x) if _is_node(x) else x, (args, kwargs),
         is_leaf=_is_node)
     with call:
-      out = getattr(copy[0], method)(*args, **kwargs)
+      try:
+        out = getattr(copy[0], method)(*args, **kwargs)
+      except TypeError as error:
+        explained = engine.uncast_state_error(
+            error, _uncast_state(originals), "nnx.Cache variables",
+            "an nnx.Cache (Flax's variable type for caches)")
+        if explained is None:
+          raise
+        raise explained from error
     _write_back(graph, originals, copy, before)
     return out, call.records
 
@@ -441,6 +490,29 @@ def _set_fields(module: nnx.Module, precision: rules_lib.ModulePrecision,
     dtype = call.dtype_field(attributes["dtype"], precision)
     if dtype is not engine.NOT_A_DTYPE_FIELD:
       object.__setattr__(module, "dtype", dtype)
+
+
+# Variables a module reads and writes in their own dtype by design: batch statistics
+# (their layers compute them in float32) and sow-n intermediates (written, not read).
+_OWN_DTYPE_STATE = (nnx.BatchStat, nnx.Intermediate)
+
+
+def _uncast_state(variables: dict[tuple, nnx.Variable]) -> list[str]:
+  """The floating-point variables a call neither casts nor reads as caches, described.
+
+  ``variables``: the call's graph (the model, then the graph nodes among the
+  arguments) by path.
+  """
+  described = []
+  for path, variable in variables.items():
+    if isinstance(variable, (nnx.Param, nnx.Cache, *_OWN_DTYPE_STATE)):
+      continue
+    dtypes = {x.dtype.name for x in jax.tree_util.tree_leaves(variable.get_raw_value())
+              if tree_lib.is_float_array(x)}
+    if dtypes:
+      where = _path_str(path[1:]) if path[0] == 0 else f"argument {_path_str(path[1:])}"
+      described.append(f"{where!r} ({type(variable).__name__}, {', '.join(sorted(dtypes))})")
+  return described
 
 
 class _Snapshot:
