@@ -187,6 +187,7 @@ def _attention_fn_in(module: nnx.Module, precision: rules_lib.ModulePrecision,
     object.__setattr__(module, "attention_fn", original)
 
 
+@contextlib.contextmanager
 def _argument_caches_read(module_call: _ModuleCall, arguments: Any) -> Iterator[None]:
   """The caches a module is handed, read in its compute dtype while it runs.
 
