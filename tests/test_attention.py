@@ -1,6 +1,7 @@
 """Fused attention for wrapped Flax attention layers (PolicyRules(fused_attention=True))."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -187,8 +188,13 @@ def test_causal_attention_on_published_lm1b_with_right_padding(padded):
   np.testing.assert_allclose(np.asarray(causal.apply(variables, tokens))[real],
                              np.asarray(plain.apply(variables, tokens))[real], atol=2e-5)
   # Left padding is what the declaration rules out: the first real token would attend
-  # to the padding before it.
+  # to the padding before it. Declared padded, the mask is read, and refused where it
+  # can be; declared causal alone, the mask is not read at all.
   left = jnp.roll(tokens, 3, axis=1)
+  if padded:
+    with pytest.raises(ValueError, match=NOT_RIGHT_PADDING):
+      causal.apply(variables, left)
+    return
   real = np.asarray(left > 0)
   assert not np.allclose(np.asarray(causal.apply(variables, left))[real],
                          np.asarray(plain.apply(variables, left))[real], atol=1e-3)
@@ -275,6 +281,18 @@ def test_padding_lengths_are_read_from_right_padding_masks():
       [6, 6], [6, 3]]
 
 
+def test_every_form_of_a_right_padding_mask_passes_its_check():
+  from jaxmp._src import attention  # pylint: disable=import-outside-toplevel
+  causal_padding = nn.combine_masks(PADDING, MASK)
+  for mask, causal, window in (
+      (PADDING, False, None), (PADDING, True, None), (causal_padding, True, None),
+      (causal_padding, True, 2), (PADDING[:, :, :1, :], False, None),  # keys only
+      (PADDING.repeat(2, axis=1), False, None),  # a head axis, every head the same
+      (jnp.ones_like(PADDING), False, None)):  # no padding at all
+    attention.check_right_padding(mask, 6, 6, attention.padding_lengths(mask, 6, 6),
+                                  causal, window)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_padded_attention_is_the_masked_attention_on_every_real_token(causal):
   # Declared padded: the mask is read for each sequence's lengths only; every real
@@ -291,17 +309,60 @@ def test_padded_attention_is_the_masked_attention_on_every_real_token(causal):
   for a, b in zip(jax.tree.leaves(jax.grad(loss(model), argnums=(0, 1))(variables, X)),
                   jax.tree.leaves(jax.grad(loss(plain), argnums=(0, 1))(variables, X))):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
-  # Only lengths are read: a left-padding mask (padding first) is not what the rule
-  # declares, and the real tokens' outputs then differ from Flax's.
-  left = nn.make_attention_mask(TOKENS[:, ::-1] > 0, TOKENS[:, ::-1] > 0)
-  left = nn.combine_masks(left, MASK) if causal else left
-  real_left = np.asarray(TOKENS[:, ::-1] > 0)
-  assert not np.allclose(np.asarray(model.apply(variables, X, mask=left))[real_left],
-                         np.asarray(plain.apply(variables, X, mask=left))[real_left], atol=1e-3)
   if not causal:  # (causally, right padding is after every real query anyway)
     # It reads the mask: without the padding the real queries see more keys.
     assert not np.allclose(np.asarray(model.apply(variables, X, mask=mask))[1, :3],
                            np.asarray(plain.apply(variables, X))[1, :3], atol=1e-3)
+
+
+def _not_right_padding(causal: bool) -> dict[str, jax.Array]:
+  """Masks that no right-padding declaration describes (causal ones where ``causal``)."""
+  left = TOKENS[:, ::-1] > 0
+  segments = jnp.array([[1, 1, 1, 2, 2, 2], [1, 1, 2, 2, 2, 0]])
+  masks = {
+      "left padding": nn.make_attention_mask(left, left),
+      "packed sequences": nn.make_attention_mask(segments, segments, jnp.equal),
+      "one head unpadded": jnp.concatenate([PADDING, jnp.ones_like(PADDING)], axis=1),
+  }
+  return {name: nn.combine_masks(m, MASK) if causal else m for name, m in masks.items()}
+
+
+NOT_RIGHT_PADDING = (r"^Rule\(padded_attention=True\): the mask is not a right-padding mask .*"
+                     r"leave padded_attention out of the rule")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_attention_refuses_a_mask_it_can_read_that_is_not_right_padding(causal):
+  # Only lengths would be read, so the real tokens would attend to other keys than
+  # the mask's: refused wherever the mask is concrete, each form of it.
+  model, plain, variables = _declared_and_plain(padded_attention=True,
+                                                causal_attention=causal)
+  for mask in _not_right_padding(causal).values():
+    with pytest.raises(ValueError, match=NOT_RIGHT_PADDING):
+      model.apply(variables, X, mask=mask)
+    with pytest.raises(ValueError, match=NOT_RIGHT_PADDING):
+      jax.grad(lambda v, mask=mask: jnp.sum(model.apply(v, X, mask=mask)))(variables)
+  # Traced (under jit) the mask cannot be read ahead: its lengths are, as documented,
+  # and a left-padding mask's real tokens get other outputs than Flax's.
+  left = _not_right_padding(causal)["left padding"]
+  run = lambda m: np.asarray(jax.jit(lambda v, mask: m.apply(v, X, mask=mask))(variables, left))
+  real_left = np.asarray(TOKENS[:, ::-1] > 0)
+  assert not np.allclose(run(model)[real_left], run(plain)[real_left], atol=1e-3)
+
+
+def test_padded_attention_refuses_a_causal_mask_unless_declared_causal():
+  # Without causal_attention the padding mode is not causal: a causal padding mask is
+  # refused, naming the fix; declared causal too, the padding alone is enough.
+  padded, plain, variables = _declared_and_plain(padded_attention=True)
+  causal_padding = nn.combine_masks(PADDING, MASK)
+  with pytest.raises(ValueError, match=r"mask \(it is combined with a causal mask: declare "
+                     r"causal_attention=True in the same rule"):
+    padded.apply(variables, X, mask=causal_padding)
+  both, _, _ = _declared_and_plain(padded_attention=True, causal_attention=True)
+  real = np.asarray(TOKENS > 0)
+  np.testing.assert_allclose(np.asarray(both.apply(variables, X, mask=PADDING))[real],
+                             np.asarray(plain.apply(variables, X, mask=causal_padding))[real],
+                             atol=1e-6)
 
 
 def test_padded_attention_on_nnx():
@@ -312,6 +373,8 @@ def test_padded_attention_on_nnx():
   real = np.asarray(TOKENS > 0)
   np.testing.assert_allclose(np.asarray(padded(X, mask=PADDING))[real],
                              np.asarray(plain(X, mask=PADDING))[real], atol=1e-6)
+  with pytest.raises(ValueError, match=NOT_RIGHT_PADDING):
+    padded(X, mask=_not_right_padding(False)["left padding"])
 
 
 def test_padded_rule_that_reaches_no_attention_function_warns():
@@ -470,3 +533,181 @@ def test_float32_fused_attention_warns_that_cudnn_refuses_it():
 def test_h100_deviceless_runs_cudnn_fused_attention():
   out = _run_deviceless(_H100_CHECK)
   assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-4000:]
+
+
+# ---- a causal declaration is about self-attention ----------------------------------------
+
+CONTEXT = jax.random.normal(jax.random.key(5), (2, 6, 16))  # as long as X: the hard case
+SHORT_CONTEXT = CONTEXT[:, :4]
+CROSS = r"called as cross-attention \(its {} is not its inputs_q\)"
+_CROSS_CALLS = {  # each way Flax's layers (linen and NNX) take keys and values
+    "inputs_k positional": lambda layer, q, kv: layer(q, kv),
+    "inputs_k keyword": lambda layer, q, kv: layer(q, inputs_k=kv),
+    "inputs_k and inputs_v": lambda layer, q, kv: layer(q, kv, kv),
+}
+_CONTEXTS = pytest.mark.parametrize("context", [CONTEXT, SHORT_CONTEXT],
+                                    ids=["equal", "shorter"])
+_CROSS_FORMS = pytest.mark.parametrize("call", _CROSS_CALLS.values(), ids=list(_CROSS_CALLS))
+_CAUSAL_DECLARATIONS = pytest.mark.parametrize(
+    "declared", [dict(causal_attention=True), dict(causal_attention=True, attention_window=2)],
+    ids=["causal", "window"])
+
+
+@_CONTEXTS
+@_CROSS_FORMS
+@_CAUSAL_DECLARATIONS
+def test_linen_causal_rule_leaves_a_cross_attention_call_as_flax_computes_it(
+    context, call, declared):
+  # Keys from another sequence: a causal mask would hide some of them from each query
+  # for no reason. The call computes exactly as the unwrapped layer, and says why.
+  layer = nn.MultiHeadDotProductAttention(num_heads=2)
+  rules = jaxmp.PolicyRules(F32, [jaxmp.Rule(nn.MultiHeadDotProductAttention, **declared)])
+  wrapped = jaxmp.linen.mixed_precision(layer, rules)
+  variables = layer.init(jax.random.key(0), X, context)
+  run = lambda model: lambda v: model.apply(v, X, context, method=_cross(call))
+  with pytest.warns(UserWarning, match=r"<root> \(MultiHeadDotProductAttention\) is "
+                    + CROSS.format("inputs_k")):
+    out = run(wrapped)(variables)
+  np.testing.assert_array_equal(out, run(layer)(variables))
+  # What ran is the layer's own attention, as wrapped without the rule.
+  plain = jaxmp.linen.mixed_precision(layer, jaxmp.PolicyRules(F32))
+  assert _same_computation(run(wrapped), run(plain), variables)
+
+
+def _cross(call):
+  """A linen ``method`` calling the layer itself with ``call``'s keys and values."""
+  return lambda module, q, kv: call(module.__call__, q, kv)
+
+
+def test_linen_causal_rule_still_makes_self_attention_causal():
+  # Self-attention however the layer is told so: no key input, or the query itself.
+  model, plain, variables = _declared_and_plain(causal_attention=True)
+  everything = jnp.ones_like(MASK)
+  expected = plain.apply(variables, X, mask=MASK)
+  with warnings.catch_warnings():
+    warnings.filterwarnings("error", message=".*cross-attention")
+    for kwargs in ({}, dict(inputs_k=X), dict(inputs_k=X, inputs_v=X)):
+      np.testing.assert_allclose(model.apply(variables, X, mask=everything, **kwargs),
+                                 expected, atol=1e-6)
+
+
+def test_linen_layer_called_both_ways_is_causal_only_as_self_attention():
+  class Decoder(nn.Module):  # one layer, shared: self-attention, then over a context
+    @nn.compact
+    def __call__(self, x, context, mask):
+      attention = nn.MultiHeadDotProductAttention(num_heads=2, name="attention")
+      return attention(attention(x, mask=mask), context)
+
+  rules = jaxmp.PolicyRules(F32, [CAUSAL])
+  declared = jaxmp.linen.mixed_precision(Decoder(), rules)
+  plain = jaxmp.linen.mixed_precision(Decoder(), jaxmp.PolicyRules(F32))
+  variables = plain.init(jax.random.key(0), X, CONTEXT, MASK)
+  with pytest.warns(UserWarning, match=r"but attention \(MultiHeadDotProductAttention\) is "
+                    + CROSS.format("inputs_k")):
+    out = declared.apply(variables, X, CONTEXT, jnp.ones_like(MASK))
+  np.testing.assert_allclose(out, plain.apply(variables, X, CONTEXT, MASK), atol=1e-6)
+
+
+def test_cross_attention_warning_comes_once_per_layer():
+  layer = nn.MultiHeadDotProductAttention(num_heads=2)
+  wrapped = jaxmp.linen.mixed_precision(layer, jaxmp.PolicyRules(F32, [CAUSAL]))
+  variables = layer.init(jax.random.key(0), X, CONTEXT)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("default")
+    for _ in range(3):
+      wrapped.apply(variables, X, CONTEXT)
+  assert len([w for w in caught if "cross-attention" in str(w.message)]) == 1, caught
+
+
+@_CONTEXTS
+@_CROSS_FORMS
+@_CAUSAL_DECLARATIONS
+def test_nnx_causal_rule_leaves_a_cross_attention_call_as_flax_computes_it(
+    context, call, declared):
+  layer = nnx.MultiHeadAttention(2, 16, decode=False, rngs=nnx.Rngs(0))
+  rules = jaxmp.PolicyRules(F32, [jaxmp.Rule(nnx.MultiHeadAttention, **declared)])
+  wrapped = jaxmp.nnx.mixed_precision(layer, rules)
+  with pytest.warns(UserWarning, match=r"<root> \(MultiHeadAttention\) is "
+                    + CROSS.format("inputs_k")):
+    out = call(wrapped, X, context)
+  np.testing.assert_array_equal(out, call(layer, X, context))  # the unwrapped layer
+  plain = jaxmp.nnx.mixed_precision(layer, jaxmp.PolicyRules(F32))
+  assert (str(jax.make_jaxpr(lambda: call(wrapped, X, context))())
+          == str(jax.make_jaxpr(lambda: call(plain, X, context))()))
+
+
+def test_nnx_causal_rule_still_makes_self_attention_causal():
+  class Decoder(nnx.Module):  # one layer, shared: self-attention, then over a context
+    def __init__(self, rngs):
+      self.attention = nnx.MultiHeadAttention(2, 16, decode=False, rngs=rngs)
+
+    def __call__(self, x, context, mask=None):
+      return self.attention(self.attention(x, x, mask=mask), context)
+
+  rule = jaxmp.Rule(nnx.MultiHeadAttention, causal_attention=True)
+  declared = jaxmp.nnx.mixed_precision(Decoder(nnx.Rngs(0)), jaxmp.PolicyRules(F32, [rule]))
+  plain = jaxmp.nnx.mixed_precision(Decoder(nnx.Rngs(0)), jaxmp.PolicyRules(F32))
+  with pytest.warns(UserWarning, match=r"but attention \(MultiHeadAttention\) is "
+                    + CROSS.format("inputs_k")):
+    out = declared(X, CONTEXT)
+  np.testing.assert_allclose(out, plain(X, CONTEXT, MASK), atol=1e-6)
+  layer = lambda: nnx.MultiHeadAttention(2, 16, decode=False, rngs=nnx.Rngs(0))
+  declared = jaxmp.nnx.mixed_precision(layer(), jaxmp.PolicyRules(F32, [rule]))
+  plain = jaxmp.nnx.mixed_precision(layer(), jaxmp.PolicyRules(F32))
+  with warnings.catch_warnings():
+    warnings.filterwarnings("error", message=".*cross-attention")
+    for args in ((X,), (X, X), (X, X, X)):
+      np.testing.assert_allclose(declared(*args), plain(X, mask=MASK), atol=1e-6)
+
+
+def test_causal_rule_on_published_wmt_decoder_leaves_its_cross_attention_alone():
+  # Flax's WMT decoder: causal self-attention, then attention over the encoder's
+  # output (as long as the targets here). Declared causal by path, the self-attention
+  # runs causally and the encoder-decoder attention as Flax computes it; the
+  # declaration reaches attention functions, so no unused-rule warning.
+  from tests.published import models  # pylint: disable=import-outside-toplevel
+  inputs = jax.random.randint(jax.random.key(1), (2, 8), 1, 64).at[1, 5:].set(0)
+  targets = jax.random.randint(jax.random.key(2), (2, 8), 1, 64).at[0, 6:].set(0)
+  plain = jaxmp.linen.mixed_precision(models._wmt_module("eval"), F32)  # pylint: disable=protected-access
+  variables = plain.init(jax.random.key(0), inputs, targets)
+  for match in (r"decoder/.*", r"decoder/.*_1"):  # both layers, the cross-attention ones
+    declared = jaxmp.linen.mixed_precision(
+        models._wmt_module("eval"),  # pylint: disable=protected-access
+        jaxmp.PolicyRules(F32, [jaxmp.Rule(match, causal_attention=True)]))
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      logits = declared.apply(variables, inputs, targets)
+    messages = {str(w.message) for w in caught}
+    assert not any(NO_ATTENTION_FN in m for m in messages), messages
+    cross = sorted(re.search(r"but (\S+) \(MultiHeadDotProductAttention\) is called as "
+                             "cross-attention", m)[1] for m in messages if "cross-" in m)
+    assert cross == [f"decoder/encoderdecoderblock_{i}/MultiHeadDotProductAttention_1"
+                     for i in range(2)], messages
+    real = np.asarray(targets > 0)
+    np.testing.assert_allclose(np.asarray(logits)[real],
+                               np.asarray(plain.apply(variables, inputs, targets))[real],
+                               atol=2e-5)
+
+
+def test_a_lifted_layer_is_self_attention_called_with_its_query_alone():
+  # nn.remat hands the layer each argument as a value of its own, so layer(x, x) of a
+  # lifted layer class reads as cross-attention (and says how to write it); layer(x)
+  # stays causal self-attention.
+  class Block(nn.Module):
+    twice: bool
+
+    @nn.compact
+    def __call__(self, x, mask=None):
+      attention = nn.remat(nn.MultiHeadDotProductAttention)(num_heads=2, name="attention")
+      return attention(x, x, mask=mask) if self.twice else attention(x, mask=mask)
+
+  plain = jaxmp.linen.mixed_precision(Block(twice=False), jaxmp.PolicyRules(F32))
+  variables = plain.init(jax.random.key(0), X)
+  declared = lambda twice: jaxmp.linen.mixed_precision(Block(twice=twice),
+                                                       jaxmp.PolicyRules(F32, [CAUSAL]))
+  with warnings.catch_warnings():
+    warnings.filterwarnings("error", message=".*cross-attention")
+    np.testing.assert_allclose(declared(False).apply(variables, X),
+                               plain.apply(variables, X, MASK), atol=1e-6)
+  with pytest.warns(UserWarning, match=r"lifted by nn.remat.*call it as layer\(x\)"):
+    declared(True).apply(variables, X)

@@ -9,6 +9,7 @@ import re
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -130,6 +131,12 @@ def _probe():
   return nonfinite.probe(PROBE_CALLS)
 
 
+def _recorded_trace():
+  """A step's trace: every call recorded once (count 1), every value finite."""
+  values = jnp.zeros((len(PROBE_CALLS), 10)).at[:, -1].set(1.0)
+  return jaxmp.tools.NonfiniteTrace(PROBE_CALLS, values)
+
+
 def _controller(model=None, **kwargs):
   if model is None:
     model = jaxmp.linen.mixed_precision(nn.Dense(2), TRACE_RULES)
@@ -143,11 +150,17 @@ def _controller_update(metrics):
   return controller.update(jaxmp.linen.mixed_precision(nn.Dense(2), TRACE_RULES))
 
 
-def _propose(origin_path="dense", **kwargs):
+def _step_record(origin_path="dense", **fields):
   origin = jaxmp.tools.Origin(origin_path, "__call__", "forward", "output", float("inf"))
-  step = jaxmp.tools.StepRecord(0, None, True, 1.0, origin, True, frozenset())
+  return jaxmp.tools.StepRecord(**{"step": 0, "loss": None, "skipped": True, "loss_scale": 1.0,
+                                   "origin": origin, "traced": True, "active": frozenset(),
+                                   **fields})
+
+
+def _propose(origin_path="dense", modules=None, **kwargs):
   args = {"culprit_steps": 1, "bfloat16": False, **kwargs}
-  return jaxmp.tools.propose_change(TRACE_RULES, [step], {"": nn.Dense}, **args)
+  return jaxmp.tools.propose_change(TRACE_RULES, [_step_record(origin_path)],
+                                    modules or {"": nn.Dense}, **args)
 
 
 def _nnx_with_rules_restoring_params():
@@ -326,7 +339,7 @@ CASES = [
     ("CurrentScaling negative margin", lambda: fp8.CurrentScaling(margin=-1), ValueError,
      "got -1"),
     ("CurrentScaling power_of_two string", lambda: fp8.CurrentScaling(power_of_two="yes"),
-     TypeError, "power_of_two must be a bool, got 'yes'"),
+     TypeError, "power_of_two must be True or False, got 'yes'"),
     ("DelayedScaling power_of_two int", lambda: fp8.DelayedScaling(power_of_two=1), TypeError,
      "got 1 of type int"),
     ("RowwiseScaling negative margin", lambda: fp8.RowwiseScaling(margin=-1), ValueError,
@@ -456,6 +469,15 @@ CASES = [
         apply_fn=lambda v, x: x, variables=PARAMS, tx=optax.sgd(1.0)), ValueError, "['w']"),
     ("MultiSteps outside loss_scaling", lambda: jaxmp.get_loss_scale(_wrong_nesting_state()),
      ValueError, "jaxmp.loss_scaling(optax.MultiSteps(opt, k))"),
+    ("TrainState.create with a MultiSteps object", lambda: jaxmp.linen.TrainState.create(
+        apply_fn=lambda v, x: x, variables={"params": PARAMS},
+        tx=optax.MultiSteps(optax.sgd(1.0), 2)), TypeError, "pass tx.gradient_transformation()"),
+    ("clip chained before loss_scaling", lambda: jaxmp.get_loss_scale(optax.chain(
+        optax.clip_by_global_norm(1.0), jaxmp.loss_scaling(optax.sgd(1.0))).init(PARAMS)),
+     ValueError, "jaxmp.loss_scaling(optax.chain(..., opt))"),
+    ("apply_if_finite around loss_scaling", lambda: jaxmp.loss_scaling_metrics(
+        optax.apply_if_finite(jaxmp.loss_scaling(optax.sgd(1.0)), 3).init(PARAMS)),
+     ValueError, "the scale never backs off"),
     ("loss_scaling max_consecutive_skips 0", lambda: jaxmp.loss_scaling(
         optax.sgd(1.0), max_consecutive_skips=0), ValueError, "max_consecutive_skips"),
     ("loss_scaling max_consecutive_skips string", lambda: jaxmp.loss_scaling(
@@ -495,6 +517,24 @@ CASES = [
     ("master_params of other params", lambda: jaxmp.optim.master_params(
         jaxmp.optim.master_weights(optax.sgd(1.0)).init(BF16_PARAMS), {"v": jnp.ones(2)}),
      ValueError, "the params have ['v'] where the master weights have ['w']"),
+    ("master_params of params of another shape", lambda: jaxmp.optim.master_params(
+        jaxmp.optim.master_weights(optax.sgd(1.0)).init(BF16_PARAMS),
+        {"w": jnp.ones(3, jnp.bfloat16)}), ValueError,
+     "param ['w'] has shape (3,) where its master has shape (2,)"),
+    ("master_params of remainders, given float32 params", lambda: jaxmp.optim.master_params(
+        jaxmp.optim.master_weights(optax.sgd(1.0), remainders=True).init(BF16_PARAMS), PARAMS),
+     TypeError, "param ['w'] has dtype float32; with remainders=True"),
+    ("master_weights inside master_weights", lambda: jaxmp.optim.master_weights(
+        jaxmp.optim.master_weights(optax.sgd(1.0))).init(BF16_PARAMS), ValueError,
+     "master_weights is nested inside master_weights"),
+    ("stochastic_rounding inside master_weights", lambda: jaxmp.optim.master_weights(
+        jaxmp.optim.stochastic_rounding(optax.sgd(1.0), jax.random.key(0))).init(BF16_PARAMS),
+     ValueError, "stochastic_rounding is nested inside master_weights"),
+    ("kahan_summation inside master_weights, deeper in a chain", lambda: jaxmp.optim.master_weights(
+        optax.chain(optax.clip(1.0), jaxmp.optim.kahan_summation(optax.sgd(1.0)))).init(
+            BF16_PARAMS), ValueError, "kahan_summation is nested inside master_weights"),
+    ("state_dtypes choice of one argument", lambda: jaxmp.optim.state_dtypes(
+        optax.adam(1e-3), lambda path: "bfloat16"), TypeError, "dtype(path, leaf)"),
     ("state_dtypes int8", lambda: jaxmp.optim.state_dtypes(optax.adam(1e-3), "int8"),
      ValueError, "storage dtype 'int8' is not accepted"),
     ("state_dtypes int32 dtype", lambda: jaxmp.optim.state_dtypes(optax.adam(1e-3), jnp.int32),
@@ -539,6 +579,12 @@ CASES = [
             BF16_PARAMS)), ValueError, "params=None"),
     ("kahan_add float32 param", lambda: jaxmp.optim.kahan_add(X, X, X), TypeError,
      "dtype float32"),
+    ("kahan_add update of another shape", lambda: jaxmp.optim.kahan_add(
+        jnp.ones(3, jnp.bfloat16), jnp.ones(4), jnp.zeros(3, jnp.bfloat16)), ValueError,
+     "update has shape (4,), the param (3,)"),
+    ("kahan_add update a Python float", lambda: jaxmp.optim.kahan_add(
+        jnp.ones((), jnp.bfloat16), 1e-4, jnp.zeros((), jnp.bfloat16)), TypeError,
+     "update must be a floating-point array"),
     ("split_remainder of bfloat16", lambda: jaxmp.optim.split_remainder(
         BF16_PARAMS["w"]), TypeError, "dtype bfloat16"),
     ("join_remainder shapes", lambda: jaxmp.optim.join_remainder(
@@ -571,7 +617,35 @@ CASES = [
     ("nonfinite_report negative loss scale", lambda: jaxmp.tools.nonfinite_report(
         _probe(), loss_scale=-1.0), ValueError, "-1.0"),
     ("NonfiniteReport.largest unknown value",
-     lambda: jaxmp.tools.nonfinite_report(_probe()).largest("bogus"), ValueError, "'bogus'"),
+     lambda: jaxmp.tools.nonfinite_report(_recorded_trace()).largest("bogus"), ValueError,
+     "'bogus'"),
+    ("nonfinite_report of the zero probe", lambda: jaxmp.tools.nonfinite_report(_probe()),
+     ValueError, "recorded no module call: it is the zero probe"),
+    ("nonfinite_report inside jit", lambda: jax.jit(
+        lambda t: jaxmp.tools.nonfinite_report(t).loss_scale)(_recorded_trace()), TypeError,
+     "nonfinite_report reads the trace on the host"),
+    ("Monitor.update negative loss scale", lambda: jaxmp.tools.Monitor().update(
+        {"loss_scale": -1.0}), ValueError, "must be positive and finite, got -1.0"),
+    ("Monitor.update last_step_finite string", lambda: jaxmp.tools.Monitor().update(
+        {"last_step_finite": "yes"}), TypeError, "got 'yes'"),
+    ("Monitor.update inside jit", lambda: jax.jit(
+        lambda loss: jaxmp.tools.Monitor().update({}, loss) and loss)(1.0), TypeError,
+     "Monitor.update reads the metrics and loss on the host"),
+    ("suggest_scale negative magnitude", lambda: jaxmp.tools.suggest_scale(-1.0, 1e-3, "f16"),
+     ValueError, "got -1.0"),
+    ("suggest_scale NaN magnitude", lambda: jaxmp.tools.suggest_scale(float("nan"), 1e-3, "f16"),
+     ValueError, "got nan"),
+    ("suggest_scale min above max", lambda: jaxmp.tools.suggest_scale(1e-3, 1.0, "f16"),
+     ValueError, "min_abs (1.0) is larger than max_abs (0.001)"),
+    ("relative_error of other trees", lambda: jaxmp.tools.relative_error(
+        {"a": jnp.ones(2)}, {"b": jnp.ones(2)}), ValueError, "'a' in the reference and 'b'"),
+    ("relative_error of other shapes", lambda: jaxmp.tools.relative_error(
+        jnp.ones(3), jnp.ones(4)), ValueError, "shape (3,) in the reference and (4,)"),
+    ("summary of a wrapper with other rules", lambda: jaxmp.tools.summary(
+        jaxmp.linen.mixed_precision(nn.Dense(2), "float32"), "bf16", X), ValueError,
+     "the wrapper runs its own rules"),
+    ("device_capabilities of a name", lambda: jaxmp.tools.device_capabilities("tpu"),
+     TypeError, "types.SimpleNamespace(platform='tpu', device_kind='TPU v5 lite')"),
     ("accumulate_gradients traces of different models", _traces_of_two_models, ValueError,
      "2 and 1 call sites"),
     ("nnx value_and_grad with two tracing wrappers", _two_traced_nnx_wrappers, ValueError,
@@ -600,6 +674,21 @@ CASES = [
     ("propose_change rule that would match no module", lambda: _propose("decoder/attention"),
      ValueError, "'decoder/attention', which is not a module of the model"),
     ("propose_change culprit_steps 0", lambda: _propose(culprit_steps=0), ValueError, "got 0"),
+    ("propose_change one StepRecord", lambda: jaxmp.tools.propose_change(
+        TRACE_RULES, _step_record(), {"": nn.Dense}, culprit_steps=1, bfloat16=False),
+     TypeError, "got one StepRecord (step 0); pass [record]"),
+    ("propose_change class names as modules", lambda: _propose(modules={"": "Dense"}),
+     TypeError, "'' maps to 'Dense' of type str"),
+    ("Origin misspelt value", lambda: jaxmp.tools.Origin("dense", "__call__", "forward",
+                                                         "outptu", 1.0), ValueError, "'outptu'"),
+    ("StepRecord skipped as a string", lambda: _step_record(skipped="no"), TypeError,
+     "skipped must be True, False or None, got 'no'"),
+    ("StepRecord misspelt anomaly kind", lambda: _step_record(active={"scale_colapse"}),
+     ValueError, "unknown anomaly kind 'scale_colapse'"),
+    ("PrecisionChange unknown kind", lambda: jaxmp.tools.PrecisionChange(
+        0, "bogus", None, "r", TRACE_RULES, TRACE_RULES, ()), ValueError, "got 'bogus'"),
+    ("PrecisionController device name", lambda: _controller(device="h100"), TypeError,
+     "a description of one"),
     ("propose_change bfloat16 string", lambda: _propose(bfloat16="yes"), TypeError, "got 'yes'"),
     ("linen with_rules of a policy string", lambda: jaxmp.linen.mixed_precision(
         nn.Dense(2), "float32").with_rules("bfloat16"), TypeError, "got 'bfloat16'"),
@@ -631,3 +720,41 @@ def test_bad_input_inside_jit_is_refused_at_trace_time():
     jax.jit(lambda f: jaxmp.DynamicLossScale().adjust(f))(jnp.array([True, False]))
   with pytest.raises(TypeError, match="dtype int32"):
     jax.jit(lambda p: jaxmp.select_tree(p, PARAMS, PARAMS))(jnp.int32(1))
+
+
+# Every flag (an argument that is True or False) takes a Python or a NumPy bool, holds
+# it as a Python bool, and refuses anything else with one message (checks.flag).
+MHA = nn.MultiHeadDotProductAttention
+FLAGS = {
+    "Rule causal_attention": lambda b: jaxmp.Rule(MHA, causal_attention=b).causal_attention,
+    "Rule padded_attention": lambda b: jaxmp.Rule(MHA, padded_attention=b).padded_attention,
+    "PolicyRules fused_attention":
+        lambda b: jaxmp.PolicyRules("float32", fused_attention=b).fused_attention,
+    "PolicyRules float32_normalization":
+        lambda b: jaxmp.PolicyRules("float32", float32_normalization=b).float32_normalization,
+    "PolicyRules trace_nonfinite":
+        lambda b: jaxmp.PolicyRules("float32", trace_nonfinite=b).trace_nonfinite,
+    **{f"{recipe.__name__} power_of_two": (lambda b, r=recipe: r(power_of_two=b).power_of_two)
+       for recipe in (fp8.DelayedScaling, fp8.CurrentScaling, fp8.RowwiseScaling,
+                      fp8.BlockScaling)},
+}
+
+
+@pytest.mark.parametrize("read", FLAGS.values(), ids=list(FLAGS))
+def test_numpy_bools_are_flags_wherever_a_bool_is(read):
+  for value in (True, False):
+    held = read(np.bool_(value))
+    assert held is value, held
+  with pytest.raises(TypeError, match=r"must be True or False, got 1 of type int\."):
+    read(1)
+  with pytest.raises(TypeError, match=r"must be True or False, got np.int64\(0\) of type int64"):
+    read(np.int64(0))
+
+
+def test_master_weights_remainders_takes_a_numpy_bool():
+  params = {"w": jnp.ones(2, jnp.bfloat16)}
+  made = lambda b: jaxmp.optim.master_weights(optax.sgd(1.0), remainders=b).init(params)
+  assert jax.tree.map(lambda x: x.dtype, made(np.bool_(True))) == jax.tree.map(
+      lambda x: x.dtype, made(True))
+  with pytest.raises(TypeError, match=r"remainders must be True or False, got 1 of type int"):
+    made(1)

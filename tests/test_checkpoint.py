@@ -190,6 +190,24 @@ def test_a_restored_overflow_then_backs_off_from_the_restored_scale(run):
   assert int(jaxmp.loss_scaling_metrics(state.opt_state)["skipped_steps"]) == 13
 
 
+def test_a_scale_restored_below_the_targets_min_scale_is_never_raised_by_an_overflow(run):
+  # The target's optimizer floors the scale at 2048, above the saved 1024: the
+  # hyperparameters are the target's, the scale the checkpoint's. Overflows keep it
+  # (backing off never raises a scale); the first finite step lifts it to the floor.
+  tx = jaxmp.loss_scaling(optax.adam(1e-2), jaxmp.DynamicLossScale(
+      **{**LOSS_SCALE, "scale": 4096.0, "min_scale": 2048.0}))
+  state = restore(run["directory"], run["saved"], tx=tx)
+  assert float(state.loss_scale.loss_scale) == 1024.0 and state.loss_scale.min_scale == 2048.0
+  step, _ = make_step()
+  x, y, clean = run["inputs"]
+  fault = jax.device_put(jnp.float32(jnp.nan), jax.devices()[0])
+  scales = []
+  for grad_fault in (fault, fault, clean, fault):
+    state, _ = step(state, x, y, grad_fault)
+    scales.append(float(state.loss_scale.loss_scale))
+  assert scales == [1024.0, 1024.0, 2048.0, 2048.0]
+
+
 def test_a_new_program_with_an_equal_optimizer_resumes_identically(run):
   # What a restarted job does: build the model and optimizer again (equal, not the
   # same objects), restore into their abstract state, jit the step afresh.

@@ -173,6 +173,33 @@ def test_growth_is_clamped_at_max_scale():
   assert _trajectory(ls, [0] * 5)[1] == [1, 0, 1, 0, 1]
 
 
+def _restored(target, scale, counter=0):
+  """``target`` holding a checkpoint's leaves, rebuilt as Orbax and jit rebuild it (no
+  constructor, so no bounds check): the hyperparameters are the target's."""
+  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target),
+                                      [jnp.float32(scale), jnp.int32(counter)])
+
+
+def test_an_overflow_never_raises_a_restored_scale_below_min_scale():
+  # A 2**15 checkpoint restored into min_scale=2**20: overflows keep it (backing off
+  # must not raise it to the floor), the first finite step lifts it into the bounds.
+  restored = _restored(jaxmp.DynamicLossScale(2.0**21, growth_interval=3, min_scale=2.0**20),
+                       2.0**15)
+  assert _trajectory(restored, [1, 1, 0, 1, 0, 0, 0]) == (
+      [2.0**15, 2.0**15, 2.0**20, 2.0**20, 2.0**20, 2.0**20, 2.0**21], [0, 0, 1, 0, 1, 2, 0])
+  # jmp's rule (max(min_loss_scale, scale / 2)) raises it to the floor on the overflow.
+  jmp_ls = jmp.DynamicLossScale(jnp.float32(2.0**15), min_loss_scale=jnp.float32(2.0**20))
+  assert float(jmp_ls.adjust(jnp.asarray(False)).loss_scale) == 2.0**20
+
+
+def test_a_restored_scale_above_max_scale_comes_down_at_the_next_step():
+  target = jaxmp.DynamicLossScale(8.0, growth_interval=2, max_scale=16.0)
+  assert _trajectory(_restored(target, 64.0), [1, 0, 0]) == ([16.0, 16.0, 16.0], [0, 1, 0])
+  assert _trajectory(_restored(target, 64.0), [0, 0, 1]) == ([16.0, 16.0, 8.0], [1, 0, 0])
+  # A restored counter at or past the target's interval grows at the next finite step.
+  assert _trajectory(_restored(target, 4.0, counter=5), [0]) == ([8.0], [0])
+
+
 def test_growth_that_would_overflow_float32_is_suppressed_and_counter_resets():
   ls = jaxmp.DynamicLossScale(scale=2.0**127, growth_interval=2, min_scale=0.0,
                               max_scale=float("inf"))

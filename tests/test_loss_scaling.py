@@ -234,10 +234,14 @@ def test_gradient_clipping_inside_sees_unscaled_gradients():
   ref, _, _ = _run(inner, grads)
   tree_asserts.assert_trees_close(ours, ref, rtol=REFERENCE_RTOL)
   # Clipping the scaled gradients (the classic mistake) gives something else.
-  wrong, _, _ = _run(optax.chain(optax.clip_by_global_norm(0.5),
-                                 jaxmp.loss_scaling(optax.sgd(1.0), jaxmp.StaticLossScale(SCALE))),
-                     [_scaled(g) for g in grads])
+  wrong, wrong_state, _ = _run(
+      optax.chain(optax.clip_by_global_norm(0.5),
+                  jaxmp.loss_scaling(optax.sgd(1.0), jaxmp.StaticLossScale(SCALE))),
+      [_scaled(g) for g in grads])
   assert not np.allclose(wrong[0]["w"], ref[0]["w"])
+  # ... which is why jaxmp refuses that state wherever it reads it (below).
+  with pytest.raises(ValueError, match="chained before"):
+    jaxmp.get_loss_scale(wrong_state)
 
 
 def test_multi_steps_inside_drops_a_non_finite_micro_batch_without_breaking_the_window():
@@ -291,9 +295,10 @@ def test_chain_inside_with_weight_decay_and_adam():
   tree_asserts.assert_trees_close(ours, ref, rtol=REFERENCE_RTOL)
 
 
-def test_wrapper_inside_an_optax_chain():
-  tx = optax.chain(jaxmp.loss_scaling(optax.scale_by_adam(), jaxmp.DynamicLossScale(SCALE)),
-                   optax.scale(-1e-2))
+def test_a_chain_wrapped_whole_equals_the_plain_chain_on_finite_steps():
+  # What the refused chain(loss_scaling(a), b) becomes: loss_scaling(chain(a, b)).
+  tx = jaxmp.loss_scaling(optax.chain(optax.scale_by_adam(), optax.scale(-1e-2)),
+                          jaxmp.DynamicLossScale(SCALE))
   ref_tx = optax.chain(optax.scale_by_adam(), optax.scale(-1e-2))
   g = [_grads(i) for i in range(3)]
   ours, state, _ = _run(tx, [_scaled(g[0]), _poison(_scaled(g[1])), _scaled(g[2], SCALE / 2)])
@@ -348,7 +353,7 @@ def test_multi_steps_object_is_accepted_directly():
 def test_get_loss_scale_finds_the_state_in_nested_containers():
   ls = jaxmp.StaticLossScale(8.0)
   state = jaxmp.loss_scaling(optax.sgd(1.0), ls).init(_params())
-  for nested in (state, (1, [state]), {"opt": {"x": state}}):
+  for nested in (state, [1, (state,)], {"opt": {"x": state}, "step": 3}):
     assert float(jaxmp.get_loss_scale(nested).loss_scale) == 8.0
   # Inside a MultiSteps it is the wrong nesting (issue 13), refused rather than found.
   with pytest.raises(ValueError, match=r"jaxmp\.loss_scaling\(optax\.MultiSteps\("):
@@ -362,8 +367,7 @@ def test_get_loss_scale_through_multisteps_chain_and_inject_hyperparams():
   injected = optax.inject_hyperparams(
       lambda learning_rate: jaxmp.loss_scaling(optax.sgd(learning_rate),
                                                jaxmp.StaticLossScale(8.0)))(learning_rate=0.1)
-  chained = optax.chain(optax.clip(1.0), jaxmp.loss_scaling(optax.sgd(1.0),
-                                                            jaxmp.StaticLossScale(8.0)))
+  chained = optax.chain(jaxmp.loss_scaling(optax.sgd(1.0), jaxmp.StaticLossScale(8.0)))
   for tx in (inner_multi, injected, chained):
     state = tx.init(_params())
     assert float(jaxmp.get_loss_scale(state).loss_scale) == 8.0
@@ -662,6 +666,59 @@ def test_a_non_finite_micro_batch_backs_off_at_once_and_is_dropped():
   chex.assert_trees_all_close(params, ref_params, rtol=1e-6)
 
 
+def test_each_dropped_micro_batch_moves_every_later_window_end_by_one():
+  # k = 3; micro-batches 1 and 5 overflow. A window ends on its 3rd *finite*
+  # micro-batch: (0, 2, 3), (4, 6, 7), (8, 9, 10), where without the overflows they
+  # would be (0, 1, 2), (3, 4, 5), (6, 7, 8). Each averages exactly 3 micro-batches.
+  tx = jaxmp.loss_scaling(optax.MultiSteps(optax.sgd(0.1), every_k_schedule=3),
+                          _torch_like(128.0, growth_interval=1000))
+  g = [_acc_grads(i) for i in range(11)]
+  params, state = _acc_params(), tx.init(_acc_params())
+  update = jax.jit(tx.update)
+  emitted = []
+  for i, grads in enumerate(g):
+    grads = jaxmp.get_loss_scale(state).scale(grads)
+    if i in (1, 5):
+      grads = _acc_poison(grads)
+    before = int(state.inner_state.gradient_step)
+    updates, state = update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    if int(state.inner_state.gradient_step) > before:
+      emitted.append(i)
+  assert emitted == [3, 7, 10]
+  assert int(state.skipped_steps) == 2 and int(state.inner_state.mini_step) == 0
+  ref_tx = optax.MultiSteps(optax.sgd(0.1), every_k_schedule=3)
+  ref_params, ref_state = _acc_params(), ref_tx.init(_acc_params())
+  for i in (0, 2, 3, 4, 6, 7, 8, 9, 10):
+    updates, ref_state = ref_tx.update(g[i], ref_state, ref_params)
+    ref_params = optax.apply_updates(ref_params, updates)
+  chex.assert_trees_all_close(params, ref_params, rtol=1e-6)
+
+
+def test_accumulating_in_the_step_counts_windows_by_micro_batches_and_skips_a_whole_window():
+  # The other semantics (torch's recipe): sum a window's micro-batches with
+  # accumulate_gradients and update once per window; an overflow anywhere in the window
+  # skips it whole, and the next window starts on time.
+  tx = jaxmp.loss_scaling(optax.sgd(0.1), _torch_like(128.0, growth_interval=1000))
+  params, state = _acc_params(), tx.init(_acc_params())
+  windows = [[_acc_grads(0), _acc_grads(1)], [_acc_grads(2), _acc_grads(3)]]
+  applied = []
+  for w, window in enumerate(windows):
+    loss_scale = jaxmp.get_loss_scale(state)
+    parts = [jaxmp.linen.Gradients(loss_scale.scale(grads), {}) for grads in window]
+    if w == 0:
+      parts[1] = parts[1]._replace(params=_acc_poison(parts[1].params))
+    total = jaxmp.linen.accumulate_gradients(*parts)
+    mean = jax.tree_util.tree_map(lambda x: x / len(window), total.params)
+    before = params
+    updates, state = tx.update(mean, state, params)
+    params = optax.apply_updates(params, updates)
+    applied.append(not all(bool(jnp.array_equal(a, b)) for a, b in
+                           zip(jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(params))))
+  assert applied == [False, True]
+  assert float(jaxmp.get_loss_scale(state).loss_scale) == 64.0 and int(state.skipped_steps) == 1
+
+
 # --------------------------------------------------------------------------------------
 # MultiSteps outside loss_scaling: refused where the state is read.
 
@@ -695,6 +752,119 @@ def test_wrong_nesting_is_refused_by_the_train_steps():
   optimizer = nnx.Optimizer(linear, _wrong_nesting(), wrt=nnx.Param)
   with pytest.raises(ValueError, match=WRONG):
     jaxmp.get_loss_scale(optimizer.opt_state)
+
+
+# --------------------------------------------------------------------------------------
+# loss_scaling wraps the whole optimizer: anything chained with it or wrapped around it
+# (but inject_hyperparams) is refused where the state is read.
+
+
+def _clip():
+  return optax.clip_by_global_norm(1.0)
+
+
+def _ls(inner=None):
+  return jaxmp.loss_scaling(optax.sgd(0.1) if inner is None else inner,
+                            jaxmp.StaticLossScale(SCALE))
+
+
+NOT_OUTERMOST = [
+    ("chained before", lambda: optax.chain(_clip(), _ls()),
+     "jaxmp.loss_scaling(optax.chain(..., opt))"),
+    ("chained before", lambda: optax.chain(optax.add_decayed_weights(1e-2), _ls(optax.adam(0.1))),
+     "jaxmp.loss_scaling(optax.chain(..., opt))"),
+    ("chained before", lambda: optax.named_chain(("clip", _clip()), ("opt", _ls())),
+     "jaxmp.loss_scaling(optax.named_chain(..., opt))"),
+    ("chained after", lambda: optax.chain(_ls(optax.identity()), optax.adam(0.1)),
+     "jaxmp.loss_scaling(optax.chain(opt, ...))"),
+    ("chained after", lambda: optax.chain(_ls(optax.scale_by_adam()), optax.scale(-0.1)),
+     "jaxmp.loss_scaling(optax.chain(opt, ...))"),
+    ("chained after", lambda: optax.named_chain(("opt", _ls()), ("decay", optax.add_decayed_weights(1e-2))),
+     "jaxmp.loss_scaling(optax.named_chain(opt, ...))"),
+    ("optax.masked wraps", lambda: optax.masked(_ls(), {"w": True, "b": False}),
+     "jaxmp.loss_scaling(optax.masked(opt, mask))"),
+    ("optax.multi_transform wraps", lambda: optax.multi_transform(
+        {"a": _ls(), "b": optax.sgd(0.1)}, {"w": "a", "b": "b"}),
+     "jaxmp.loss_scaling(optax.multi_transform("),
+    ("optax.apply_if_finite wraps", lambda: optax.apply_if_finite(_ls(), 3),
+     "jaxmp.loss_scaling(opt)"),
+    ("ConditionallyTransformState", lambda: optax.conditionally_transform(_ls(), lambda step: step > 2),
+     "loss_scaling outside"),
+    ("optax.MultiSteps wraps", lambda: optax.MultiSteps(_ls(), 2).gradient_transformation(),
+     "jaxmp.loss_scaling(optax.MultiSteps(opt, k))"),
+]
+
+
+@pytest.mark.parametrize("what, make, fix", NOT_OUTERMOST,
+                         ids=[f"{i}-{w}" for i, (w, _, _) in enumerate(NOT_OUTERMOST)])
+def test_loss_scaling_that_is_not_outermost_is_refused_with_the_fix(what, make, fix):
+  state = make().init(_params())
+  for read in (jaxmp.get_loss_scale, jaxmp.loss_scaling_metrics, jax.jit(jaxmp.get_loss_scale),
+               lambda s: jaxmp.get_loss_scale(s, default=jaxmp.NoOpLossScale())):
+    with pytest.raises(ValueError, match=re.escape(what)) as error:
+      read(state)
+    assert fix in str(error.value)
+
+
+def test_a_transform_chained_after_loss_scaling_would_move_the_params_on_a_skipped_step():
+  # Why chained-after is refused too: Adam after it gets the skip's zero updates and
+  # steps on its momentum anyway; inside, the skip skips it.
+  after = optax.chain(_ls(optax.identity()), optax.adam(0.1))
+  inside = _ls(optax.adam(0.1))
+  poisoned = [_scaled(_grads(0)), _poison(_scaled(_grads(1)))]
+  moved, _, _ = _run(after, poisoned)
+  kept, _, _ = _run(inside, poisoned)
+  assert np.all(np.asarray(moved[1]["w"]) != 0)
+  tree_asserts.assert_trees_equal(kept[1], jax.tree_util.tree_map(jnp.zeros_like, _params()))
+
+
+def test_containers_and_pass_through_wrappers_around_loss_scaling_are_accepted():
+  bf16 = {"w": jnp.ones((2, 2), jnp.bfloat16), "b": jnp.zeros(2, jnp.bfloat16)}
+  accepted = [
+      (_ls(), _params()),
+      (optax.chain(_ls()), _params()),  # a chain of one
+      (optax.inject_hyperparams(lambda learning_rate: _ls(optax.sgd(learning_rate)))(
+          learning_rate=0.1), _params()),
+      (jaxmp.optim.master_weights(_ls()), bf16),
+      (jaxmp.optim.stochastic_rounding(_ls(), jax.random.key(0)), bf16),
+      (jaxmp.optim.kahan_summation(_ls()), bf16),
+  ]
+  for tx, params in accepted:
+    state = tx.init(params)
+    assert float(jaxmp.get_loss_scale(state).loss_scale) == SCALE
+    _, state = tx.update(jax.tree_util.tree_map(jnp.ones_like, params), state, params)
+    assert int(jaxmp.loss_scaling_metrics(state)["skipped_steps"]) == 0
+  # A state inside a dict or list of one's own, beside other things, is found.
+  state = _ls().init(_params())
+  assert float(jaxmp.get_loss_scale({"opt": state, "step": 3}).loss_scale) == SCALE
+  assert float(jaxmp.get_loss_scale([state, _params()]).loss_scale) == SCALE
+
+
+def test_a_chained_loss_scaling_is_refused_by_every_train_step():
+  tx = optax.chain(_clip(), _ls())
+  model, x = nn.Dense(2), jnp.ones((4, 3))
+  variables = model.init(jax.random.key(0), x)
+  loss_fn = lambda v: jnp.sum(model.apply(v, x))
+  state = jaxmp.linen.TrainState.create(apply_fn=model.apply, variables=variables, tx=tx)
+  with pytest.raises(ValueError, match="chained before"):
+    state.value_and_grad(loss_fn)()
+  _, grads = jaxmp.linen.value_and_grad(loss_fn)(variables, loss_scale=jaxmp.StaticLossScale(SCALE))
+  with pytest.raises(ValueError, match="chained before"):
+    state.apply_gradients(grads)
+  params, fp8, _ = jaxmp.linen.split_variables(variables)
+  with pytest.raises(ValueError, match="chained before"):
+    jaxmp.linen.apply_gradients(tx, params, fp8, tx.init(params), grads)
+  linear = jaxmp.nnx.mixed_precision(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), "float32")
+  optimizer = nnx.Optimizer(linear, tx, wrt=nnx.Param)
+  with pytest.raises(ValueError, match="chained before"):
+    jaxmp.get_loss_scale(optimizer.opt_state)
+  _, nnx_grads = jaxmp.nnx.value_and_grad(lambda m: jnp.sum(m(x)))(
+      linear, loss_scale=jaxmp.StaticLossScale(SCALE))
+  before = jax.tree_util.tree_leaves(nnx.state((linear, optimizer)))
+  with pytest.raises(ValueError, match="chained before"):
+    jaxmp.nnx.apply_gradients(optimizer, linear, nnx_grads)
+  # Refused before the optimizer changed anything.
+  tree_asserts.assert_trees_equal(jax.tree_util.tree_leaves(nnx.state((linear, optimizer))), before)
 
 
 # --------------------------------------------------------------------------------------

@@ -28,28 +28,49 @@ SETTINGS = hypothesis.settings(max_examples=40, deadline=None, derandomize=True,
 # The loss-scale state machine.
 
 
+def _f32_at_least(bound):
+  """The smallest float32 >= ``bound``."""
+  rounded = F32(bound)
+  return np.nextafter(rounded, F32(np.inf)) if float(rounded) < bound else rounded
+
+
+def _f32_at_most(bound):
+  """The largest float32 <= ``bound``."""
+  rounded = F32(bound)
+  return np.nextafter(rounded, F32(-np.inf)) if float(rounded) > bound else rounded
+
+
 class ReferenceDynamicLossScale:
-  """DynamicLossScale's documented rule, in plain Python with float32 arithmetic."""
+  """DynamicLossScale's documented rule, in plain Python with float32 arithmetic.
+
+  torch's GradScaler step, then the bounds: a finite step clamps into ``[min_scale,
+  max_scale]``, an overflow clamps too but never raises the scale (one restored below
+  ``min_scale`` stays there until a finite step).
+  """
 
   def __init__(self, scale, growth_interval, growth_factor, backoff_factor, min_scale,
                max_scale, counter=0):
     self.scale, self.counter = F32(scale), counter
     self.growth_interval = growth_interval
     self.growth, self.backoff = F32(growth_factor), F32(backoff_factor)
-    self.min, self.max = F32(min_scale), F32(min(max_scale, F32_MAX))
+    self.min, self.max = _f32_at_least(min_scale), _f32_at_most(min(max_scale, F32_MAX))
+
+  def clamp(self, x):
+    return min(max(x, self.min), self.max)
 
   def adjust(self, finite: bool) -> None:
     with np.errstate(over="ignore"):
       if not finite:
-        self.scale = max(F32(self.scale * self.backoff), self.min)
+        self.scale = min(self.scale, self.clamp(F32(self.scale * self.backoff)))
         self.counter = 0
         return
       self.counter += 1
-      if self.counter == self.growth_interval:
+      if self.counter >= self.growth_interval:
         grown = F32(self.scale * self.growth)
         if np.isfinite(grown):
-          self.scale = min(grown, self.max)
+          self.scale = grown
         self.counter = 0
+      self.scale = self.clamp(self.scale)
 
 
 @st.composite
@@ -95,6 +116,31 @@ def test_dynamic_loss_scale_follows_the_reference_rule_with_bounds(config, finit
   assert (float(again.loss_scale), int(again.counter)) == (float(ls.loss_scale), int(ls.counter))
   assert (again.growth_interval, again.growth_factor, again.backoff_factor, again.min_scale,
           again.max_scale) == hparams
+
+
+@SETTINGS
+@hypothesis.given(config=dynamic_configs(), finite_flags=st.lists(st.booleans(), max_size=30),
+                  scale=st.floats(1e-3, 1e12), counter=st.integers(0, 12))
+def test_a_restored_state_outside_its_bounds_is_clamped_and_no_overflow_raises_it(
+    config, finite_flags, scale, counter):
+  # A checkpoint restored into a loss scale with other bounds: Orbax rebuilds it from
+  # the target's structure (its hyperparameters) and the checkpoint's leaves, with no
+  # constructor to check them, so the scale may be outside the bounds and the counter
+  # past the interval.
+  target = jaxmp.DynamicLossScale(**config)
+  ls = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target),
+                                    [jnp.float32(scale), jnp.int32(counter)])
+  ref = ReferenceDynamicLossScale(**{**config, "scale": scale, "counter": counter})
+  for i, finite in enumerate(finite_flags):
+    before = F32(ls.loss_scale)
+    ls = ls.adjust(finite)
+    ref.adjust(finite)
+    after = F32(ls.loss_scale)
+    assert (after, int(ls.counter)) == (ref.scale, ref.counter), (i, finite, after, ref.scale)
+    if not finite:
+      assert after <= before  # an overflow never raises the scale
+    if finite or ref.min <= before:
+      assert ref.min <= after <= ref.max  # in the bounds from then on
 
 
 @SETTINGS

@@ -30,16 +30,23 @@ CAUSAL mask mode, which skips the tiles above the diagonal, about half of them) 
 not read the mask they are handed. That is exact for causal self-attention with right
 padding (a real token never attends to the padding after it); left padding and packed
 sequences need the mask. A call whose query and keys differ in length (one decoding
-step against a cache) keeps its mask.
+step against a cache) keeps its mask. The declaration is about self-attention: where a
+matched layer is called with keys or values from another sequence (an ``inputs_k``,
+``inputs_v`` or ``inputs_kv`` other than its ``inputs_q``:
+:func:`cross_attention_argument`), the call computes without it, as the layer does,
+and a warning names the layer (``engine.Call.attention_precision``).
 
 Padded attention. ``Rule(match, padded_attention=True)`` declares the matched layers'
-masks right-padding masks (each sequence's real tokens first; combined with a causal
-mask or not, e.g. ``nn.make_attention_mask(tokens > 0, tokens > 0)``): the mask is
-read once for each sequence's query and key lengths (:func:`padding_lengths`) and the
-attention runs with them (cuDNN's PADDING mode, PADDING_CAUSAL with a causal rule) and
-no dense mask. Every real query's output is the masked attention's; the padding
-queries' outputs are not (the loss ignores them). Left padding and packed sequences are
-not right-padding masks: keep the mask for those.
+masks right-padding masks, the same for every head (each sequence's real tokens first,
+``nn.make_attention_mask(tokens > 0, tokens > 0)``; combined with a causal mask only
+with a causal rule too): the mask is read once for each sequence's query and key
+lengths (:func:`padding_lengths`) and the attention runs with them (cuDNN's PADDING
+mode, PADDING_CAUSAL with a causal rule) and no dense mask. Every real query's output
+is the masked attention's; the padding queries' outputs are not (the loss ignores
+them). Left padding, packed sequences and masks that differ by head are not
+right-padding masks: keep the mask for those. A concrete mask (outside ``jit``) of
+another form is refused (:func:`check_right_padding`); a traced one cannot be read
+ahead, and there the declaration is trusted.
 
 Example:
   >>> import flax.linen as nn
@@ -62,6 +69,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jaxmp._src import checks
 
 _NOT_GIVEN = object()
 
@@ -156,12 +166,126 @@ def padding_lengths(mask: jax.Array, query_length: int, key_length: int
     >>> [x.tolist() for x in padding_lengths(mask, 4, 4)]
     [[3, 1], [3, 1]]
   """
-  mask = jnp.asarray(mask, bool)
-  mask = jnp.broadcast_to(mask, mask.shape[:-2] + (query_length, key_length))
-  first_head = mask.reshape((mask.shape[0], -1, query_length, key_length))[:, 0]
+  first_head = _by_head(mask, query_length, key_length)[:, 0]
   key_lengths = jnp.max(jnp.sum(first_head, axis=-1, dtype=jnp.int32), axis=-1)
   query_lengths = jnp.sum(jnp.any(first_head, axis=-1), axis=-1, dtype=jnp.int32)
   return query_lengths, key_lengths
+
+
+def _by_head(mask: jax.Array, query_length: int, key_length: int) -> jax.Array:
+  """``mask`` as bool ``[batch, heads or 1, q, kv]``."""
+  mask = jnp.asarray(mask, bool)
+  mask = jnp.broadcast_to(mask, mask.shape[:-2] + (query_length, key_length))
+  return mask.reshape((mask.shape[0], -1, query_length, key_length))
+
+
+def check_right_padding(mask: jax.Array, query_length: int, key_length: int,
+                        lengths: tuple[jax.Array, jax.Array], causal: bool = False,
+                        window: int | None = None) -> None:
+  """Refuses a mask that the padding mode, given its lengths, would not reproduce.
+
+  The padding mode (cuDNN's PADDING, PADDING_CAUSAL with ``causal``) attends each real
+  query ``i < q_len`` to the keys ``j < kv_len`` (and ``j <= i``, within ``window``,
+  where causal). That is the masked attention for every real query exactly where the
+  mask is that pattern, on every head (where causal, whatever it holds above the
+  diagonal, which the causal mode masks anyway). A left-padding mask, packed
+  sequences, a mask that differs by head, or, without ``causal``, a causal mask is
+  not. A traced mask (under ``jit``) cannot be read ahead of the computation and is
+  not checked: there the declaration is the caller's promise.
+
+  Args:
+    mask: the layer's mask, bool, broadcastable to ``[batch, heads, q, kv]``.
+    query_length: ``q``.
+    key_length: ``kv``.
+    lengths: what :func:`padding_lengths` read from it.
+    causal: the layer is also declared causal.
+    window: its declared sliding window, or ``None``.
+
+  Raises:
+    ValueError: for a concrete mask that is not such a right-padding mask; the message
+      says what is supported and what to change.
+
+  Example:
+    >>> import flax.linen as nn
+    >>> real = jnp.array([[True, True, True, False]])
+    >>> right = nn.make_attention_mask(real, real)
+    >>> check_right_padding(right, 4, 4, padding_lengths(right, 4, 4))
+    >>> left = nn.make_attention_mask(real[:, ::-1], real[:, ::-1])
+    >>> check_right_padding(left, 4, 4, padding_lengths(left, 4, 4))
+    Traceback (most recent call last):
+    ...
+    ValueError: Rule(padded_attention=True): the mask is not a right-padding mask (sequence 0, ...
+  """
+  if any(checks.is_traced(x) for x in (mask, *lengths)):
+    return
+  given = np.asarray(_by_head(mask, query_length, key_length))
+  i, j = np.arange(query_length)[:, None], np.arange(key_length)[None, :]
+  query_lengths, key_lengths = (np.asarray(x)[:, None, None, None] for x in lengths)
+  padding = (i < query_lengths) & (j < key_lengths)
+  causal_band = (j <= i) & (i - j < (key_length if window is None else window))
+  declared = causal_band if causal else np.ones_like(causal_band)
+  differs = (given & declared) != (padding & declared)
+  if not differs.any():
+    return
+  b, h, q, k = np.argwhere(differs)[0]
+  seen = (f"lets query {q} attend to key {k}, which the padding mode would hide"
+          if given[b, h, q, k] else
+          f"hides key {k} from query {q}, which the padding mode would attend to")
+  where = (f"sequence {b}, head {h}: the mask {seen}, reading {query_lengths[b, 0, 0, 0]} "
+           f"real queries and {key_lengths[b, 0, 0, 0]} keys from it")
+  if not causal and np.array_equal(given, np.broadcast_to(padding & causal_band, given.shape)):
+    where = ("it is combined with a causal mask: declare causal_attention=True in the same "
+             "rule, and the padding mode is causal too")
+  raise ValueError(
+      f"{PADDED_ATTENTION}: the mask is not a right-padding mask ({where}). The rule declares "
+      "each mask of its layers one: each sequence's real tokens first, then its padding "
+      "(nn.make_attention_mask(tokens > 0, tokens > 0), the same for every head; combined "
+      "with a causal mask only where the rule also says causal_attention=True), and only "
+      "the lengths read from it would be used, so its real tokens would attend to other "
+      "keys than this mask's. Left padding, packed sequences and masks that differ by "
+      "head need the mask itself: leave padded_attention out of the rule for these "
+      "layers, or right-pad the batch.")
+
+
+KEY_VALUE_ARGUMENTS = ("inputs_k", "inputs_v", "inputs_kv")
+"""The arguments through which Flax's attention layers (linen's and NNX's) take keys and
+values from another sequence than their query (``inputs_q``)."""
+
+
+def cross_attention_argument(method: Callable[..., Any], args: tuple,
+                             kwargs: dict[str, Any]) -> str | None:
+  """The argument that makes a call of an attention layer cross-attention, or None.
+
+  A call is self-attention where each of Flax's key and value arguments
+  (:data:`KEY_VALUE_ARGUMENTS`) is absent, ``None`` or the query itself, the very
+  object the caller passed as ``inputs_q`` (``layer(x)``, ``layer(x, x)``); any other
+  value of one of them makes it cross-attention, keys from another sequence than the
+  query's, whose positions a causal mask does not relate to the query's. A method
+  without these arguments (a layer that computes its own keys) attends to its input.
+
+  Args:
+    method: the method called, bound (its signature without ``self``).
+    args: the positional arguments as the caller passed them.
+    kwargs: the keyword arguments as the caller passed them.
+
+  Example:
+    >>> def call(inputs_q, inputs_k=None, inputs_v=None, *, mask=None): ...
+    >>> x, context = jnp.ones((1, 4, 8)), jnp.zeros((1, 4, 8))
+    >>> cross_attention_argument(call, (x, x), {}) is None
+    True
+    >>> cross_attention_argument(call, (x,), {"inputs_k": context})
+    'inputs_k'
+  """
+  try:
+    arguments = inspect.signature(method).bind(*args, **kwargs).arguments
+  except (TypeError, ValueError):
+    return None  # arguments the method refuses: the call itself raises
+  query = arguments.get("inputs_q", _NOT_GIVEN)
+  for name in KEY_VALUE_ARGUMENTS:
+    value = arguments.get(name)
+    if value is not None and value is not query:
+      return name
+  return None
 
 
 def _fallback_reason(query, dropout_rate, deterministic, module, precision,
@@ -196,18 +320,21 @@ def fused_attention_fn(original: Callable[..., Any], causal: bool = False,
 
   Args:
     original: the layer's own attention function.
-    causal: the layer is declared causal (``Rule(causal_attention=True)``): where the
-      query and keys have the same length, attend with ``is_causal=True`` and leave the
-      mask the layer was handed unread, so no dense mask reaches the kernel.
+    causal: the layer's call is causal self-attention (``Rule(causal_attention=True)``;
+      ``engine.Call.attention_precision`` leaves it out for a cross-attention call):
+      where the query and keys have the same length, attend with ``is_causal=True``
+      and leave the mask the layer was handed unread, so no dense mask reaches the
+      kernel.
     window: with ``causal``, each query attends to itself and the ``window - 1`` keys
       before it (``Rule(attention_window=...)``: cuDNN's causal sliding window). Where
       the query and keys differ in length (decoding with a cache) the window cannot be
       placed, and the layer's mask runs without it, with a warning.
     padded: the layer's masks are declared right-padding masks (``Rule(
-      padded_attention=True)``; combined with a causal mask or not): where the query
+      padded_attention=True)``; combined with a causal mask where ``causal``): where the query
       and keys have the same length, each sequence's lengths are read from the mask
-      (:func:`padding_lengths`) and the attention runs in cuDNN's padding mode, with
-      no dense mask.
+      (:func:`padding_lengths`; a concrete mask of another form is refused,
+      :func:`check_right_padding`) and the attention runs in cuDNN's padding mode,
+      with no dense mask.
 
   Returns:
     The function to set as the layer's ``attention_fn`` for the call.
@@ -238,7 +365,9 @@ def fused_attention_fn(original: Callable[..., Any], causal: bool = False,
     same_length = query.shape[-3] == key.shape[-3]
     if padded and mask is not None and same_length:
       # The mask read once for each sequence's lengths: no dense mask reaches the kernel.
-      lengths, mask = padding_lengths(mask, query.shape[-3], key.shape[-3]), None
+      lengths = padding_lengths(mask, query.shape[-3], key.shape[-3])
+      check_right_padding(mask, query.shape[-3], key.shape[-3], lengths, causal, window)
+      mask = None
     if causal and same_length:
       mask, is_causal = None, True  # the declared causal mask, as cuDNN's CAUSAL mode
       local_window_size = None if window is None else (window - 1, 0)
@@ -258,4 +387,5 @@ def is_fused(attention_fn: Any) -> bool:
   return getattr(attention_fn, "__qualname__", "").startswith("fused_attention_fn.")
 
 
-__all__ = ("attend", "fused_attention_fn", "is_fused", "padding_lengths")
+__all__ = ("KEY_VALUE_ARGUMENTS", "attend", "check_right_padding", "cross_attention_argument",
+           "fused_attention_fn", "is_fused", "padding_lengths")

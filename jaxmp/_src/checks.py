@@ -148,6 +148,50 @@ def positive_int(value: Any, name: str, *, where: str, minimum: int = 1,
   return value
 
 
+def host_values(tree: Any, name: str, *, where: str, fix: str) -> None:
+  """Raises ``TypeError`` if a leaf of ``tree`` is traced: ``where`` reads values on the host.
+
+  Args:
+    tree: what ``where`` was given (any pytree).
+    name: what it is, for the message (``"the trace"``).
+    where: the host-side function.
+    fix: what to return from the jitted step instead, for the message.
+  """
+  if any(is_traced(leaf) for leaf in jax.tree_util.tree_leaves(tree)):
+    raise TypeError(
+        f"{where} reads {name} on the host, after the step: it cannot run inside jit (or "
+        f"grad, vmap), and got traced values. Return {fix} from the jitted step and call "
+        f"{where} on what the step returned.")
+
+
+class CheckedRecord:
+  """A mixin for a ``NamedTuple`` subclass whose ``__new__`` checks its fields.
+
+  ``NamedTuple``'s ``_make`` (and so ``_replace``) builds the tuple without calling the
+  class, which would let a record be changed into one its constructor refuses; with
+  this mixin first among the bases, both go through the constructor.
+
+  Example:
+    >>> from typing import NamedTuple
+    >>> from jaxmp._src import checks
+    >>> class _Fields(NamedTuple):
+    ...   count: int
+    >>> class Count(checks.CheckedRecord, _Fields):
+    ...   def __new__(cls, count):
+    ...     return super().__new__(cls, checks.positive_int(count, "count", where="Count"))
+    >>> Count(2)._replace(count=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: Count: count must be an integer >= 1, got 0.
+  """
+
+  __slots__ = ()
+
+  @classmethod
+  def _make(cls, iterable: Any) -> Any:
+    return cls(*iterable)
+
+
 def gradient_transformation(inner: Any, name: str, *,
                             where: str) -> optax.GradientTransformationExtraArgs:
   """``inner`` with extra-args support, for an optimizer a jaxmp transform wraps.
@@ -171,9 +215,11 @@ def gradient_transformation(inner: Any, name: str, *,
 
 
 __all__ = (
+    "CheckedRecord",
     "bool_scalar",
     "flag",
     "gradient_transformation",
+    "host_values",
     "is_real_dtype",
     "is_traced",
     "positive_int",

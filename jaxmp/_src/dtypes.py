@@ -66,13 +66,20 @@ def check_device(device: Any, where: str) -> Any:
   other than a local ``jax.Device`` (a remote one, a test double) work too.
 
   Raises:
-    TypeError: if ``device`` has no ``platform`` string, naming ``where``.
+    TypeError: if ``device`` has no ``platform`` string (a device's name, say), naming
+      ``where`` and the descriptions accepted.
   """
   if device is None:
     return jax.local_devices()[0]
   if not isinstance(getattr(device, "platform", None), str):
-    raise TypeError(f"{where}: device must be a jax.Device (e.g. jax.devices()[0]) or None, "
-                    f"got {device!r} of type {type(device).__name__}.")
+    raise TypeError(
+        f"{where}: device must be a jax.Device (e.g. jax.devices()[0]), a description of one "
+        f"(any object with a `platform` string, 'cpu', 'gpu' or 'tpu', and its `device_kind`; "
+        f"a CUDA GPU's also with its `compute_capability`), e.g. "
+        f"types.SimpleNamespace(platform='gpu', device_kind='NVIDIA H100 80GB HBM3', "
+        f"compute_capability='9.0') or types.SimpleNamespace(platform='tpu', "
+        f"device_kind='TPU v5 lite'), or None for the first local device; got {device!r} of "
+        f"type {type(device).__name__}.")
   return device
 
 

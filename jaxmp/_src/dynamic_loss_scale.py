@@ -46,6 +46,14 @@ def _f32_rounded(bound: float, *, up: bool) -> np.float32:
   return rounded
 
 
+def _float32_bounds(min_scale: float, max_scale: float) -> tuple[np.float32, np.float32]:
+  """``[min_scale, max_scale]`` in float32: its ends hold exactly the float32 scales in it.
+
+  A ``max_scale`` beyond float32 (``inf``) bounds at float32's largest number.
+  """
+  return _f32_rounded(min_scale, up=True), _f32_rounded(min(max_scale, _F32_MAX), up=False)
+
+
 class DynamicLossScale(LossScale):
   """A loss scale that backs off on overflow and grows after a run of finite steps.
 
@@ -54,13 +62,17 @@ class DynamicLossScale(LossScale):
   accumulation, :func:`jaxmp.loss_scaling` adjusts on a non-finite micro-batch at once
   and on a finite one only when it completes an optimizer step)::
 
-    if not grads_finite:  scale = max(scale * backoff_factor, min_scale);  counter = 0
+    if not grads_finite:
+      scale = min(scale, clamp(scale * backoff_factor));  counter = 0   # never raised
     else:
       counter += 1
-      if counter == growth_interval:          # the growth_interval-th consecutive finite step
+      if counter >= growth_interval:          # the growth_interval-th consecutive finite step
         s = scale * growth_factor
-        if isfinite(s): scale = min(s, max_scale)   # growth that overflows float32 is skipped
+        if isfinite(s): scale = s             # growth that overflows float32 is skipped
         counter = 0                           # reset even when growth was skipped
+      scale = clamp(scale)
+
+  where ``clamp`` clips to ``[min_scale, max_scale]``.
 
   With ``min_scale=0`` and ``max_scale=inf`` the trajectory is torch's for any
   sequence of overflow flags (while the scale stays a normal float32 number: XLA
@@ -70,6 +82,15 @@ class DynamicLossScale(LossScale):
   grows one step later (on the ``growth_interval + 1``-th finite step). All
   arithmetic is in float32, with the factors rounded to float32: for factors exactly
   representable in float32 (2.0, 0.5, ...) every value equals torch's bit for bit.
+
+  A restored state may lie outside the bounds: a checkpoint restored into a loss scale
+  with other hyperparameters (they are static, so they come from the restore target;
+  Orbax and ``jit`` rebuild the state without the constructor, whose checks a restore
+  therefore skips). It is clamped, not refused, by the next ``adjust``: a finite step
+  brings the scale into the bounds, and an overflow backs off into them without ever
+  raising it (a scale below ``min_scale`` stays until the next finite step lifts it to
+  ``min_scale``; jmp's rule would raise it to the floor on the overflow). A counter
+  at or past ``growth_interval`` grows the scale at the next finite step.
 
   Args:
     scale: the initial scale: a positive, finite number of any real dtype (Python,
@@ -152,8 +173,7 @@ class DynamicLossScale(LossScale):
           f"max_scale={max_scale}.")
     loss_scale = check_scale(scale, where=owner)
     if checks.is_traced(scale):
-      # The float32 bounds equivalent to the exact ones, as the concrete check compares.
-      low, high = _f32_rounded(min_scale, up=True), _f32_rounded(min(max_scale, _F32_MAX), up=False)
+      low, high = _float32_bounds(min_scale, max_scale)
       loss_scale = poison_unless((loss_scale >= low) & (loss_scale <= high), loss_scale)
     else:
       # From the concrete argument, not from ``loss_scale``: under ``jax.eval_shape`` or
@@ -214,17 +234,18 @@ class DynamicLossScale(LossScale):
     f32 = jnp.float32
     scale = jnp.asarray(self._loss_scale, f32)
     counter = jnp.asarray(self._counter, jnp.int32)
-    # A max_scale beyond float32 (e.g. inf) bounds nothing: growth past float32 is
-    # refused by the isfinite test anyway.
-    max_scale = f32(min(self.max_scale, _F32_MAX))
+    low, high = _float32_bounds(self.min_scale, self.max_scale)
 
-    backed_off = jnp.maximum(scale * f32(self.backoff_factor), f32(self.min_scale))
+    # min(scale, ...): a scale below min_scale (restored into tighter bounds) stays
+    # where it is; backing off must never raise it.
+    backed_off = jnp.minimum(scale, jnp.clip(scale * f32(self.backoff_factor), low, high))
     next_counter = counter + 1
     grow = next_counter >= self.growth_interval
     grown = scale * f32(self.growth_factor)
-    grown = jnp.where(jnp.isfinite(grown), jnp.minimum(grown, max_scale), scale)
+    # Growth that overflows float32 is skipped, as torch skips it.
+    kept = jnp.where(grow & jnp.isfinite(grown), grown, scale)
 
-    new_scale = jnp.where(finite, jnp.where(grow, grown, scale), backed_off)
+    new_scale = jnp.where(finite, jnp.clip(kept, low, high), backed_off)
     new_counter = jnp.where(finite & ~grow, next_counter, jnp.zeros((), jnp.int32))
     return self._replace_leaves(new_scale, new_counter)
 

@@ -199,6 +199,7 @@ class Wrapper:
 
   __slots__ = ()
   model: Any  # the wrapped model; each adapter's wrapper sets it
+  rules: rules_lib.PolicyRules  # the rules it runs; each adapter's wrapper sets it
 
   def module_types(self) -> dict[str, type]:
     """The class of every module of the wrapped model, by '/'-joined path."""
@@ -301,6 +302,58 @@ class Call:
       return NOT_A_DTYPE_FIELD
     return attention_lib.fused_attention_fn(value, causal=causal, padded=padded,
                                             window=precision.attention_window)
+
+  def attention_precision(self, path: str, module_type: type,
+                          precision: rules_lib.ModulePrecision, attention_fn: Any,
+                          method: Callable[..., Any], args: tuple, kwargs: dict[str, Any]
+                          ) -> rules_lib.ModulePrecision:
+    """The precision of one call of a module: causal attention only as self-attention.
+
+    A causal declaration (``Rule(causal_attention=True)``, its ``attention_window``)
+    relates a sequence's positions to its own. Where a module with an attention
+    function is called as cross-attention
+    (:func:`jaxmp._src.attention.cross_attention_argument`: keys from another
+    sequence), the call gets ``precision`` without it, and so computes as the layer
+    does with the mask it is handed, with a warning naming the layer (once per
+    message, Python's default filter: once per jitted step's trace).
+
+    Args:
+      path: the module's '/'-joined path.
+      module_type: the module's class.
+      precision: the module's resolved precision.
+      attention_fn: the module's ``attention_fn`` field, or ``None`` where it has none.
+      method: the method called, bound.
+      args: the call's positional arguments as the caller passed them (before any
+        cast: the query is recognised by identity).
+      kwargs: the call's keyword arguments, likewise.
+
+    Returns:
+      ``precision``, or ``precision`` without its causal declaration for a
+      cross-attention call.
+    """
+    rule = precision.rule
+    if rule is None or not (precision.causal_attention and callable(attention_fn)):
+      return precision
+    argument = attention_lib.cross_attention_argument(method, args, kwargs)
+    if argument is None:
+      return precision
+    # Reached: its warning is this one, not the unused-rule report's.
+    self.attention_rules_reached.add(id(rule))
+    index = next(i for i, r in enumerate(self.rules.rules) if r is rule)
+    window = ("" if precision.attention_window is None
+              else f" with attention_window={precision.attention_window}")
+    warnings.warn(
+        f"jaxmp: rule {index} ({rule.describe()}) declares causal "
+        f"attention{window}, but {paths_lib.describe_path(path)} ({module_type.__name__}) "
+        f"is called as cross-attention (its {argument} is not its inputs_q): its keys "
+        "come from another sequence, so this call computes as the layer does, with the "
+        "mask it is handed. A causal declaration applies to self-attention calls only "
+        "(no inputs_k/inputs_v, or the query itself); match only the self-attention "
+        "layers (a path regex) to leave the cross-attention ones out of the rule. (A "
+        "self-attention call written layer(x, x) of a layer class lifted by nn.remat or "
+        "another transform reaches the layer as two values: call it as layer(x).)",
+        UserWarning, stacklevel=4)
+    return dataclasses.replace(precision, causal_attention=False, attention_window=None)
 
   def _cast_leaf(self, x: Any, dtype: np.dtype) -> Any:
     if not tree_lib.is_float_array(x) or x.dtype == dtype:

@@ -20,9 +20,31 @@ copy the state and compute the update twice; ``benchmarks/bench_loss_scaling.py`
 measures the variants. Under ``jax.vmap`` with a batched predicate ``lax.cond`` turns
 into a select, so both branches run there; the results are the same.
 
-Gradient clipping, ``optax.MultiSteps``, ``optax.inject_hyperparams`` or an
-``optax.chain`` inside the wrapper see the unscaled gradients; the wrapper itself can
-sit inside an ``optax.chain`` (first, as it expects the gradients of the scaled loss).
+Loss scaling wraps the whole optimizer: clipping, weight decay, schedules,
+``optax.MultiSteps``, ``optax.masked``... go *inside* it, where they see the unscaled
+gradients and a skipped step skips them too. Wherever jaxmp reads the state
+(:func:`get_loss_scale`, :func:`loss_scaling_metrics`, every train step) it refuses a
+``LossScalingState`` that is not outermost, naming the fix:
+
+* chained with other transforms (``optax.chain``, ``optax.named_chain``): one before it
+  gets the gradients of the scaled loss (a clip sees norms multiplied by the scale, so
+  ``chain(clip_by_global_norm(1.0), loss_scaling(sgd))`` takes steps smaller by up to the
+  scale); one after it runs on skipped steps too (Adam after it would step on its
+  momentum, weight decay would shrink the params). A chain of one is fine.
+* inside an Optax wrapper: ``MultiSteps`` (it would accumulate scaled gradients),
+  ``masked`` and ``multi_transform`` (the other params get scaled gradients as updates),
+  ``apply_if_finite`` (it would skip an overflow before the scale sees it), and any other
+  Optax wrapper's state. ``inject_hyperparams`` around it is accepted: it passes the
+  gradients on untouched (its count, and so an injected schedule, advances on skipped
+  steps; inject inside to count applied steps only). Containers of one's own (a dict, a
+  list) and :mod:`jaxmp.optim`'s wrappers, which write the params from the updates
+  loss_scaling returns (``docs/guides/memory.md`` says which order suits each), are
+  accepted too.
+
+An ``optax.chain``'s state is a plain tuple, so a tuple of one's own holding the state
+beside something else reads as a chain: pass the optimizer state itself. A
+transform of one's own whose state is not an Optax one (a bare array, say) cannot be
+recognised around it.
 
 Gradient accumulation: ``loss_scaling(optax.MultiSteps(opt, k))``, never the other way
 round. Each micro-batch is one ``update``. A non-finite micro-batch is dropped (the
@@ -33,7 +55,14 @@ counts *optimizer steps* (the updates on which MultiSteps emits), as
 ``torch.amp.GradScaler`` does with one ``scaler.update()`` per optimizer step. Wrapped
 the other way round, ``MultiSteps(loss_scaling(opt), k)`` would accumulate the scaled
 gradients before they are checked (one overflow makes the accumulator NaN for good):
-:func:`find_state` refuses that state wherever it is read.
+refused as above.
+
+A non-finite micro-batch does not count towards the window: MultiSteps emits on the
+``k``-th *finite* micro-batch, so each window averages exactly ``k`` micro-batches and
+every later window ends one micro-batch later per dropped one (Keras's semantics). To
+count windows by micro-batches instead, as torch's recipe does (an overflow anywhere
+skips the whole window), accumulate in the step (``jaxmp.linen.accumulate_gradients``)
+and update once per window.
 
 Example:
   >>> import optax
@@ -55,6 +84,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Hashable
 from typing import Any
@@ -218,8 +248,8 @@ def loss_scaling(
   for how the skip is formulated.
 
   With an ``optax.MultiSteps`` inside, each update is one micro-batch: a non-finite
-  one is dropped and backs the scale off at once; the growth counter counts
-  optimizer steps (module docstring).
+  one is dropped (it does not count towards the window) and backs the scale off at
+  once; the growth counter counts optimizer steps (module docstring).
 
   Args:
     inner: the optimizer to wrap: any ``optax.GradientTransformation`` (with or
@@ -332,26 +362,120 @@ def loss_scaling(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
-_WRONG_NESTING = (
-    "{caller}: optax.MultiSteps wraps jaxmp.loss_scaling (MultiSteps(loss_scaling(opt), k)): "
-    "MultiSteps would accumulate the *scaled* gradients before loss_scaling checks them, so "
-    "one non-finite micro-batch makes its accumulator NaN for good, and the scale would "
-    "adjust on accumulated sums. Put loss_scaling outside: "
-    "jaxmp.loss_scaling(optax.MultiSteps(opt, k)), which drops a non-finite micro-batch, "
-    "backs off at once and grows per optimizer step.")
+# Where a LossScalingState may not sit: see "Loss scaling wraps the whole optimizer" in
+# the module docstring. What these name as the fix is the same optimizer with
+# loss_scaling moved outside.
+_CHAINED_BEFORE = (
+    "{caller}: a transform is chained before jaxmp.loss_scaling ({chain}(..., "
+    "loss_scaling(opt))): it gets the gradients of the *scaled* loss, so a clip sees norms "
+    "multiplied by the loss scale (and clips far too much), weight decay added there is "
+    "divided by it, and a finite check runs before the unscaling. Put it inside, where the "
+    "gradients are unscaled: jaxmp.loss_scaling({chain}(..., opt)).")
+_CHAINED_AFTER = (
+    "{caller}: a transform is chained after jaxmp.loss_scaling ({chain}(loss_scaling(opt), "
+    "...)): it runs on every update, skipped ones too, so on a skipped step one with state "
+    "(Adam's moments, a schedule's count) steps anyway and one that adds a term of its own "
+    "(weight decay) moves the params. Put it inside, where a skipped step skips it: "
+    "jaxmp.loss_scaling({chain}(opt, ...)).")
+_OWN_CONTAINER = (" (If this {kind} is a container of your own rather than the state of an "
+                  "{chain}, pass the optimizer state alone.)")
+_WRAPPED = (
+    "{caller}: {wrapper} wraps jaxmp.loss_scaling ({wrapper}(loss_scaling(opt), ...)): {why} "
+    "Put loss_scaling outside, around the whole optimizer: {fix}.")
+_WRAPPERS = {
+    optax.MultiStepsState: (
+        "optax.MultiSteps",
+        "MultiSteps would accumulate the *scaled* gradients before loss_scaling checks them, "
+        "so one non-finite micro-batch makes its accumulator NaN for good, and the scale "
+        "would adjust on accumulated sums.",
+        "jaxmp.loss_scaling(optax.MultiSteps(opt, k)), which drops a non-finite micro-batch, "
+        "backs off at once and grows per optimizer step"),
+    optax.MaskedState: (
+        "optax.masked",
+        "the params outside the mask get the scaled gradients as their updates, unchecked.",
+        "jaxmp.loss_scaling(optax.masked(opt, mask))"),
+    optax.MultiTransformState: (
+        "optax.multi_transform",
+        "the other partitions get the scaled gradients, unchecked.",
+        "jaxmp.loss_scaling(optax.multi_transform(transforms, labels))"),
+    optax.ApplyIfFiniteState: (
+        "optax.apply_if_finite",
+        "it checks the scaled gradients and skips an overflow before loss_scaling sees it, so "
+        "the scale never backs off.",
+        "jaxmp.loss_scaling(opt), which skips non-finite steps itself (max_consecutive_skips= "
+        "bounds a run of them)"),
+}
+# Wrappers that hand the gradients to loss_scaling untouched and add no update of
+# their own (their count does advance on skipped steps).
+_PASS_THROUGH = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 
 
-def _find_states(tree: Any, found: list, caller: str) -> None:
-  is_node = lambda x: isinstance(x, (LossScalingState, optax.MultiStepsState))
-  for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_node):
-    if isinstance(leaf, LossScalingState):
-      found.append(leaf)
-      _find_states(leaf.inner_state, found, caller)  # a wrapper inside a wrapper is ambiguous
-    elif isinstance(leaf, optax.MultiStepsState):
-      inside: list = []
-      _find_states(leaf.inner_opt_state, inside, caller)
-      if inside:
-        raise ValueError(_WRONG_NESTING.format(caller=caller))
+def _chain_position(node: Any, key: Any) -> tuple[str, str, int, int] | None:
+  """The chain, kind, index and length of ``key`` in an Optax chain's state, else None.
+
+  ``optax.chain``'s state is a plain tuple, ``optax.named_chain``'s an ``OrderedDict``
+  (whose order JAX keeps, unlike a dict's).
+  """
+  if type(node) is tuple:
+    return "optax.chain", "tuple", key.idx, len(node)
+  if type(node) is collections.OrderedDict:
+    return "optax.named_chain", "OrderedDict", list(node).index(key.key), len(node)
+  return None
+
+
+def _chain_error(node: Any, key: Any, caller: str) -> str | None:
+  """Why a LossScalingState may not sit at ``key`` of a chain's ``node``, if it may not."""
+  position = _chain_position(node, key)
+  if position is None:
+    return None
+  chain, kind, index, length = position
+  if length == 1:
+    return None
+  message = _CHAINED_BEFORE if index > 0 else _CHAINED_AFTER
+  return message.format(caller=caller, chain=chain) + _OWN_CONTAINER.format(kind=kind, chain=chain)
+
+
+def _wrapper_error(node: Any, caller: str) -> str | None:
+  """Why a LossScalingState may not sit inside ``node``, if ``node`` is an Optax wrapper's state."""
+  if isinstance(node, _PASS_THROUGH) or not type(node).__module__.startswith("optax"):
+    return None  # a container (a dict, a list, jaxmp.optim's wrappers, NNX's boxes)
+  wrapper, why, fix = _WRAPPERS.get(type(node), (
+      f"an optax transform (state {type(node).__name__})",
+      "it sees the gradients before loss_scaling unscales them, or acts on the updates "
+      "loss_scaling skips.",
+      "jaxmp.loss_scaling(transform(opt, ...))"))
+  return _WRAPPED.format(caller=caller, wrapper=wrapper, why=why, fix=fix)
+
+
+def _child(node: Any, key: Any) -> Any:
+  """The child of pytree node ``node`` at ``key``, one entry of a key path."""
+  children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
+  return next(child for path, child in children if path[0] == key)
+
+
+def _check_outermost(opt_state: Any, path: Any, caller: str) -> None:
+  """Raises if what holds the LossScalingState at ``path`` is more than containers."""
+  nodes = [opt_state]
+  for key in path[:-1]:
+    nodes.append(_child(nodes[-1], key))
+  # Wrappers first, outermost first: multi_transform masks each of its partitions, and
+  # its own message is the one that explains.
+  errors = ([_wrapper_error(node, caller) for node in nodes]
+            + [_chain_error(node, key, caller) for node, key in zip(nodes, path)])
+  error = next((e for e in errors if e is not None), None)
+  if error is not None:
+    raise ValueError(error)
+
+
+def _located_states(tree: Any) -> list[tuple[Any, LossScalingState]]:
+  """The outermost LossScalingStates in ``tree``, with their key paths."""
+  is_state = lambda x: isinstance(x, LossScalingState)
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_state)[0]
+  return [(path, x) for path, x in flat if is_state(x)]
+
+
+def _count_states(tree: Any) -> int:
+  return sum(1 + _count_states(state.inner_state) for _, state in _located_states(tree))
 
 
 def find_state(opt_state: Any, caller: str) -> LossScalingState | None:
@@ -362,19 +486,22 @@ def find_state(opt_state: Any, caller: str) -> LossScalingState | None:
 
   Raises:
     ValueError: if ``opt_state`` holds more than one (``caller`` names who asked), or
-      one inside an ``optax.MultiSteps`` (the wrong nesting, see the module docstring).
+      one that is not outermost: chained with other transforms, or inside an Optax
+      wrapper other than ``inject_hyperparams`` (see the module docstring).
   """
-  found: list = []
-  _find_states(opt_state, found, caller)
-  if not found:
+  located = _located_states(opt_state)
+  if not located:
     return None
-  if len(found) > 1:
+  count = _count_states(opt_state)
+  if count > 1:
     raise ValueError(
-        f"{caller}: the optimizer state holds {len(found)} LossScalingStates, expected "
+        f"{caller}: the optimizer state holds {count} LossScalingStates, expected "
         "exactly one; wrap the optimizer in jaxmp.loss_scaling once.")
+  path, state = located[0]
+  _check_outermost(opt_state, path, caller)
   # flax.nnx.Optimizer keeps its opt_state with every array leaf in an NNX variable
   # (OptArray), a box around an array; the loss scale's users want plain arrays.
-  return tree_lib.unboxed(found[0])
+  return tree_lib.unboxed(state)
 
 
 def _require_state(opt_state: Any, caller: str) -> LossScalingState:
@@ -393,10 +520,12 @@ def get_loss_scale(opt_state: optax.OptState,
                    default: Any = _REQUIRED) -> loss_scale_lib.LossScale:
   """The current loss scale, found anywhere in a (nested) optimizer state.
 
-  Looks through tuples, lists, dicts, NamedTuples and every pytree (``optax.chain``,
-  ``optax.MultiSteps``, ``optax.inject_hyperparams`` states, ``flax.nnx.Optimizer``'s
-  ``opt_state``, whose NNX variable wrappers are removed) for the one
-  :class:`LossScalingState`. Works inside ``jit``.
+  Looks through tuples, lists, dicts, NamedTuples and every pytree (an
+  ``optax.inject_hyperparams`` state, :mod:`jaxmp.optim`'s wrappers,
+  ``flax.nnx.Optimizer``'s ``opt_state``, whose NNX variable wrappers are removed) for
+  the one :class:`LossScalingState`, and refuses it where it is not the outermost
+  transform (chained with others, or inside an Optax wrapper: see the module
+  docstring). Works inside ``jit``.
 
   Args:
     opt_state: an optimizer state containing exactly one ``LossScalingState``.
@@ -410,8 +539,9 @@ def get_loss_scale(opt_state: optax.OptState,
 
   Raises:
     ValueError: if the state holds no ``LossScalingState`` and no ``default`` is
-      given, more than one, or one inside an ``optax.MultiSteps`` (nest
-      ``loss_scaling(MultiSteps(opt, k))``).
+      given, more than one, or one that is not outermost: chained with other
+      transforms (wrap them: ``loss_scaling(optax.chain(...))``) or inside an Optax
+      wrapper such as ``optax.MultiSteps`` (nest ``loss_scaling(MultiSteps(opt, k))``).
 
   Example:
     >>> import optax

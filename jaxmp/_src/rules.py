@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxmp._src import checks
 from jaxmp._src import dtypes as dtypes_lib
 from jaxmp._src import float32_ops as float32_ops_lib
 from jaxmp._src import policy as policy_lib
@@ -156,22 +157,33 @@ class Rule:
       harmless (a real token never attends to the padding after it; the loss ignores
       padded positions); left padding and packed sequences are not: keep the mask
       for those. A call whose query and keys differ in length (decoding with a cache)
-      uses the mask it is given. Default ``False``.
+      uses the mask it is given. The declaration is about self-attention: a call
+      given keys or values from another sequence (an ``inputs_k``, ``inputs_v`` or
+      ``inputs_kv`` other than the very ``inputs_q`` object, as a decoder's
+      encoder-decoder attention) computes as the layer does, with its mask, and
+      warns naming the layer; match only the self-attention layers (a path regex) to
+      leave those out. ``True`` or ``False`` (a NumPy bool too); default ``False``.
     attention_window: with ``causal_attention=True``, a sliding window: each query
       attends to itself and the ``attention_window - 1`` keys before it (Mistral's
       ``sliding_window``; cuDNN's causal sliding-window mode on GPUs, which skips the
       blocks outside the band). A positive int, or ``None`` (default) for the whole
       causal prefix. A call whose query and keys differ in length (decoding with a
       cache) cannot place the window: the layer's mask runs, and a warning says so.
+      Like the causal declaration, it applies to self-attention calls only.
     padded_attention: declares that the masks the matched attention layers are handed
-      are right-padding masks (each sequence's real tokens first, then padding; alone
-      or combined with a causal mask, as ``nn.make_attention_mask(tokens > 0, tokens >
-      0)`` makes them): the fused attention reads each sequence's query and key
-      lengths from the mask and computes with them (cuDNN's padding mode on GPUs), no
-      dense mask reaching the kernel. Every real query's output is the masked
-      attention's; the padding queries' outputs are not. Left padding and packed
-      sequences are not right padding: keep the mask for those. A call whose query and
-      keys differ in length (decoding with a cache) uses the mask. Default ``False``.
+      are right-padding masks, the same for every head: each sequence's real tokens
+      first, then padding, as ``nn.make_attention_mask(tokens > 0, tokens > 0)`` makes
+      them; combined with a causal mask only where ``causal_attention=True`` too (the
+      padding mode is causal only then). The fused attention reads each sequence's
+      query and key lengths from the mask and computes with them (cuDNN's padding mode
+      on GPUs), no dense mask reaching the kernel. Every real query's output is the
+      masked attention's; the padding queries' outputs are not. Left padding, packed
+      sequences and masks that differ by head are not right padding: keep the mask
+      for those. A mask the wrapper can read (a concrete array, outside ``jit``) is
+      checked and refused with a ``ValueError`` if it is not of this form; under
+      ``jit`` it cannot be read ahead, and the declaration is trusted. A call whose
+      query and keys differ in length (decoding with a cache) uses the mask.
+      ``True`` or ``False`` (a NumPy bool too); default ``False``.
 
   Raises:
     TypeError: for a match that is neither a class nor a string, a bad fp8 recipe, or
@@ -217,10 +229,8 @@ class Rule:
     object.__setattr__(self, "_regex", _check_match(self.match))
     _check_fp8(self.fp8)
     for name in ("causal_attention", "padded_attention"):
-      value = getattr(self, name)
-      if not isinstance(value, bool):
-        raise TypeError(f"Rule({self.match!r}) {name} must be True or False, got "
-                        f"{value!r} of type {type(value).__name__}.")
+      object.__setattr__(self, name,
+                         checks.flag(getattr(self, name), name, where=f"Rule({self.match!r})"))
     _check_attention_window(self)
     if self.float32_ops is not None:
       object.__setattr__(self, "float32_ops",
@@ -353,11 +363,7 @@ class PolicyRules:
   def __post_init__(self):
     object.__setattr__(self, "default", policy_lib.get_policy(self.default))
     for flag in ("float32_normalization", "fused_attention", "trace_nonfinite"):
-      value = getattr(self, flag)
-      if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"PolicyRules {flag} must be True or False, got {value!r} of type "
-                        f"{type(value).__name__}.")
-      object.__setattr__(self, flag, bool(value))
+      object.__setattr__(self, flag, checks.flag(getattr(self, flag), flag, where="PolicyRules"))
     object.__setattr__(self, "float32_ops",
                        float32_ops_lib.check(self.float32_ops, "PolicyRules"))
     if not isinstance(self.module_dtypes, str):

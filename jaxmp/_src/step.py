@@ -134,7 +134,7 @@ def step_was_finite(opt_state: Any, scaled_grads: Any) -> jax.Array:
   With :func:`jaxmp.loss_scaling` in ``opt_state`` (the state *after* the update) its
   ``last_step_finite`` decides; without, the gradients' finiteness.
   """
-  state = loss_scaling_lib.find_state(opt_state, "step_was_finite")
+  state = loss_scaling_lib.find_state(opt_state, "apply_gradients")
   if state is not None:
     return jnp.asarray(state.last_step_finite)
   return tree_lib.all_finite(scaled_grads)

@@ -1,6 +1,8 @@
 """What runs where: targets, the fallback warning, and the support table compiled deviceless."""
 
+import gc
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -84,6 +86,32 @@ def test_compile_target_overrides_and_restores():
       assert fp8.current_target().name == "h100"
     assert fp8.current_target().name == "b200"
   assert fp8.current_target().name == "cpu"
+
+
+def test_compile_target_called_without_with_warns_that_it_changed_nothing():
+  # Called as a function, it would name no target, silently: fp8 ops still trace for
+  # the local device. Like a coroutine never awaited, it says so when dropped.
+  with pytest.warns(RuntimeWarning, match=re.escape(
+      "jaxmp.fp8.compile_target('b200') was never entered, so it changed nothing: it names "
+      "the chip only inside `with jaxmp.fp8.compile_target('b200'):`.")):
+    fp8.compile_target("b200")
+    gc.collect()
+  assert fp8.current_target().name == "cpu"
+  # Entered once, it warns nothing; the same object may be entered again, nested too.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    named = fp8.compile_target("h100")
+    with named as target:
+      assert target.name == "h100"
+      with named:
+        assert fp8.current_target().name == "h100"
+      assert fp8.current_target().name == "h100"
+    assert fp8.current_target().name == "cpu"
+    del named
+    gc.collect()
+  # A bad name is refused at the call, entered or not.
+  with pytest.raises(ValueError, match="unknown target 'h300'"):
+    fp8.compile_target("h300")
 
 
 def test_a_function_traced_before_is_traced_again_for_the_named_target_and_after_it():

@@ -62,6 +62,38 @@ def test_fp8_dot_general_reports_fp8_operands_forward_and_backward():
   assert sorted(g.shape for g in report.gemms) == ["32x64x16", "64x16x32"]
 
 
+def _vjp_gemms(recipe):
+  state = fp8.init_state(recipe)
+  x, w = jnp.ones((32, 64), jnp.bfloat16), jnp.ones((64, 16), jnp.bfloat16)
+
+  def backward(x, w, state, g):
+    _, vjp = jax.vjp(lambda x, w, s: fp8.fp8_dot_general(x, w, DENSE, state=s, recipe=recipe),
+                     x, w, state)
+    return vjp(g)
+
+  return jaxmp.tools.audit(backward, x, w, state, jnp.ones((32, 16), jnp.bfloat16))
+
+
+def _count_line(report):
+  return next(line for line in str(report).splitlines() if " GEMMs (" in line)
+
+
+def test_the_count_under_the_table_is_of_the_operands_its_rows_show():
+  # A CPU widens fp8 operands to float32 for the product: the rows say "operands hold
+  # float8", and so must the count, with how the product reads them.
+  report = _vjp_gemms(fp8.DelayedScaling(amax_history_length=4))
+  assert all(g.operand_dtypes[0].startswith("float8") and not g.fp8 for g in report.gemms)
+  assert _count_line(report).startswith(
+      "2 GEMMs (2 on fp8 operands, read as float32 by the product), ")
+  # int8 operands are named as int8, not counted as "0 on fp8".
+  report = _vjp_gemms(fp8.Int8Scaling())
+  assert [g.operand_dtypes for g in report.gemms] == [("int8", "int8")] * 2
+  assert _count_line(report).startswith("2 GEMMs (0 on fp8 operands; 2 on int8 operands")
+  # Operands the product reads as they are held add nothing.
+  report = jaxmp.tools.audit(lambda x: x @ x, jnp.ones((4, 4)))
+  assert _count_line(report).startswith("1 GEMMs (0 on fp8 operands), ")
+
+
 def test_batched_einsum_shape_and_flops():
   a = jnp.ones((3, 8, 16), jnp.float32)
   b = jnp.ones((3, 16, 4), jnp.float32)

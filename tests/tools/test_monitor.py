@@ -228,6 +228,27 @@ def test_monitor_bad_arguments(kwargs, error, text):
     (lambda m: m.update({"loss_scael": 8.0}), ValueError,
      "unknown metric 'loss_scael'; accepted: 'grad_norm', 'nonfinite', 'loss_scale', "
      "'skipped_steps', 'last_step_finite', 'consecutive_skips'"),
+    # Values are checked as well as keys: each would feed a check a number it misreads.
+    (lambda m: m.update({"loss_scale": -1.0}), ValueError,
+     "metrics['loss_scale'] must be positive and finite, got -1.0"),
+    (lambda m: m.update({"loss_scale": jnp.float32(jnp.nan)}), ValueError,
+     "metrics['loss_scale'] must be positive and finite, got nan"),
+    (lambda m: m.update({"loss_scale": "8"}), TypeError,
+     "metrics['loss_scale'] must be a real number, got '8'"),
+    (lambda m: m.update({"last_step_finite": "yes"}), TypeError,
+     "metrics['last_step_finite'] must be a bool (True: the step was applied), got 'yes'"),
+    (lambda m: m.update({"last_step_finite": 1}), TypeError,
+     "metrics['last_step_finite'] must be a bool (True: the step was applied), got 1"),
+    (lambda m: m.update({"skipped_steps": -2}), ValueError,
+     "metrics['skipped_steps'] must be a count >= 0, got -2"),
+    (lambda m: m.update({"consecutive_skips": 1.5}), TypeError,
+     "metrics['consecutive_skips'] must be an integer count, got 1.5"),
+    (lambda m: m.update({"grad_norm": -0.5}), ValueError,
+     "metrics['grad_norm'] must be >= 0 (or inf or NaN for non-finite gradients), got -0.5"),
+    (lambda m: m.update({"nonfinite": 3}), TypeError,
+     "metrics['nonfinite'] must be a mapping of top-level keys to counts, got 3"),
+    (lambda m: m.update({"nonfinite": {"w": -1}}), ValueError,
+     "metrics['nonfinite']['w'] must be a count >= 0, got -1"),
 ])
 def test_monitor_update_bad_inputs(call, error, text):
   monitor = jaxmp.tools.Monitor()
@@ -235,6 +256,22 @@ def test_monitor_update_bad_inputs(call, error, text):
   with pytest.raises(error, match=re.escape(text)):
     call(monitor)
   assert monitor.steps == 1    # nothing recorded by a refused update
+
+
+def test_the_monitor_is_host_only_and_says_so_inside_jit():
+  with pytest.raises(TypeError, match=re.escape(
+      "Monitor.update reads the metrics and loss on the host, after the step: it cannot run "
+      "inside jit")):
+    jax.jit(lambda loss: jaxmp.tools.Monitor().update({}, loss=loss) and loss)(1.0)
+
+
+def test_values_that_are_not_errors_are_recorded():
+  monitor = jaxmp.tools.Monitor()
+  monitor.update({"grad_norm": np.float32(np.inf), "loss_scale": 8, "skipped_steps": np.int32(0),
+                  "last_step_finite": np.bool_(False), "nonfinite": {"w": np.int32(2)}})
+  history = monitor.history()
+  assert history["grad_norm"].tolist() == [np.inf] and history["loss_scale"].tolist() == [8.0]
+  assert history["skipped"].tolist() == [1] and history["nonfinite"]["w"].tolist() == [2]
 
 
 def test_text_shows_nonfinite_values_but_not_missing_ones():
@@ -313,6 +350,86 @@ def test_with_no_overflow_the_nonfinite_report_is_of_the_latest_step():
   assert report.step == 2 and report.origin is None
   assert str(report).splitlines()[0] == "Non-finite trace of step 2: every recorded value was finite"
   assert jaxmp.tools.nonfinite_report(_trace_metrics(_CLEAN, True)["nonfinite_trace"]).step is None
+
+
+class _TracedMLP(nnx.Module):
+
+  def __init__(self, rngs):
+    self.hidden = nnx.Linear(3, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.hidden(x)
+
+
+def test_the_probe_in_place_of_the_steps_trace_is_refused_before_anything_is_recorded():
+  # The zero probe (what init returns) reads as "every value finite" forever; eagerly
+  # training_metrics refuses it, inside jit the monitor does on the host.
+  import flax.linen as nn
+  model = jaxmp.linen.mixed_precision(nn.Dense(2), jaxmp.PolicyRules(
+      "params=float32,compute=float16,output=float32", trace_nonfinite=True))
+  variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
+  probe = variables["jaxmp_nonfinite"]
+  fix = "pass grads.nonfinite, the trace returned beside the gradients"
+  with pytest.raises(ValueError, match="training_metrics: this non-finite trace recorded no "
+                     "module call: it is the zero probe") as info:
+    jaxmp.tools.training_metrics(variables["params"], nonfinite_trace=probe)
+  assert fix in str(info.value)
+  metrics = jax.jit(lambda p, t: jaxmp.tools.training_metrics(p, nonfinite_trace=t))(
+      variables["params"], probe)
+  monitor = jaxmp.tools.Monitor()
+  with pytest.raises(ValueError, match=re.escape(
+      "Monitor.update: metrics['nonfinite_trace']: this non-finite trace recorded no module "
+      "call")) as info:
+    monitor.update(metrics, loss=1.0)
+  assert fix in str(info.value)
+  assert monitor.steps == 0 and monitor.latest is None and monitor.nonfinite_report() is None
+  # NNX: the same for its wrapper's probe, eagerly.
+  wrapped = jaxmp.nnx.mixed_precision(_TracedMLP(nnx.Rngs(0)), jaxmp.PolicyRules(
+      "float32", trace_nonfinite=True))
+  _, grads = jaxmp.nnx.value_and_grad(lambda m: jnp.sum(m(jnp.ones((1, 3)))))(wrapped)
+  assert jaxmp.tools.training_metrics(grads.params, nonfinite_trace=grads.nonfinite)[
+      "nonfinite_trace"] is grads.nonfinite
+  zero = jaxmp.tools.NonfiniteTrace(grads.nonfinite.calls, jnp.zeros_like(grads.nonfinite.values))
+  with pytest.raises(ValueError, match="recorded no module call"):
+    jaxmp.tools.training_metrics(grads.params, nonfinite_trace=zero)
+
+
+_ORIGIN = jaxmp.tools.Origin("dense", "__call__", "forward", "output", float("inf"))
+
+
+@pytest.mark.parametrize("fields, error, text", [
+    (dict(skipped="no"), TypeError, "skipped must be True, False or None, got 'no'"),
+    (dict(skipped=1), TypeError, "skipped must be True, False or None, got 1"),
+    (dict(active="skip_rate scale_collapse"), TypeError,
+     "active must be a set of anomaly kinds, got 'skip_rate scale_collapse'"),
+    (dict(active=["scale_collapse"]), TypeError,
+     "active must be a set of anomaly kinds, got ['scale_collapse']"),
+    (dict(active=frozenset({"scale_colapse"})), ValueError,
+     "unknown anomaly kind 'scale_colapse' in active; accepted: 'scale_collapse', "
+     "'skip_rate', 'loss_spike', 'nonfinite_loss', 'skip_streak', 'nonfinite_origin'"),
+    (dict(step=1.0), TypeError, "step must be an integer, got 1.0"),
+    (dict(loss="2.0"), TypeError, "loss must be a real number or None, got '2.0'"),
+    (dict(loss_scale=-8.0), ValueError, "loss_scale must be positive and finite or None, got -8.0"),
+    (dict(origin="forward output of dense"), TypeError,
+     "origin must be a jaxmp.tools.Origin or None, got 'forward output of dense'"),
+    (dict(traced=False), ValueError, "an origin needs traced=True"),
+    (dict(traced="yes"), TypeError, "traced must be True or False, got 'yes'"),
+])
+def test_a_step_record_is_checked_when_built(fields, error, text):
+  good = dict(step=3, loss=2.0, skipped=True, loss_scale=8.0, origin=_ORIGIN, traced=True,
+              active=frozenset({"scale_collapse"}))
+  with pytest.raises(error, match=re.escape(f"StepRecord: {text}")):
+    jaxmp.tools.StepRecord(**{**good, **fields})
+  with pytest.raises(error, match=re.escape(f"StepRecord: {text}")):
+    jaxmp.tools.StepRecord(**good)._replace(**fields)
+
+
+def test_a_step_record_keeps_what_it_is_given_as_plain_values():
+  record = jaxmp.tools.StepRecord(np.int64(3), np.float32(2.5), np.bool_(True), 8, None, False,
+                                  {"skip_rate"})
+  assert record == (3, 2.5, True, 8.0, None, False, frozenset({"skip_rate"}))
+  assert [type(v) for v in record[:4]] == [int, float, bool, float]
+  assert type(record.active) is frozenset
 
 
 def test_latest_is_what_the_last_update_recorded():

@@ -240,3 +240,21 @@ def test_relative_error():
   assert float(jaxmp.tools.relative_error(jnp.ones(2), jnp.array([1.0, jnp.nan]))) == np.inf
   with pytest.raises(ValueError, match="1 float leaves and the output 2"):
     jaxmp.tools.relative_error(jnp.ones(2), (jnp.ones(2), jnp.ones(2)))
+
+
+def test_relative_error_of_trees_that_do_not_match_is_refused():
+  # Paired by position, {"a": x} and {"b": x} read as equal: 0.0, silently.
+  with pytest.raises(ValueError, match=re.escape(
+      "relative_error: the reference and the output differ in structure: float leaf 0 is "
+      "'a' in the reference and 'b' in the output")):
+    jaxmp.tools.relative_error({"a": jnp.ones(2)}, {"b": jnp.ones(2)})
+  with pytest.raises(ValueError, match=re.escape(
+      "relative_error: float leaf 'w' has shape (3,) in the reference and (4,) in the output")):
+    jaxmp.tools.relative_error({"w": jnp.ones(3)}, {"w": jnp.ones(4)})
+  with pytest.raises(ValueError, match=re.escape("float leaf '<root>' has shape (3,) in the "
+                                                 "reference and (3, 1) in the output")):
+    jaxmp.tools.relative_error(jnp.ones(3), jnp.ones((3, 1)))   # would broadcast to (3, 3)
+  # Dtypes may differ (that is what is measured), and containers of the same paths match.
+  assert float(jaxmp.tools.relative_error({"w": jnp.ones(2)},
+                                          {"w": jnp.ones(2, jnp.bfloat16)})) == 0.0
+  assert float(jax.jit(jaxmp.tools.relative_error)([jnp.ones(2)], (jnp.ones(2),))) == 0.0

@@ -3,7 +3,9 @@
 import pathlib
 import subprocess
 import sys
+import re
 import textwrap
+import warnings
 
 import flax.linen as nn
 import jax
@@ -59,9 +61,26 @@ def test_apply_trace_with_variables_and_wrapper():
   variables = wrapped.init(jax.random.key(0), ids)
   summary = jaxmp.tools.summary(wrapped, None, ids, variables=variables)
   assert _rows(summary)["head"].compute_dtype == "float32"
-  # Other rules for the same model.
-  summary = jaxmp.tools.summary(wrapped, "bf16", ids, variables=variables)
+  # The wrapper's own rules again are what it runs; other rules are for its model.
+  assert jaxmp.tools.summary(wrapped, RULES, ids, variables=variables) == summary
+  summary = jaxmp.tools.summary(wrapped.model, "bf16", ids, variables=variables)
   assert _rows(summary)["head"].compute_dtype == "bfloat16"
+
+
+def test_a_wrapper_with_rules_it_does_not_run_is_refused():
+  # The table would show rules the wrapper does not run.
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  ids = jnp.ones((2, 3), jnp.int32)
+  wrappers = [(jaxmp.linen.mixed_precision(Net(), RULES), ids),
+              (jaxmp.nnx.mixed_precision(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), RULES.default),
+               jnp.ones((1, 3)))]
+  for wrapped, x in wrappers:
+    with pytest.raises(ValueError, match=re.escape(
+        "jaxmp.tools.summary: the wrapper runs its own rules, not the rules given "
+        "(PolicyRules(default=Policy(param_dtype=float32, compute_dtype=float32")) as info:
+      jaxmp.tools.summary(wrapped, "float32", x)
+    assert str(info.value).endswith(
+        "pass rules=None to see what it runs, or its model (wrapper.model) with these rules.")
 
 
 def test_table_text():
@@ -123,6 +142,56 @@ def test_a_tracing_wrapper_is_summarized_with_the_variables_its_init_returned():
       ["<root>", "AutoEncoder"], ["<root>.encode", "AutoEncoder"], ["encoder", "Dense"],
       ["<root>.decode", "AutoEncoder"], ["decoder", "Dense"]]
   assert tables[True][0].splitlines()[4].split()[-1] == "bfloat16"  # encoder's matmul
+
+
+@pytest.mark.parametrize("recipe", [
+    jaxmp.fp8.Int8Scaling(),
+    jaxmp.fp8.GemmRecipes(jaxmp.fp8.Int8Scaling(), jaxmp.fp8.Int8Scaling(), None),
+    jaxmp.fp8.DelayedScaling(),
+], ids=["int8", "int8 GemmRecipes", "fp8"])
+def test_quantized_matmuls_asked_for_by_rule_are_not_mismatches(recipe):
+  # int8 x int8 -> int32 is what an int8 recipe asks for, as fp8 operands are for fp8:
+  # neither is a layer computing in another dtype than its policy says.
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(10, name="head")(nn.relu(nn.Dense(128, name="hidden")(x)))
+
+  class NnxMlp(nnx.Module):
+    def __init__(self, rngs):
+      self.hidden = nnx.Linear(64, 128, rngs=rngs)
+      self.head = nnx.Linear(128, 10, rngs=rngs)
+
+    def __call__(self, x):
+      return self.head(nnx.relu(self.hidden(x)))
+
+  x = jnp.ones((2, 64))
+  narrow = "float8_e4m3fn" if isinstance(recipe, jaxmp.fp8.DelayedScaling) else "int8"
+  for model, layer in ((Mlp(), nn.Dense), (NnxMlp(nnx.Rngs(0)), nnx.Linear)):
+    rules = jaxmp.PolicyRules("p=f32,c=bf16,o=f32", [jaxmp.Rule("head"),
+                                                     jaxmp.Rule(layer, fp8=recipe)])
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")   # no "change the model's code" warning
+      summary = jaxmp.tools.summary(model, rules, x)
+    rows = _rows(summary)
+    assert (rows["hidden"].ran, rows["hidden"].mismatch) == (narrow, False)
+    assert rows["head"].ran == "bfloat16" and summary.mismatches == ()
+    assert "!" not in str(summary)
+
+
+def test_a_float_matmul_in_another_dtype_is_still_a_mismatch_beside_quantized_operands():
+  # hidden computes in bfloat16 by the policy but multiplies float32 values by itself.
+  class CastsUp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      kernel = self.param("kernel", nn.initializers.ones, (x.shape[-1], 2))
+      return x.astype(jnp.float32) @ kernel.astype(jnp.float32)
+
+  with pytest.warns(UserWarning, match="ran float32, resolved compute bfloat16"):
+    summary = jaxmp.tools.summary(CastsUp(), "p=f32,c=bf16,o=f32", jnp.ones((1, 3)))
+  assert [(r.path, r.ran, r.mismatch) for r in summary.rows] == [("<root>", "float32", True)]
 
 
 def test_ran_counts_the_platform_branch_that_runs_here():

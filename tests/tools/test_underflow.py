@@ -157,6 +157,23 @@ def test_suggest_scale(max_abs, min_abs, dtype, expected):
   assert jaxmp.tools.suggest_scale(max_abs, min_abs, dtype) == expected
 
 
+@pytest.mark.parametrize("args, error, text", [
+    ((-1.0, 1e-3, F16), ValueError,
+     "max_abs must be a magnitude: >= 0 (inf when there is none), got -1.0"),
+    ((1.0, -1e-3, F16), ValueError,
+     "min_abs must be a magnitude: >= 0 (inf when there is none), got -0.001"),
+    ((float("nan"), 1e-3, F16), ValueError, "max_abs must be a magnitude: >= 0 (inf when there "
+     "is none), got nan"),
+    ((1e-3, 1.0, F16), ValueError,
+     "min_abs (1.0) is larger than max_abs (0.001): the arguments are (max_abs, min_abs)"),
+    ((0.0, 1e-3, F16), ValueError, "min_abs (0.001) is larger than max_abs (0.0)"),
+    (("1", 1e-3, F16), TypeError, "max_abs must be a real number, got '1'"),
+])
+def test_suggest_scale_bad_inputs(args, error, text):
+  with pytest.raises(error, match=re.escape(f"suggest_scale: {text}")):
+    jaxmp.tools.suggest_scale(*args)
+
+
 def test_report_all_zero():
   report = jaxmp.tools.underflow_report({"g": jnp.zeros(3)}, BF16)
   assert report.suggested_scale is None and report.at_suggested is None

@@ -42,6 +42,8 @@ import math
 import numbers
 from typing import Any
 
+from jaxmp._src import checks
+
 AMAX_COMPUTE_ALGORITHMS = ("max", "most_recent")
 
 FORMATS = ("e4m3", "e5m2")
@@ -79,10 +81,8 @@ def _check_margin(cls_name: str, margin: Any) -> None:
 
 
 def _check_power_of_two(recipe: Any) -> None:
-  value = recipe.power_of_two
-  if not isinstance(value, bool):
-    raise TypeError(f"{type(recipe).__name__}: power_of_two must be a bool, got {value!r} of "
-                    f"type {type(value).__name__}.")
+  object.__setattr__(recipe, "power_of_two", checks.flag(
+      recipe.power_of_two, "power_of_two", where=type(recipe).__name__))
 
 
 def _check_choice(recipe: Any, name: str, accepted: tuple) -> None:

@@ -48,10 +48,8 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -72,13 +70,53 @@ target_for_device = chips.target_for_device
 _OVERRIDE: contextvars.ContextVar = contextvars.ContextVar("jaxmp_fp8_target", default=None)
 
 
-@contextlib.contextmanager
-def compile_target(name: str) -> Iterator[Target]:
-  """Makes fp8 ops traced inside treat ``name`` as the chip they compile for.
+class CompileTarget:
+  """What :func:`compile_target` returns: the named chip while it is entered (``with``).
+
+  Entering sets the override (clearing JAX's caches where it changes the target, see
+  :func:`compile_target`) and yields the :class:`Target`; leaving restores the previous
+  one. It may be entered again, nested too. One that is dropped without ever being
+  entered warns (``RuntimeWarning``), as a coroutine never awaited does: called as a
+  plain function, ``compile_target`` changes nothing.
+  """
+
+  def __init__(self, name: str, target: Target):
+    self._name = name
+    self.target = target
+    self._entered = False
+    self._restore: list[tuple[contextvars.Token, bool]] = []
+
+  def __enter__(self) -> Target:
+    self._entered = True
+    changes_target = current_target() != self.target
+    if changes_target:
+      jax.clear_caches()
+    self._restore.append((_OVERRIDE.set(self.target), changes_target))
+    return self.target
+
+  def __exit__(self, *exc_info: Any) -> None:
+    token, changes_target = self._restore.pop()
+    _OVERRIDE.reset(token)
+    if changes_target:
+      jax.clear_caches()
+
+  def __repr__(self) -> str:
+    return f"jaxmp.fp8.compile_target({self._name!r})"
+
+  def __del__(self) -> None:
+    if not getattr(self, "_entered", True):
+      warnings.warn(
+          f"{self!r} was never entered, so it changed nothing: it names the chip only inside "
+          f"`with {self!r}:`.", RuntimeWarning, stacklevel=2)
+
+
+def compile_target(name: str) -> CompileTarget:
+  """Makes fp8 ops traced inside ``with compile_target(name):`` treat ``name`` as the chip.
 
   For deviceless compiles (``JAX_PLATFORMS=cpu``), where the local device is not the
   chip: ``jaxmp.tools.audit(..., target=name)`` uses it. The previous target comes back
-  on exit.
+  on exit. Only the ``with`` block names the chip: called alone it changes nothing, and
+  the object it returns warns (``RuntimeWarning``) when dropped without being entered.
 
   JAX caches each function's trace by the function and its argument types, which do not
   include this override: a function traced before for another chip would come back
@@ -90,8 +128,9 @@ def compile_target(name: str) -> Iterator[Target]:
   Args:
     name: one of ``TARGETS`` (case-insensitive).
 
-  Yields:
-    The :class:`~jaxmp._src.fp8.support.Target`.
+  Returns:
+    A :class:`CompileTarget`, a context manager whose ``with`` yields the
+    :class:`~jaxmp._src.fp8.support.Target`.
 
   Raises:
     TypeError: if ``name`` is not a string.
@@ -104,16 +143,7 @@ def compile_target(name: str) -> Iterator[Target]:
   if target is None:
     raise ValueError(f"compile_target: unknown target {name!r}; accepted targets are "
                      f"{', '.join(sorted(TARGETS))}.")
-  changes_target = current_target() != target
-  if changes_target:
-    jax.clear_caches()
-  token = _OVERRIDE.set(target)
-  try:
-    yield target
-  finally:
-    _OVERRIDE.reset(token)
-    if changes_target:
-      jax.clear_caches()
+  return CompileTarget(name, target)
 
 
 def current_target() -> Target:
@@ -167,6 +197,7 @@ def warn_on_fallback(recipe: Any, target: Target | None = None) -> None:
 
 __all__ = (
     "TARGETS",
+    "CompileTarget",
     "Fp8FallbackWarning",
     "Lowering",
     "Target",

@@ -214,7 +214,9 @@ def apply_gradients(tx: optax.GradientTransformation, params: Any, fp8: Any, opt
 
   Raises:
     ValueError: if ``collections`` is given and ``grads.state_before`` is ``None``
-      (gradients not from :func:`value_and_grad`) or differs from it in structure.
+      (gradients not from :func:`value_and_grad`) or differs from it in structure; if
+      ``tx``'s ``jaxmp.loss_scaling`` is not its outermost transform
+      (:func:`jaxmp.get_loss_scale` says why).
 
   Example:
     >>> import flax.linen as nn, optax
@@ -318,6 +320,11 @@ class TrainState(flax.struct.PyTreeNode):
           f"variables={{'params': params}} for a params collection alone.")
     if not callable(apply_fn):
       raise TypeError(f"{where}: apply_fn must be callable (e.g. model.apply), got {apply_fn!r}.")
+    if isinstance(tx, optax.MultiSteps):
+      raise TypeError(
+          f"{where}: tx must be an optax.GradientTransformation, got an optax.MultiSteps "
+          f"object; pass tx.gradient_transformation(), or with loss scaling "
+          f"jaxmp.loss_scaling(optax.MultiSteps(opt, k)), which is one.")
     if not isinstance(tx, optax.GradientTransformation):
       raise TypeError(f"{where}: tx must be an optax.GradientTransformation, got {tx!r}.")
     if variables is None:
@@ -399,7 +406,8 @@ class TrainState(flax.struct.PyTreeNode):
 
     Raises:
       TypeError: if ``grads`` is not :class:`Gradients`.
-      ValueError: if ``collections`` differs in structure from ``state.collections``.
+      ValueError: if ``collections`` differs in structure from ``state.collections``,
+        or ``tx``'s ``jaxmp.loss_scaling`` is not its outermost transform.
     """
     if not isinstance(grads, Gradients):
       raise TypeError(f"apply_gradients expects jaxmp.linen.Gradients (from "

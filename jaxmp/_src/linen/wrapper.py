@@ -139,6 +139,13 @@ def _field_values(module: nn.Module, precision, call: engine.Call) -> dict[str, 
   return {k: v for k, v in chosen.items() if v is not engine.NOT_A_DTYPE_FIELD}
 
 
+def _attention_fn(module: nn.Module) -> Any:
+  """The module's ``attention_fn`` field, or None where it has no such field."""
+  if "attention_fn" in getattr(module, "__dataclass_fields__", {}):
+    return module.attention_fn
+  return None
+
+
 def _module_in(module: nn.Module, precision, call: engine.Call) -> contextlib.ExitStack:
   """Params and caches read in the compute dtype, and the fields the engine chose."""
   stack = contextlib.ExitStack()
@@ -173,6 +180,9 @@ class _Interceptor:
     if method == "setup":
       with _module_in(module, precision, self.call):
         return next_fun(*args, **kwargs)
+    precision = self.call.attention_precision(path, type(module), precision,
+                                              _attention_fn(module), context.orig_method,
+                                              args, kwargs)
     if precision.fp8 is not None and method == "__call__":
       next_fun = injection.fp8_call(module, precision.fp8, next_fun)
 

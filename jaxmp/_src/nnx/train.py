@@ -38,6 +38,7 @@ import optax
 from flax import nnx
 
 from jaxmp._src import loss_scale as loss_scale_lib
+from jaxmp._src import loss_scaling as loss_scaling_lib
 from jaxmp._src import step as step_lib
 from jaxmp._src.nnx import fp8 as fp8_nnx
 from jaxmp._src.nnx import nonfinite as nonfinite_nnx
@@ -145,6 +146,8 @@ def apply_gradients(optimizer: nnx.Optimizer, model: nnx.Module, grads: Gradient
   Raises:
     TypeError: if ``optimizer`` is not an ``nnx.Optimizer`` or ``grads`` not
       :class:`~jaxmp.linen.Gradients`.
+    ValueError: if the optimizer's ``jaxmp.loss_scaling`` is not its outermost
+      transform (:func:`jaxmp.get_loss_scale` says why), before anything changes.
 
   Example:
     >>> from flax import nnx
@@ -164,6 +167,9 @@ def apply_gradients(optimizer: nnx.Optimizer, model: nnx.Module, grads: Gradient
   if not isinstance(grads, Gradients):
     raise TypeError(f"apply_gradients expects jaxmp.nnx.Gradients (from "
                     f"jaxmp.nnx.value_and_grad), got {type(grads).__name__}.")
+  # Before the update, which changes the optimizer in place: a loss scaling nested
+  # where it cannot decide the step is refused with nothing changed.
+  loss_scaling_lib.find_state(optimizer.opt_state, "jaxmp.nnx.apply_gradients")
   updates = optimizer.update(model, grads.params, **kwargs)
   old = nnx.state(model, fp8_nnx.Fp8State)
   restore = jax.tree_util.tree_leaves(grads.state_before)

@@ -73,11 +73,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import types
 from collections.abc import Callable
+from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
 
@@ -142,14 +144,41 @@ def _intercepted(name: str, attribute: Any) -> Callable[..., Any]:
     module_call = vars(self).get(_CALL_ATTRIBUTE)
     if module_call is None:
       return bound(*args, **kwargs)
-    return module_call.call.run(module_call.path, module_call.module_type, name,
-                                module_call.precision, bound, args, kwargs)
+    call = module_call.call
+    precision = call.attention_precision(module_call.path, module_call.module_type,
+                                         module_call.precision,
+                                         vars(self).get("attention_fn"), bound, args, kwargs)
+    with _attention_fn_in(self, precision, call):
+      return call.run(module_call.path, module_call.module_type, name, precision, bound,
+                      args, kwargs)
 
   if isinstance(attribute, types.FunctionType):
     functools.update_wrapper(method, attribute)
   else:
     method.__name__ = name
   return method
+
+
+@contextlib.contextmanager
+def _attention_fn_in(module: nnx.Module, precision: rules_lib.ModulePrecision,
+                     call: engine.Call) -> Iterator[None]:
+  """The copy's ``attention_fn`` while one call of it runs: what the engine chose.
+
+  Per call, as linen's fields are: a module called as self- and as cross-attention
+  computes each call as its own precision says (:meth:`engine.Call.attention_precision`).
+  """
+  attributes = vars(module)
+  chosen = (call.attention_field(attributes["attention_fn"], precision)
+            if "attention_fn" in attributes else engine.NOT_A_DTYPE_FIELD)
+  if chosen is engine.NOT_A_DTYPE_FIELD:
+    yield
+    return
+  original = attributes["attention_fn"]
+  object.__setattr__(module, "attention_fn", chosen)
+  try:
+    yield
+  finally:
+    object.__setattr__(module, "attention_fn", original)
 
 
 def _public_methods(cls: type) -> dict[str, Any]:
@@ -406,16 +435,12 @@ class MixedPrecision(nnx.Module, engine.Wrapper):
 
 def _set_fields(module: nnx.Module, precision: rules_lib.ModulePrecision,
                 call: engine.Call) -> None:
-  """Sets the copy's ``dtype`` and ``attention_fn`` to what the engine chose."""
+  """Sets the copy's ``dtype`` to what the engine chose (``attention_fn``: per call)."""
   attributes = vars(module)
-  chosen = {}
   if "dtype" in attributes:
-    chosen["dtype"] = call.dtype_field(attributes["dtype"], precision)
-  if "attention_fn" in attributes:
-    chosen["attention_fn"] = call.attention_field(attributes["attention_fn"], precision)
-  for name, value in chosen.items():
-    if value is not engine.NOT_A_DTYPE_FIELD:
-      object.__setattr__(module, name, value)
+    dtype = call.dtype_field(attributes["dtype"], precision)
+    if dtype is not engine.NOT_A_DTYPE_FIELD:
+      object.__setattr__(module, "dtype", dtype)
 
 
 class _Snapshot:
@@ -547,7 +572,7 @@ def _warn_unused(model: nnx.Module, rules: rules_lib.PolicyRules,
   records = [CallRecord(r.path, type(r.module), "__call__", r.precision,
                         r.precision.output_dtype or rules.default.output_dtype)
              for r in modules.values()]
-  # As the call's fields are set (_set_fields): a callable attention_fn attribute.
+  # As each call's attention_fn is set (_attention_fn_in): a callable attention_fn attribute.
   reached = {id(r.precision.rule) for r in modules.values()
              if callable(vars(r.module).get("attention_fn"))}
   engine.warn_unused_rules(type(model).__name__, rules, records, _fp8_layer_names(),

@@ -72,6 +72,18 @@ def leaf_dtypes(tree: Any) -> list[str]:
                  if hasattr(x, "dtype")})
 
 
+class NoParamsToWrite(ValueError):
+  """No param has a dtype the transform ``where`` writes (what :func:`select_leaves` raises).
+
+  A transform that hands its inner optimizer float32 values (``master_weights``) catches
+  it to name the nesting, the real cause there.
+  """
+
+  def __init__(self, message: str, where: str):
+    super().__init__(message)
+    self.where = where
+
+
 def select_leaves(params: Any, accepted: tuple[np.dtype, ...], where: str, what: str,
                   hint: str, refused: tuple[np.dtype, ...] = ()) -> Any:
   """A tree of bools like ``params``: which leaves have one of the ``accepted`` dtypes.
@@ -81,9 +93,9 @@ def select_leaves(params: Any, accepted: tuple[np.dtype, ...], where: str, what:
 
   Raises:
     ValueError: if a leaf has a ``refused`` dtype (one the transform cannot handle and
-      must not pass over silently), or if no leaf has an accepted dtype: the
-      transform would do nothing (``what`` says what it would have done, ``hint``
-      what to do instead).
+      must not pass over silently); :class:`NoParamsToWrite` if no leaf has an
+      accepted dtype: the transform would do nothing (``what`` says what it would have
+      done, ``hint`` what to do instead).
   """
   names = ", ".join(d.name for d in accepted)
   flat, _ = jax.tree_util.tree_flatten_with_path(params)
@@ -94,9 +106,9 @@ def select_leaves(params: Any, accepted: tuple[np.dtype, ...], where: str, what:
                        "which are left alone).")
   mask = jax.tree_util.tree_map(lambda x: np.dtype(x.dtype) in accepted, params)
   if not any(jax.tree_util.tree_leaves(mask)):
-    raise ValueError(
+    raise NoParamsToWrite(
         f"{where}: {what} params of dtype {names}, but the params have dtypes "
-        f"{leaf_dtypes(params) or 'none (an empty tree)'}. {hint}")
+        f"{leaf_dtypes(params) or 'none (an empty tree)'}. {hint}", where)
   return mask
 
 
@@ -153,6 +165,7 @@ def bits(x: jax.Array) -> jax.Array:
 __all__ = (
     "ARITHMETIC",
     "HALF_DTYPES",
+    "NoParamsToWrite",
     "bits",
     "find_states",
     "landing_is_exact",

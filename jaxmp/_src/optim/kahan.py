@@ -51,7 +51,7 @@ def kahan_add(param: jax.Array, update: jax.Array,
 
   Args:
     param: a bfloat16 or float16 array.
-    update: the update to add (any float dtype; used in float32).
+    update: the update to add, in ``param``'s shape (any float dtype; used in float32).
     compensation: the compensation from the last call (zeros at first), in
       ``param``'s dtype and shape.
 
@@ -60,8 +60,9 @@ def kahan_add(param: jax.Array, update: jax.Array,
     docstring for the algorithm.
 
   Raises:
-    TypeError: if ``param`` is not 16-bit float or ``compensation``'s dtype differs.
-    ValueError: if ``compensation``'s shape differs from ``param``'s.
+    TypeError: if ``param`` is not 16-bit float, ``compensation``'s dtype differs, or
+      ``update`` is not a floating-point array.
+    ValueError: if ``compensation``'s or ``update``'s shape differs from ``param``'s.
 
   Example:
     >>> jaxmp.optim.kahan_add(jnp.bfloat16(1.0), jnp.float32(1e-3), jnp.bfloat16(0.0))
@@ -77,6 +78,13 @@ def kahan_add(param: jax.Array, update: jax.Array,
   if np.shape(compensation) != np.shape(param):
     raise ValueError(f"kahan_add: compensation has shape {np.shape(compensation)}, the param "
                      f"{np.shape(param)}; they must match.")
+  update_dtype = getattr(update, "dtype", None)
+  if update_dtype is None or not dtypes_lib.is_float_dtype(update_dtype):
+    raise TypeError(f"kahan_add: update must be a floating-point array (any float dtype), "
+                    f"got {update!r} of type {type(update).__name__}.")
+  if np.shape(update) != np.shape(param):
+    raise ValueError(f"kahan_add: update has shape {np.shape(update)}, the param "
+                     f"{np.shape(param)}; they must match (one update per param element).")
   p32 = param.astype(base.ARITHMETIC)
   y = update.astype(base.ARITHMETIC) - compensation.astype(base.ARITHMETIC)
   # The rounding must really happen: XLA on GPUs may otherwise keep p32 + y in

@@ -92,11 +92,26 @@ class MasterWeightsState(NamedTuple):
   inner_state: optax.OptState
 
 
+_NESTED = (
+    "{where}: {inner} is nested inside master_weights, which hands its inner optimizer "
+    "the float32 masters, so {inner} has no 16-bit params to write. Use one of the two, "
+    "not both: master_weights(opt) keeps exact float32 masters and writes the 16-bit "
+    "params from them; stochastic_rounding(opt, key) and kahan_summation(opt) write the "
+    "16-bit params without masters.")
+
+
+def _run_inner(fn: Any, *args: Any, **kwargs: Any) -> Any:
+  """``fn(*args, **kwargs)`` of the inner optimizer, naming a 16-bit writer nested in it."""
+  try:
+    return fn(*args, **kwargs)
+  except base.NoParamsToWrite as error:
+    # The inner one refuses the float32 masters this transform gave it: the cause is
+    # the nesting, not the user's params.
+    raise ValueError(_NESTED.format(where=_WHERE, inner=error.where)) from error
+
+
 def _check_remainders(remainders: Any) -> bool:
-  if not isinstance(remainders, bool):
-    raise TypeError(f"{_WHERE}: remainders must be True or False, got {remainders!r} of "
-                    f"type {type(remainders).__name__}.")
-  return remainders
+  return checks.flag(remainders, "remainders", where=_WHERE)
 
 
 def _select(params: Any, remainders: bool) -> Any:
@@ -168,7 +183,7 @@ def master_weights(inner: optax.GradientTransformation, *,
                                  mask, params, otherwise=_none)
     else:
       stored = base.map_selected(_keep, mask, masters, otherwise=_none)
-    return MasterWeightsState(master=stored, inner_state=inner.init(masters))
+    return MasterWeightsState(master=stored, inner_state=_run_inner(inner.init, masters))
 
   def update_fn(updates, state, params=None, **extra_args):
     if not isinstance(state, MasterWeightsState):
@@ -178,7 +193,8 @@ def master_weights(inner: optax.GradientTransformation, *,
     mask = _select(params, remainders)
     masters = _masters(mask, state.master, params, remainders)
     updates = base.map_selected(_upcast, mask, updates, otherwise=_keep)
-    inner_updates, inner_state = inner.update(updates, state.inner_state, masters, **extra_args)
+    inner_updates, inner_state = _run_inner(inner.update, updates, state.inner_state, masters,
+                                            **extra_args)
     # Exactly what optax.apply_updates does to float32 params.
     new_masters = optax.apply_updates(masters, inner_updates)
     if remainders:
@@ -205,6 +221,22 @@ def _masters(mask: Any, stored: Any, params: Any, remainders: bool) -> Any:
   return base.map_selected(_keep, mask, stored, params, otherwise=lambda r, p: p)
 
 
+def _check_param_of_master(name: str, param: Any, master: Any, remainders: bool) -> None:
+  """Refuses a param that cannot be the one ``master`` was kept for."""
+  if np.shape(param) != np.shape(master):
+    raise ValueError(
+        f"master_params: param {name} has shape {np.shape(param)} where its master has "
+        f"shape {np.shape(master)}. Pass the params the optimizer updates (for an "
+        f"nnx.Optimizer, nnx.state(model, nnx.Param) of the model it was built on).")
+  dtype = np.dtype(getattr(param, "dtype", type(param)))
+  if remainders and dtype != remainders_lib.PARAM_DTYPE:
+    raise TypeError(
+        f"master_params: param {name} has dtype {dtype.name}; with remainders=True the "
+        f"master is the {remainders_lib.PARAM_DTYPE.name} param plus the stored remainder, "
+        f"so pass the {remainders_lib.PARAM_DTYPE.name} params the optimizer updates, not "
+        f"the float32 masters.")
+
+
 def master_params(opt_state: optax.OptState, params: optax.Params) -> optax.Params:
   """The float32 masters held by the :func:`master_weights` state in ``opt_state``.
 
@@ -227,7 +259,10 @@ def master_params(opt_state: optax.OptState, params: optax.Params) -> optax.Para
 
   Raises:
     ValueError: if ``opt_state`` holds no ``MasterWeightsState`` or more than one, or
-      if the params' leaves are not at the masters' key paths.
+      if the params' leaves are not at the masters' key paths or differ from their
+      masters in shape.
+    TypeError: with remainders, for a param that is not bfloat16 (the masters'
+      top halves are).
 
   Example:
     >>> import optax
@@ -267,6 +302,9 @@ def master_params(opt_state: optax.OptState, params: optax.Params) -> optax.Para
   stored = [x for _, x in stored_by_path]
   remainders = any(np.dtype(x.dtype) == remainders_lib.REMAINDER_DTYPE
                    for x in stored if x is not None)
+  for path, param, master in zip(paths, leaves, stored):
+    if master is not None:
+      _check_param_of_master(jax.tree_util.keystr(path), param, master, remainders)
   mask = [x is not None for x in stored]
   return jax.tree_util.tree_unflatten(treedef, _masters(mask, stored, leaves, remainders))
 

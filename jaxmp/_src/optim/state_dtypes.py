@@ -49,6 +49,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -114,9 +115,27 @@ def _storage_dtype(value: Any, where: str) -> np.dtype:
   return dtype
 
 
+def _check_signature(choose: Callable[..., Any]) -> None:
+  """Refuses a function that cannot be called as ``choose(path, leaf)``."""
+  try:
+    signature = inspect.signature(choose)
+  except (TypeError, ValueError):  # no signature to read (some builtins): called as is
+    return
+  try:
+    signature.bind("path", jax.ShapeDtypeStruct((1,), np.float32))
+  except TypeError:
+    name = getattr(choose, "__qualname__", type(choose).__name__)
+    raise TypeError(
+        f"{_WHERE}: dtype as a function is called dtype(path, leaf), with the state leaf's "
+        f"'/'-joined path and a jax.ShapeDtypeStruct of it, but {name}{signature} does not "
+        f"take those two arguments; e.g. dtype=lambda path, leaf: 'bfloat16' if '/nu/' in "
+        f"f'/{{path}}/' else None.") from None
+
+
 def _choice(dtype: dtypes_lib.DTypeLike | DTypeChoice) -> DTypeChoice:
   """``dtype`` as a function of (path, leaf); a plain dtype is checked right away."""
   if callable(dtype) and not isinstance(dtype, type) and not hasattr(dtype, "dtype"):
+    _check_signature(dtype)
     return dtype
   fixed = _storage_dtype(dtype, _WHERE)
   return lambda path, leaf: fixed if leaf.ndim >= 1 else None
@@ -202,7 +221,7 @@ def state_dtypes(inner: optax.GradientTransformation,
 
   Raises:
     TypeError: if ``inner`` is not a gradient transformation or ``dtype`` neither a
-      dtype nor a function.
+      dtype nor a function of ``(path, leaf)``.
     ValueError: if a storage dtype is not floating or not accepted (bfloat16,
       float16, float32); from ``init``, if the function returns one, or if float16
       is chosen for a leaf that holds squared gradients (``SQUARED_FIELDS``).

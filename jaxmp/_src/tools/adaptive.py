@@ -69,6 +69,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from jaxmp._src import adapter as adapter_lib
 from jaxmp._src import checks
 from jaxmp._src import paths as paths_lib
 from jaxmp._src import policy as policy_lib
@@ -99,19 +100,43 @@ class DivergenceError(FloatingPointError):
   Attributes:
     evidence: the :class:`jaxmp.tools.StepRecord` of each step the decision read.
     changes: the changes made before (:attr:`PrecisionController.changes`).
+    cause: ``"inputs"`` (the model's inputs were non-finite), ``"module"`` (a module
+      overflowed with it and every module around it in float32), ``"stuck"`` (a run
+      that keeps skipping with everything in float32) or ``"max_changes"``.
+    module: the module that overflowed, for ``cause="module"``; else ``None``.
   """
 
-  def __init__(self, message: str, evidence: tuple = (), changes: tuple = ()):
+  def __init__(self, message: str, evidence: tuple = (), changes: tuple = (), *,
+               cause: str | None = None, module: str | None = None):
     super().__init__(message)
     self.evidence = tuple(evidence)
     self.changes = tuple(changes)
+    self.cause = cause
+    self.module = module
 
 
-class PrecisionChange(NamedTuple):
+class _ChangeFields(NamedTuple):
+  step: int
+  kind: str
+  module: str | None
+  reason: str
+  previous: rules_lib.PolicyRules
+  rules: rules_lib.PolicyRules
+  evidence: tuple
+  applied: bool = False
+
+
+def _kinds_text(kinds: Sequence[str]) -> str:
+  quoted = [repr(k) for k in kinds]
+  return f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+class PrecisionChange(checks.CheckedRecord, _ChangeFields):
   """One precision change, with its evidence: a log record a run can be rebuilt from.
 
   ``propose_change(change.previous, change.evidence, modules, ...)`` returns it again
   (with ``applied=False``), and ``change.rules`` is what the run used from the next step.
+  Checked when built (by hand too), as its evidence is.
 
   Attributes:
     step: the step it was decided after (the last of ``evidence``).
@@ -122,18 +147,46 @@ class PrecisionChange(NamedTuple):
     reason: why, with the numbers.
     previous: the rules before.
     rules: the new :class:`jaxmp.PolicyRules`.
-    evidence: the steps it was decided from (:class:`jaxmp.tools.StepRecord`).
+    evidence: the steps it was decided from (:class:`jaxmp.tools.StepRecord`, distinct
+      steps, oldest first), as a tuple.
     applied: whether the controller applied it (``auto_apply=True``) or only proposed it.
+
+  Raises:
+    TypeError: for a field of the wrong type.
+    ValueError: for an unknown kind, a module that does not fit the kind, evidence out
+      of step order, or a step that is not the last record's.
   """
 
-  step: int
-  kind: str
-  module: str | None
-  reason: str
-  previous: rules_lib.PolicyRules
-  rules: rules_lib.PolicyRules
-  evidence: tuple
-  applied: bool = False
+  __slots__ = ()
+
+  def __new__(cls, step: int, kind: str, module: str | None, reason: str,
+              previous: rules_lib.PolicyRules, rules: rules_lib.PolicyRules, evidence: tuple,
+              applied: bool = False):
+    where = "PrecisionChange"
+    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
+      raise TypeError(f"{where}: step must be an integer, got {step!r} of type "
+                      f"{type(step).__name__}.")
+    if not (isinstance(kind, str) and kind in KINDS):
+      raise ValueError(f"{where}: kind must be {_kinds_text(KINDS)}, got {kind!r}.")
+    if kind == "module_float32" and not isinstance(module, str):
+      raise ValueError(f"{where}: module must be the path (a string) of the module a "
+                       f"'module_float32' change keeps in float32, got {module!r}.")
+    if kind != "module_float32" and module is not None:
+      raise ValueError(f"{where}: module must be None for a {kind!r} change (the whole "
+                       f"model), got {module!r}.")
+    if not isinstance(reason, str):
+      raise TypeError(f"{where}: reason must be a string, got {reason!r} of type "
+                      f"{type(reason).__name__}.")
+    for name, value in (("previous", previous), ("rules", rules)):
+      if not isinstance(value, rules_lib.PolicyRules):
+        raise TypeError(f"{where}: {name} must be jaxmp.PolicyRules, got {value!r} of type "
+                        f"{type(value).__name__}.")
+    evidence = _check_evidence(evidence, where)
+    if evidence and step != evidence[-1].step:
+      raise ValueError(f"{where}: step must be the step of the last record of evidence "
+                       f"({evidence[-1].step}), got {step}.")
+    return super().__new__(cls, int(step), kind, module, reason, previous, rules, evidence,
+                           checks.flag(applied, "applied", where=where))
 
   def __str__(self) -> str:
     what = {"module_float32": f"{paths_lib.describe_path(self.module or '')} in float32",
@@ -208,9 +261,11 @@ def _computes_in(rules: rules_lib.PolicyRules, dtypes: tuple) -> bool:
   return any(p.compute_dtype in dtypes for p in policies)
 
 
-def _check_propose_args(rules, evidence, modules, culprit_steps, bfloat16):
-  where = "propose_change"
-  rules_lib.check_rules(rules, where)
+def _check_evidence(evidence: Any, where: str) -> tuple:
+  """``evidence`` as a tuple of StepRecords of distinct steps, oldest first."""
+  if isinstance(evidence, monitor_lib.StepRecord):  # a NamedTuple: a sequence of its fields
+    raise TypeError(f"{where}: evidence must be a sequence of jaxmp.tools.StepRecord, got one "
+                    f"StepRecord (step {evidence.step}); pass [record].")
   if isinstance(evidence, (str, bytes)) or not isinstance(evidence, Sequence):
     raise TypeError(f"{where}: evidence must be a sequence of jaxmp.tools.StepRecord, got "
                     f"{evidence!r}.")
@@ -218,11 +273,30 @@ def _check_propose_args(rules, evidence, modules, culprit_steps, bfloat16):
     if not isinstance(record, monitor_lib.StepRecord):
       raise TypeError(f"{where}: evidence must be jaxmp.tools.StepRecord objects "
                       f"(Monitor.latest), got {record!r} of type {type(record).__name__}.")
+  steps = [record.step for record in evidence]
+  # Read in any other order, "the last k steps" and the change's step would be wrong.
+  if any(later <= earlier for earlier, later in zip(steps, steps[1:])):
+    raise ValueError(f"{where}: evidence must be the records of distinct steps, oldest first "
+                     f"(as Monitor.latest gives them, one per step), got steps "
+                     f"{_steps_text(steps)}.")
+  return tuple(evidence)
+
+
+def _check_propose_args(rules, evidence, modules, culprit_steps, bfloat16) -> tuple:
+  where = "propose_change"
+  rules_lib.check_rules(rules, where)
+  evidence = _check_evidence(evidence, where)
   if not isinstance(modules, Mapping):
     raise TypeError(f"{where}: modules must be a mapping from module path to class (the "
                     f"wrapper's module_types()), got {modules!r}.")
+  for path, module_type in modules.items():
+    if not (isinstance(path, str) and isinstance(module_type, type)):
+      raise TypeError(f"{where}: modules must map module paths (str) to classes (the "
+                      f"wrapper's module_types()); {path!r} maps to {module_type!r} of type "
+                      f"{type(module_type).__name__}.")
   checks.positive_int(culprit_steps, "culprit_steps", where=where)
   checks.flag(bfloat16, "bfloat16", where=where)
+  return evidence
 
 
 def propose_change(rules: rules_lib.PolicyRules, evidence: Sequence[monitor_lib.StepRecord],
@@ -253,8 +327,10 @@ def propose_change(rules: rules_lib.PolicyRules, evidence: Sequence[monitor_lib.
     DivergenceError: for non-finite model inputs, a culprit with every module around it
       in float32, or a stuck run with everything in float32 already.
     ValueError: if the culprit is not among ``modules`` (a rule for it would match
-      nothing); or a bad ``culprit_steps``.
-    TypeError: for arguments of the wrong type.
+      nothing); evidence that is not of distinct steps, oldest first; or a bad
+      ``culprit_steps``.
+    TypeError: for arguments of the wrong type (one ``StepRecord`` rather than a
+      sequence of them, modules given as class names).
 
   Example:
     >>> rules = jaxmp.PolicyRules("params=float32,compute=float16,output=float32")
@@ -265,8 +341,7 @@ def propose_change(rules: rules_lib.PolicyRules, evidence: Sequence[monitor_lib.
     >>> change.kind, str(change.rules.default)
     ('bfloat16', 'params=float32,compute=bfloat16,output=float32')
   """
-  _check_propose_args(rules, evidence, modules, culprit_steps, bfloat16)
-  evidence = tuple(evidence)
+  evidence = _check_propose_args(rules, evidence, modules, culprit_steps, bfloat16)
   if not evidence:
     return None
   n, step = len(evidence), evidence[-1].step
@@ -277,7 +352,8 @@ def propose_change(rules: rules_lib.PolicyRules, evidence: Sequence[monitor_lib.
   if len(inputs) >= culprit_steps:
     raise DivergenceError(
         f"the model's inputs held inf or NaN {of_the_last(len(inputs), inputs)}: a bug in the "
-        f"data or in the code before the model; no precision change can fix it.", evidence)
+        f"data or in the code before the model; no precision change can fix it.", evidence,
+        cause="inputs")
 
   named: dict[str, list] = {}  # path -> the records that named it, in order
   for e in evidence:
@@ -312,7 +388,7 @@ def propose_change(rules: rules_lib.PolicyRules, evidence: Sequence[monitor_lib.
     raise DivergenceError(
         f"{skipped} of the last {n} steps were skipped with every module computing in "
         f"float32 without fp8 and {' and '.join(stuck)}: a bug in the model or the data, "
-        f"not precision.", evidence)
+        f"not precision.", evidence, cause="stuck")
   no_bf16 = " (the device has no bfloat16)" if _computes_in(rules, (_F16,)) else ""
   return change(kind="float32", rules=widened,
                 reason=f"{why}: every module computes in float32 without fp8{no_bf16}")
@@ -342,10 +418,26 @@ def _module_to_widen(rules: rules_lib.PolicyRules, path: str, modules: Mapping[s
                              f"its caller {paths_lib.describe_path(caller)} {_what_changes(outer)}")
   raise DivergenceError(
       f"{why}, with {paths_lib.describe_path(path)} and every module around it computing in "
-      f"float32: a bug in the model or the data, not precision.", evidence)
+      f"float32: a bug in the model or the data, not precision.", evidence, cause="module",
+      module=path)
 
 
 # ---- the controller ----------------------------------------------------------------------------
+
+
+def _widens(change: PrecisionChange, path: str | None) -> bool:
+  """Whether ``change`` widened the module at ``path`` (``None``: the whole model)."""
+  if change.kind != "module_float32":
+    return True
+  module = change.module or ""
+  return path is not None and (module in ("", path) or path.startswith(module + "/"))
+
+
+_STEP_READS_THE_MODEL = (
+    "a jitted step that calls a model it closed over (model.apply, or an NNX wrapper "
+    "captured from outside the step) keeps the rules it was traced with; call the model the "
+    "step is given: state.apply_fn(variables, ...) for a train state, or the NNX wrapper "
+    "controller.update returned, passed to the step as an argument.")
 
 
 def _wrapper_of(model: Any, where: str) -> Any:
@@ -430,6 +522,8 @@ class PrecisionController:
                device: Any = None):
     where = "PrecisionController"
     wrapper = _wrapper_of(model, where)
+    self._adapter = adapter_lib.for_model(wrapper, where)
+    self._model = wrapper.model
     if not wrapper.rules.trace_nonfinite:
       raise ValueError(
           f"{where}: the model's rules do not trace non-finite values, and the controller "
@@ -485,6 +579,7 @@ class PrecisionController:
     """
     where = "PrecisionController.update"
     wrapper = _wrapper_of(model, where)
+    self._check_same_model(wrapper, where)
     if wrapper.rules != self._rules:
       raise ValueError(f"{where}: the model runs other rules than the controller's "
                        f"({self._rules}); pass the model (or state) the last update returned.")
@@ -503,7 +598,8 @@ class PrecisionController:
       change = propose_change(self._rules, tuple(self._steps), self._modules,
                               culprit_steps=self.culprit_steps, bfloat16=self.bfloat16)
     except DivergenceError as e:
-      raise DivergenceError(str(e) + self._history(), e.evidence, self.changes) from None
+      raise DivergenceError(self._unreached(e) + str(e) + self._history(), e.evidence,
+                            self.changes, cause=e.cause, module=e.module) from None
     if change is None:
       return model, None
     self._steps.clear()  # the next decision reads only steps run under the new rules
@@ -513,7 +609,8 @@ class PrecisionController:
         raise DivergenceError(
             f"the run still overflows after max_changes={self.max_changes} precision changes; "
             f"the next would be: {change}. Raise max_changes, or look for a bug in the model "
-            f"or the data.{self._history()}", change.evidence, self.changes)
+            f"or the data.{self._history()}", change.evidence, self.changes,
+            cause="max_changes")
       new_wrapper = wrapper.with_rules(change.rules)
       model = (model.replace(apply_fn=new_wrapper.apply) if model is not wrapper
                else new_wrapper)
@@ -522,6 +619,34 @@ class PrecisionController:
     self._changes.append(change)
     logger.warning("jaxmp.tools.PrecisionController: %s", change)
     return model, change
+
+  def _check_same_model(self, wrapper: Any, where: str) -> None:
+    adapter = adapter_lib.for_model(wrapper, where)
+    # A linen Module is its configuration (equal modules are the same model); an NNX
+    # Module holds its variables, and a copy of it (nnx.merge) is a new object.
+    same = (adapter is self._adapter and type(wrapper.model) is type(self._model)
+            and (adapter.holds_variables or wrapper.model == self._model))
+    if not same:
+      raise ValueError(
+          f"{where}: the model is not the one the controller was built on "
+          f"({self._adapter.model_kind} {type(self._model).__name__}), got "
+          f"{adapter.model_kind} {type(wrapper.model).__name__}; pass the model (or state) the "
+          f"last update returned.")
+
+  def _unreached(self, error: DivergenceError) -> str:
+    """What to say first when applied changes should have stopped the overflow, else ""."""
+    if error.cause not in ("module", "stuck"):
+      return ""
+    unreached = [c for c in self._changes if c.applied and _widens(c, error.module)]
+    if not unreached:
+      return ""
+    what = lambda c: (f"{paths_lib.describe_path(c.module or '')} in float32"
+                      if c.kind == "module_float32" else f"the model in {c.kind}")
+    listed = " and ".join(f"step {c.step} ({what(c)})" for c in unreached)
+    return (f"the steps do not seem to run the rules the controller set: the change"
+            f"{'s' if len(unreached) > 1 else ''} applied at {listed} were to stop this "
+            f"overflow, yet the steps after them overflowed where they did before. Most likely "
+            f"{_STEP_READS_THE_MODEL} If the step does: ")
 
   def _history(self) -> str:
     if not self._changes:

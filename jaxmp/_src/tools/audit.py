@@ -85,6 +85,47 @@ _PLUMBING = frozenset({"parameter", "constant", "bitcast", "broadcast", "reshape
                        "get-tuple-element"})
 
 
+_QUANTIZED = (("fp8", lambda d: d.startswith("float8")), ("int8", lambda d: d in ("int8", "uint8")))
+
+
+def quantized_kind(dtypes: tuple[str, ...]) -> str | None:
+  """``"fp8"`` or ``"int8"`` when every one of ``dtypes`` is of that kind, else ``None``.
+
+  Example:
+    >>> from jaxmp._src.tools import audit
+    >>> audit.quantized_kind(("float8_e5m2", "float8_e4m3fn"))
+    'fp8'
+    >>> audit.quantized_kind(("int8", "bfloat16")) is None
+    True
+  """
+  for kind, is_kind in _QUANTIZED:
+    if dtypes and all(is_kind(d) for d in dtypes):
+      return kind
+  return None
+
+
+def _operand_counts(gemms: tuple[Gemm, ...]) -> str:
+  """The GEMMs on fp8 (and int8) operands, by what the operands hold, as the rows show it.
+
+  A product that reads them in another type (a CPU widens fp8 to float32) says so:
+  counted by the dtypes the product reads, the line would say "0 on fp8 operands" above
+  rows whose operands hold fp8.
+  """
+  parts = []
+  for kind, _ in _QUANTIZED:
+    held = [g for g in gemms if quantized_kind(g.operand_dtypes) == kind]
+    if kind != "fp8" and not held:
+      continue
+    text = f"{len(held)} on {kind} operands"
+    widened = [g for g in held if quantized_kind(g.compute_dtypes) != kind]
+    if widened:
+      reads = "/".join(sorted({d for g in widened for d in g.compute_dtypes}))
+      some = "" if len(widened) == len(held) else f"{len(widened)} of them "
+      text += f", {some}read as {reads} by the product"
+    parts.append(text)
+  return "; ".join(parts)
+
+
 @dataclasses.dataclass(frozen=True)
 class Gemm:
   """One GEMM (or convolution) kernel of the compiled program.
@@ -123,7 +164,7 @@ class Gemm:
   @property
   def fp8(self) -> bool:
     """Whether the product reads fp8 operands (not merely values that were fp8)."""
-    return all(d.startswith("float8") for d in self.compute_dtypes)
+    return quantized_kind(self.compute_dtypes) == "fp8"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +282,7 @@ class AuditReport:
     lines = [header, table.text_table(
         ("GEMM backend", "operands hold", "product reads", "writes", "MxNxK", "GFLOP",
          "time", "rate"), rows, (False,) * 5 + (True, True, False))]
-    lines.append(f"{len(self.gemms)} GEMMs ({sum(g.fp8 for g in self.gemms)} on fp8 operands), "
+    lines.append(f"{len(self.gemms)} GEMMs ({_operand_counts(self.gemms)}), "
                  f"{self.gemm_flops / 1e9:.4g} GFLOP; {len(self.kernels)} other kernels moving "
                  f"{self.non_gemm_bytes / 2**20:.1f} MiB")
     unfused = self.unfused
@@ -327,12 +368,11 @@ def _shape(lhs: tuple[int, ...], out: tuple[int, ...], contracting: list[int],
 
 
 def _rate(compute: tuple[str, ...], precision: str) -> str:
-  if all(d.startswith("float8") for d in compute):
-    return "fp8"
+  kind = quantized_kind(compute)
+  if kind is not None:
+    return kind
   if any(d in ("float64",) for d in compute):
     return "f64"
-  if all(d in ("int8", "uint8") for d in compute):
-    return "int8"
   if any(d == "float32" for d in compute):
     return "f32" if "highest" in precision.lower() else "tf32"
   return "bf16"
@@ -717,4 +757,4 @@ def compiled_gemms(recipe: Any, target: str, size: int = 512) -> tuple[tuple[str
 
 
 __all__ = ("AuditReport", "Gemm", "Kernel", "analyze", "audit", "check_per_launch",
-           "compiled_gemms")
+           "compiled_gemms", "quantized_kind")

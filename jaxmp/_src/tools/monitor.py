@@ -54,6 +54,7 @@ import collections
 import dataclasses
 import math
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 from typing import NamedTuple
 
@@ -63,6 +64,7 @@ import numpy as np
 import optax
 from jax.typing import ArrayLike
 
+from jaxmp._src import checks
 from jaxmp._src import dtypes as dtypes_lib
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import loss_scaling as loss_scaling_lib
@@ -99,7 +101,9 @@ def training_metrics(grads: optax.Updates, opt_state: optax.OptState | None = No
       scale that produced them (the one before the update), not the adjusted one.
     nonfinite_trace: the step's non-finite trace (``Gradients.nonfinite`` of a model wrapped
       with ``PolicyRules(trace_nonfinite=True)``), passed through for
-      :class:`Monitor` and :func:`jaxmp.tools.nonfinite_report`; ``None`` for none.
+      :class:`Monitor` and :func:`jaxmp.tools.nonfinite_report`; ``None`` for none. Not
+      the zero probe the model's variables hold: a trace that recorded no module call
+      is refused here where its values are concrete, else by :meth:`Monitor.update`.
 
   Returns:
     A dict with
@@ -115,8 +119,9 @@ def training_metrics(grads: optax.Updates, opt_state: optax.OptState | None = No
       per module call).
 
   Raises:
-    ValueError: if ``opt_state`` holds no (or several) ``LossScalingState``, or a
-      concrete ``loss_scale`` is not positive and finite.
+    ValueError: if ``opt_state`` holds no (or several) ``LossScalingState``, a
+      concrete ``loss_scale`` is not positive and finite, or a concrete
+      ``nonfinite_trace`` recorded no module call (the zero probe).
     TypeError: for a ``loss_scale`` that is not a number, scalar array or loss scale,
       or a ``nonfinite_trace`` that is not a non-finite trace.
 
@@ -148,8 +153,8 @@ def training_metrics(grads: optax.Updates, opt_state: optax.OptState | None = No
   if opt_state is not None:
     metrics.update(loss_scaling_lib.loss_scaling_metrics(opt_state))
   if nonfinite_trace is not None:
-    metrics["nonfinite_trace"] = nonfinite_lib.check_trace(
-        nonfinite_trace, "training_metrics: nonfinite_trace")
+    metrics["nonfinite_trace"] = report_lib.check_recorded(nonfinite_lib.check_trace(
+        nonfinite_trace, "training_metrics: nonfinite_trace"), "training_metrics")
   return metrics
 
 
@@ -175,27 +180,12 @@ class Anomaly(NamedTuple):
     return f"step {self.step}: {self.kind}: {self.message}"
 
 
-class StepRecord(NamedTuple):
-  """What :meth:`Monitor.update` recorded for one step: :attr:`Monitor.latest`.
+KINDS = ("scale_collapse", "skip_rate", "loss_spike", "nonfinite_loss", "skip_streak",
+         "nonfinite_origin")
+"""The anomaly kinds (:attr:`Anomaly.kind`, :attr:`StepRecord.active`)."""
 
-  Host values only, so a record can be logged and compared; what
-  :class:`jaxmp.tools.PrecisionController` decides from.
 
-  Attributes:
-    step: the step number.
-    loss: the loss given, or ``None``.
-    skipped: whether the optimizer skipped the step (``last_step_finite`` false);
-      ``None`` when the metrics did not say.
-    loss_scale: the loss scale after the step, or ``None``.
-    origin: the first non-finite value of the step's non-finite trace
-      (:func:`jaxmp.tools.nonfinite_report`'s ``origin``); ``None`` without a trace or
-      when every traced value was finite.
-    traced: whether the metrics carried a non-finite trace.
-    active: the anomaly kinds whose condition holds at this step, whether they started
-      here or earlier (a collapsed loss scale stays ``"scale_collapse"`` while it is
-      collapsed).
-  """
-
+class _StepFields(NamedTuple):
   step: int
   loss: float | None
   skipped: bool | None
@@ -205,8 +195,81 @@ class StepRecord(NamedTuple):
   active: frozenset
 
 
-KINDS = ("scale_collapse", "skip_rate", "loss_spike", "nonfinite_loss", "skip_streak",
-         "nonfinite_origin")
+def _optional_real(value: Any, name: str) -> float | None:
+  if value is None:
+    return None
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+    raise TypeError(f"StepRecord: {name} must be a real number or None, got {value!r} of type "
+                    f"{type(value).__name__}.")
+  return float(value)
+
+
+def _anomaly_kinds(active: Any, where: str) -> frozenset:
+  if not isinstance(active, AbstractSet):
+    raise TypeError(f"{where}: active must be a set of anomaly kinds, got {active!r} of type "
+                    f"{type(active).__name__}.")
+  unknown = sorted((k for k in active if k not in KINDS), key=repr)
+  if unknown:
+    raise ValueError(f"{where}: unknown anomaly kind {unknown[0]!r} in active; accepted: "
+                     f"{', '.join(repr(k) for k in KINDS)}.")
+  return frozenset(active)
+
+
+class StepRecord(checks.CheckedRecord, _StepFields):
+  """What :meth:`Monitor.update` recorded for one step: :attr:`Monitor.latest`.
+
+  Host values only, so a record can be logged and compared; what
+  :class:`jaxmp.tools.PrecisionController` decides from. Checked when built (by hand
+  too), since the decision reads every field.
+
+  Attributes:
+    step: the step number.
+    loss: the loss given, or ``None``.
+    skipped: whether the optimizer skipped the step (``last_step_finite`` false);
+      ``None`` when the metrics did not say.
+    loss_scale: the loss scale after the step (positive and finite), or ``None``.
+    origin: the first non-finite value of the step's non-finite trace
+      (:func:`jaxmp.tools.nonfinite_report`'s ``origin``); ``None`` without a trace or
+      when every traced value was finite.
+    traced: whether the metrics carried a non-finite trace.
+    active: the anomaly kinds (``KINDS``) whose condition holds at this step, whether
+      they started here or earlier (a collapsed loss scale stays ``"scale_collapse"``
+      while it is collapsed); a set, kept as a ``frozenset``.
+
+  Raises:
+    TypeError: for a field of the wrong type (``skipped="no"``, ``active`` as a string
+      or list).
+    ValueError: for an unknown anomaly kind, a loss scale that is not positive and
+      finite, or an origin without ``traced=True``.
+  """
+
+  __slots__ = ()
+
+  def __new__(cls, step: int, loss: float | None, skipped: bool | None,
+              loss_scale: float | None, origin: report_lib.Origin | None, traced: bool,
+              active: AbstractSet):
+    where = "StepRecord"
+    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
+      raise TypeError(f"{where}: step must be an integer, got {step!r} of type "
+                      f"{type(step).__name__}.")
+    if skipped is not None and not isinstance(skipped, (bool, np.bool_)):
+      raise TypeError(f"{where}: skipped must be True, False or None, got {skipped!r} of type "
+                      f"{type(skipped).__name__}.")
+    loss_scale = _optional_real(loss_scale, "loss_scale")
+    if loss_scale is not None and not (math.isfinite(loss_scale) and loss_scale > 0):
+      raise ValueError(f"{where}: loss_scale must be positive and finite or None, got "
+                       f"{loss_scale!r}.")
+    if origin is not None and not isinstance(origin, report_lib.Origin):
+      raise TypeError(f"{where}: origin must be a jaxmp.tools.Origin or None, got {origin!r} "
+                      f"of type {type(origin).__name__}.")
+    traced = checks.flag(traced, "traced", where=where)
+    if origin is not None and not traced:
+      raise ValueError(f"{where}: an origin needs traced=True (it is read from the step's "
+                       f"non-finite trace), got origin {origin} with traced=False.")
+    return super().__new__(cls, int(step), _optional_real(loss, "loss"),
+                           None if skipped is None else bool(skipped), loss_scale, origin,
+                           traced, _anomaly_kinds(active, where))
+
 
 METRICS = ("grad_norm", "nonfinite", "loss_scale", "skipped_steps", "last_step_finite",
            "consecutive_skips", "nonfinite_trace")
@@ -236,14 +299,64 @@ def _positive(name: str, value: Any, *, integer: bool = False, at_least: float =
   return int(value) if integer else float(value)
 
 
-def _scalar(metrics: Mapping, key: str, convert) -> Any:
+def _scalar(metrics: Mapping, key: str) -> np.ndarray | None:
+  """``metrics[key]`` as a 0-d array, or ``None`` when it is missing."""
   if key not in metrics:
     return None
   value = np.asarray(metrics[key])
   if value.shape != ():
     raise ValueError(f"Monitor.update: metrics[{key!r}] must be a scalar, got shape "
                      f"{value.shape}.")
-  return convert(value)
+  return value
+
+
+def _real(value: np.ndarray, name: str) -> float:
+  if value.dtype == object or not checks.is_real_dtype(value.dtype):
+    raise TypeError(f"Monitor.update: {name} must be a real number, got {value.item()!r}.")
+  return float(value)
+
+
+def _count(value: Any, name: str) -> int:
+  value = np.asarray(value)
+  if value.shape != () or value.dtype == bool or not np.issubdtype(value.dtype, np.integer):
+    raise TypeError(f"Monitor.update: {name} must be an integer count, got {value.tolist()!r}.")
+  if value < 0:
+    raise ValueError(f"Monitor.update: {name} must be a count >= 0, got {int(value)}.")
+  return int(value)
+
+
+def _real_metric(metrics: Mapping, key: str, valid, requirement: str) -> float | None:
+  """``metrics[key]`` as a float, ``None`` when missing; ``valid(value)`` or a ValueError."""
+  value = _scalar(metrics, key)
+  if value is None:
+    return None
+  number = _real(value, f"metrics[{key!r}]")
+  if not valid(number):
+    raise ValueError(f"Monitor.update: metrics[{key!r}] must be {requirement}, got {number!r}.")
+  return number
+
+
+def _finite_metric(metrics: Mapping) -> bool | None:
+  value = _scalar(metrics, "last_step_finite")
+  if value is None:
+    return None
+  if value.dtype != bool:  # 1 or "yes" would read as True
+    raise TypeError(f"Monitor.update: metrics['last_step_finite'] must be a bool (True: the "
+                    f"step was applied), got {value.item()!r}.")
+  return bool(value)
+
+
+def _count_metric(metrics: Mapping, key: str) -> int | None:
+  value = _scalar(metrics, key)
+  return None if value is None else _count(value, f"metrics[{key!r}]")
+
+
+def _nonfinite_metric(metrics: Mapping) -> dict[str, int]:
+  counts = metrics.get("nonfinite", {})
+  if not isinstance(counts, Mapping):
+    raise TypeError(f"Monitor.update: metrics['nonfinite'] must be a mapping of top-level keys "
+                    f"to counts, got {counts!r}.")
+  return {str(k): _count(v, f"metrics['nonfinite'][{k!r}]") for k, v in counts.items()}
 
 
 @dataclasses.dataclass
@@ -380,35 +493,49 @@ class Monitor:
       The anomalies flagged at this step (usually none).
 
     Raises:
-      TypeError: if ``metrics`` is not a mapping, ``loss`` not a real scalar or
-        ``"nonfinite_trace"`` not a non-finite trace.
+      TypeError: if ``metrics`` is not a mapping, ``loss`` not a real scalar, a metric
+        of the wrong type (``last_step_finite`` not a bool, a count not an integer),
+        ``"nonfinite_trace"`` not a non-finite trace, or a value traced (the monitor
+        runs on the host: call it outside ``jit``).
       ValueError: for an unknown metric key (a misspelt one would silently turn its
-        check off), a non-scalar metric or a step that does not increase.
+        check off), a non-scalar metric, a loss scale that is not positive and finite, a
+        negative count or gradient norm, a trace that recorded no module call (the zero
+        probe, not ``grads.nonfinite``) or a step that does not increase. A refused
+        update records nothing.
     """
     if not isinstance(metrics, Mapping):
       raise TypeError(f"Monitor.update: metrics must be a mapping (what training_metrics "
                       f"returns), got {type(metrics).__name__}.")
     _check_metric_keys(metrics)
+    checks.host_values((dict(metrics), loss), "the metrics and loss", where="Monitor.update",
+                       fix="the metrics and the loss")
+    # Everything is read and checked before anything is recorded: a refused update
+    # leaves the monitor as it was.
     metrics = jax.device_get(dict(metrics))
     loss = self._loss(loss)
     step = self._step(step)
-    s = self._series
-    scale = _scalar(metrics, "loss_scale", float)
-    finite = _scalar(metrics, "last_step_finite", bool)
-    nonfinite = {str(k): int(np.asarray(v)) for k, v in
-                 dict(metrics.get("nonfinite", {})).items()}
-    grad_norm = _scalar(metrics, "grad_norm", float)
-    streak = _scalar(metrics, "consecutive_skips", int)
+    scale = _real_metric(metrics, "loss_scale", lambda v: math.isfinite(v) and v > 0,
+                         "positive and finite")  # as every loss scale is
+    finite = _finite_metric(metrics)
+    nonfinite = _nonfinite_metric(metrics)
+    grad_norm = _real_metric(metrics, "grad_norm", lambda v: not v < 0,
+                             ">= 0 (or inf or NaN for non-finite gradients)")
+    streak = _count_metric(metrics, "consecutive_skips")
+    _count_metric(metrics, "skipped_steps")
     trace = metrics.get("nonfinite_trace")
+    origin = None
     if trace is not None:
       trace = nonfinite_lib.check_trace(trace, "Monitor.update: metrics['nonfinite_trace']")
+      origin = report_lib.first_nonfinite(trace,
+                                          where="Monitor.update: metrics['nonfinite_trace']")
+    s = self._series
     s.steps.append(step)
     s.loss.append(loss)
     s.grad_norm.append(grad_norm)
     s.loss_scale.append(scale)
     s.skipped.append(-1 if finite is None else int(not finite))
     s.nonfinite.append(nonfinite)
-    origin = self._keep_trace(trace, finite, step)
+    self._keep_trace(trace, origin, finite, step)
 
     found = {
         "scale_collapse": self._scale_collapse(scale),
@@ -494,16 +621,14 @@ class Monitor:
             f"{self.max_consecutive_skips}){at_scale}: no step has been applied since "
             f"{since}")
 
-  def _keep_trace(self, trace: nonfinite_lib.NonfiniteTrace | None, finite: bool | None,
-                  step: int) -> report_lib.Origin | None:
-    """Keeps the step's trace for :meth:`nonfinite_report`; returns its first non-finite value."""
+  def _keep_trace(self, trace: nonfinite_lib.NonfiniteTrace | None,
+                  origin: report_lib.Origin | None, finite: bool | None, step: int) -> None:
+    """Keeps the step's trace (first non-finite value ``origin``) for :meth:`nonfinite_report`."""
     if trace is None:
-      return None
+      return
     self._latest_trace = (step, trace)
-    origin = report_lib.first_nonfinite(trace)
     if origin is not None or finite is False:
       self._overflow_trace = (step, trace)
-    return origin
 
   def _nonfinite_origin(self, trace: nonfinite_lib.NonfiniteTrace | None,
                         origin: report_lib.Origin | None, finite: bool | None,
@@ -578,4 +703,4 @@ class Monitor:
     return "\n".join(lines)
 
 
-__all__ = ("METRICS", "Anomaly", "Monitor", "StepRecord", "training_metrics")
+__all__ = ("KINDS", "METRICS", "Anomaly", "Monitor", "StepRecord", "training_metrics")

@@ -48,12 +48,15 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 from typing import NamedTuple
 
 import jax
 import numpy as np
 from jax.typing import ArrayLike
 
+from jaxmp._src import checks
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import nonfinite as nonfinite_lib
 from jaxmp._src.tools import table
@@ -75,23 +78,109 @@ def decoded(trace: nonfinite_lib.NonfiniteTrace) -> np.ndarray:
   return values
 
 
-class Origin(NamedTuple):
+def _refuse_unrecorded(values: np.ndarray, where: str) -> None:
+  # Every row of the zero probe is zero, as in no step's trace: the wrapped model's own
+  # call always records itself.
+  if not np.any(values[:, nonfinite_lib.COUNT] > 0):
+    raise ValueError(
+        f"{where}: this non-finite trace recorded no module call: it is the zero probe "
+        f"that init returns (variables['jaxmp_nonfinite'], model.nonfinite_probe(...)), not "
+        f"a step's trace, or the differentiated function never called the model. Where "
+        f"the step differentiates with jaxmp.linen.value_and_grad or "
+        f"jaxmp.nnx.value_and_grad, pass grads.nonfinite, the trace returned beside the "
+        f"gradients.")
+
+
+def host_values(trace: Any, where: str) -> np.ndarray:
+  """A step's trace read on the host (:func:`decoded`), refusing what is not one.
+
+  Args:
+    trace: what ``where`` was given as a step's trace.
+    where: the host-side function, for messages.
+
+  Raises:
+    TypeError: if ``trace`` is not a :class:`NonfiniteTrace`, or traced (inside
+      ``jit``: the reading is host-only).
+    ValueError: if it recorded no module call (the zero probe, not a step's trace).
+  """
+  trace = nonfinite_lib.check_trace(trace, f"{where}: trace")
+  checks.host_values(trace, "the trace", where=where,
+                     fix="grads.nonfinite (or the metrics of jaxmp.tools.training_metrics)")
+  values = decoded(trace)
+  _refuse_unrecorded(values, where)
+  return values
+
+
+def check_recorded(trace: nonfinite_lib.NonfiniteTrace, where: str
+                   ) -> nonfinite_lib.NonfiniteTrace:
+  """``trace``, refused where it is concrete and recorded no module call.
+
+  Inside ``jit`` its values are traced and cannot be read: a probe passed there is
+  refused by :meth:`jaxmp.tools.Monitor.update`, which reads it on the host.
+
+  Raises:
+    ValueError: for a concrete trace that recorded no call (the zero probe).
+  """
+  if not checks.is_traced(trace.values):
+    _refuse_unrecorded(decoded(trace), where)
+  return trace
+
+
+DIRECTION_VALUES = {"forward": ("input", "output"),
+                    "backward": ("output_grad", "input_grad", "param_grad")}
+"""The values each direction measures: an :class:`Origin`'s ``value`` by its ``direction``."""
+
+
+def _one_of(names: Sequence[str]) -> str:
+  quoted = [repr(n) for n in names]
+  return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+class _OriginFields(NamedTuple):
+  path: str
+  method: str
+  direction: str
+  value: str
+  amax: float
+
+
+class Origin(checks.CheckedRecord, _OriginFields):
   """Where the first non-finite value of a step appeared (see the module docstring).
 
   Attributes:
     path: the module's '/'-joined path (``""`` for the root).
     method: the method called.
     direction: ``"forward"`` or ``"backward"``.
-    value: which value was non-finite: ``"input"``, ``"output"``, ``"output_grad"``,
-      ``"input_grad"`` or ``"param_grad"`` (see ``VALUE_NAMES``).
-    amax: that value's recorded absolute max (inf: it held inf or NaN).
+    value: which value was non-finite: forward ``"input"`` or ``"output"``, backward
+      ``"output_grad"``, ``"input_grad"`` or ``"param_grad"`` (``DIRECTION_VALUES``;
+      ``VALUE_NAMES`` says how messages name them).
+    amax: that value's recorded absolute max, a float >= 0 (inf: it held inf or NaN).
+
+  Raises:
+    TypeError: for a path or method that is not a string, or an amax that is not a
+      real number.
+    ValueError: for an unknown direction, a value its direction does not measure, or
+      an amax below 0 or NaN.
   """
 
-  path: str
-  method: str
-  direction: str
-  value: str
-  amax: float
+  __slots__ = ()
+
+  def __new__(cls, path: str, method: str, direction: str, value: str, amax: float):
+    for name, text in (("path", path), ("method", method)):
+      if not isinstance(text, str):
+        raise TypeError(f"Origin: {name} must be a string, got {text!r} of type "
+                        f"{type(text).__name__}.")
+    if not (isinstance(direction, str) and direction in DIRECTION_VALUES):
+      raise ValueError(f"Origin: direction must be {_one_of(tuple(DIRECTION_VALUES))}, got "
+                       f"{direction!r}.")
+    measured = DIRECTION_VALUES[direction]
+    if not (isinstance(value, str) and value in measured):
+      raise ValueError(f"Origin: a {direction} value must be {_one_of(measured)}, got "
+                       f"{value!r}.")
+    amax = checks.real_number(amax, "amax", where="Origin")
+    if not amax >= 0:
+      raise ValueError(f"Origin: amax must be >= 0 (inf for inf or NaN), got {amax!r}.")
+    return super().__new__(cls, path, method, direction, value, amax)
 
   def __str__(self) -> str:
     call = nonfinite_lib.describe_call(self.path, self.method)
@@ -103,19 +192,24 @@ def _bad(column: np.ndarray) -> np.ndarray:
   return ~np.isfinite(column) & (column != -np.inf)
 
 
-def first_nonfinite(trace: nonfinite_lib.NonfiniteTrace) -> Origin | None:
+def first_nonfinite(trace: nonfinite_lib.NonfiniteTrace, *,
+                    where: str = "first_nonfinite") -> Origin | None:
   """The first non-finite value of the step a trace records, or ``None``.
 
   The events, in the order they are checked, are those of the module docstring.
 
   Args:
     trace: the gradient of a probe (``Gradients.nonfinite``), concrete.
+    where: the function that reads it, for messages.
 
   Returns:
     An :class:`Origin`, or ``None`` when every recorded value was finite.
 
   Raises:
-    TypeError: if ``trace`` is not a :class:`NonfiniteTrace`.
+    TypeError: if ``trace`` is not a :class:`NonfiniteTrace`, or is traced (this reads
+      it on the host: call it outside ``jit``).
+    ValueError: if the trace recorded no module call (the zero probe, not a step's
+      trace).
 
   Example:
     >>> from jaxmp._src import nonfinite
@@ -125,8 +219,12 @@ def first_nonfinite(trace: nonfinite_lib.NonfiniteTrace) -> Origin | None:
     >>> print(report.first_nonfinite(trace))
     backward input gradient of dense
   """
-  trace = nonfinite_lib.check_trace(trace, "first_nonfinite: trace")
-  values = decoded(trace)
+  return _first_nonfinite(trace.calls, host_values(trace, where))
+
+
+def _first_nonfinite(calls: tuple[nonfinite_lib.Call, ...],
+                     values: np.ndarray) -> Origin | None:
+  """:func:`first_nonfinite` of a trace's ``calls`` and its :func:`host_values`."""
   recorded = values[:, nonfinite_lib.COUNT] > 0
   # The model's own call, not every row of the root's path: the root's other methods
   # it calls (self.embed, self.decode) are calls inside it.
@@ -138,7 +236,7 @@ def first_nonfinite(trace: nonfinite_lib.NonfiniteTrace) -> Origin | None:
   # A module's parameter gradients are the sum over all its calls (every method, every
   # call of one: a shared embedding's lookups and its attend), so the module made them
   # non-finite only if each of its call sites got a finite output gradient.
-  paths = [path for path, _ in trace.calls]
+  paths = [path for path, _ in calls]
   fed_inf = {path for path, b in zip(paths, recorded & bad["output_grad"]) if b}
   made_param_grad = recorded & bad["param_grad"] & np.array([p not in fed_inf for p in paths])
   made_backward = made_input_grad | made_param_grad
@@ -159,7 +257,7 @@ def first_nonfinite(trace: nonfinite_lib.NonfiniteTrace) -> Origin | None:
     i = _first(rows, values[:, column], smallest)
     if i is not None:
       value = value(i) if callable(value) else value
-      path, method = trace.calls[i]
+      path, method = calls[i]
       return Origin(path, method, direction, value,
                     float(values[i, nonfinite_lib.COLUMNS.index(value)]))
   return None
@@ -276,9 +374,11 @@ def nonfinite_report(trace: nonfinite_lib.NonfiniteTrace, *,
     A :class:`NonfiniteReport`; ``print`` it for the table.
 
   Raises:
-    TypeError: if ``trace`` is not a non-finite trace, or ``loss_scale`` not a number or
-      loss scale.
-    ValueError: for a ``loss_scale`` that is not positive and finite.
+    TypeError: if ``trace`` is not a non-finite trace or is traced (this reads it on
+      the host: call it outside ``jit``), or ``loss_scale`` is not a number or loss
+      scale.
+    ValueError: for a trace that recorded no module call (the zero probe, not a step's
+      trace) or a ``loss_scale`` that is not positive and finite.
 
   Example:
     >>> from flax import nnx
@@ -297,7 +397,7 @@ def nonfinite_report(trace: nonfinite_lib.NonfiniteTrace, *,
   if loss_scale is not None:
     scale = float(np.asarray(loss_scale_lib.loss_scale_array(loss_scale,
                                                              where="nonfinite_report")))
-  values = decoded(trace)
+  values = host_values(trace, "nonfinite_report")
   rows = []
   for (path, method), row in zip(trace.calls, values):
     if row[nonfinite_lib.COUNT] <= 0:
@@ -306,15 +406,18 @@ def nonfinite_report(trace: nonfinite_lib.NonfiniteTrace, *,
     rows.append(ModuleAmax._make((path, method, *(_amax(row[i]) for i in range(len(_AMAXES))),
                                   int(forward) if np.isfinite(forward) else None)))
   rows.sort(key=lambda m: math.inf if m.forward is None else m.forward)
-  return NonfiniteReport(first_nonfinite(trace), tuple(rows), scale)
+  return NonfiniteReport(_first_nonfinite(trace.calls, values), tuple(rows), scale)
 
 
 __all__ = (
+    "DIRECTION_VALUES",
     "VALUE_NAMES",
     "ModuleAmax",
     "NonfiniteReport",
     "Origin",
+    "check_recorded",
     "decoded",
     "first_nonfinite",
+    "host_values",
     "nonfinite_report",
 )

@@ -44,19 +44,34 @@ Metric = Callable[[Any, Any], Any]
 def relative_error(reference: Any, output: Any) -> jax.Array:
   """``||output - reference|| / ||reference||`` over all float leaves, in float32.
 
-  The L2 norms run over every floating-point leaf of the two trees (same structure).
-  Where the reference is all zeros the absolute error ``||output||`` is returned. Any
-  non-finite value in ``output`` makes the error ``inf``.
+  The L2 norms run over every floating-point leaf of the two trees, paired by path: the
+  trees must have the same float leaves (by path and shape; dtypes may differ). Where the
+  reference is all zeros the absolute error ``||output||`` is returned. Any non-finite
+  value in ``output`` makes the error ``inf``.
+
+  Raises:
+    ValueError: for trees whose float leaves differ in number, path or shape.
 
   Example:
     >>> float(jaxmp.tools.relative_error(jnp.array([3.0, 4.0]), jnp.array([3.0, 6.5])))
     0.5
   """
-  ref = [jnp.asarray(x, jnp.float32) for _, x in leaves_lib.float_leaves(reference)]
-  out = [jnp.asarray(x, jnp.float32) for _, x in leaves_lib.float_leaves(output)]
-  if len(ref) != len(out):
-    raise ValueError(f"relative_error: the reference has {len(ref)} float leaves and the "
-                     f"output {len(out)}.")
+  ref_leaves = leaves_lib.float_leaves(reference)
+  out_leaves = leaves_lib.float_leaves(output)
+  if len(ref_leaves) != len(out_leaves):
+    raise ValueError(f"relative_error: the reference has {len(ref_leaves)} float leaves and the "
+                     f"output {len(out_leaves)}.")
+  for i, ((ref_path, r), (out_path, o)) in enumerate(zip(ref_leaves, out_leaves)):
+    name = "/".join(ref_path) or ROOT
+    if ref_path != out_path:  # paired by position, {"a": x} and {"b": x} would read as equal
+      raise ValueError(f"relative_error: the reference and the output differ in structure: "
+                       f"float leaf {i} is {name!r} in the reference and "
+                       f"{'/'.join(out_path) or ROOT!r} in the output.")
+    if np.shape(r) != np.shape(o):  # broadcasting would compare other elements
+      raise ValueError(f"relative_error: float leaf {name!r} has shape {np.shape(r)} in the "
+                       f"reference and {np.shape(o)} in the output.")
+  ref = [jnp.asarray(x, jnp.float32) for _, x in ref_leaves]
+  out = [jnp.asarray(x, jnp.float32) for _, x in out_leaves]
   diff = sum(jnp.sum(jnp.square(o - r)) for r, o in zip(ref, out))
   norm = sum(jnp.sum(jnp.square(r)) for r in ref)
   error = jnp.where(norm > 0, jnp.sqrt(diff / jnp.where(norm > 0, norm, 1)), jnp.sqrt(diff))

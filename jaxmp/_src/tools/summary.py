@@ -5,11 +5,12 @@ computed) under the precision rules and lists every module that was called: its 
 class, the param, compute and output dtypes and fp8 recipe it was resolved to, the
 rule that decided it, and, from the traced computation itself, the operand dtypes of
 the matmuls and convolutions that ran in it (``ran``; ``-`` where it ran none of its
-own). A module whose own code computed in another dtype than its resolved one (a
-layer with no ``dtype`` field that casts to float32 itself, say) is marked ``!`` and
-:func:`summary` warns with its path: a :class:`~jaxmp.Rule` is the way to say that
-layer computes wider. Use it to check that a regex matches what you meant, and that
-the policy governs what actually runs.
+own). A module whose own code multiplied floating-point values of another dtype than
+its resolved compute dtype (a layer with no ``dtype`` field that casts to float32
+itself, say) is marked ``!`` and :func:`summary` warns with its path: a
+:class:`~jaxmp.Rule` is the way to say that layer computes wider. (The fp8 and int8
+operands of a recipe are what the rule asked for, never marked.) Use it to check that
+a regex matches what you meant, and that the policy governs what actually runs.
 
 Example:
   >>> import flax.linen as nn
@@ -36,6 +37,7 @@ import jax
 import numpy as np
 
 from jaxmp._src import adapter as adapter_lib
+from jaxmp._src import dtypes as dtypes_lib
 from jaxmp._src import engine
 from jaxmp._src import paths as paths_lib
 from jaxmp._src import rules as rules_lib
@@ -50,7 +52,6 @@ from jaxmp._src.tools import table
 
 _COLUMNS = ("path", "module", "params", "compute", "output", "fp8", "rule", "ran")
 _MATMULS = ("dot_general", "conv_general_dilated")
-_FP8 = frozenset(("float8_e4m3fn", "float8_e5m2"))
 _CALL = re.compile(re.escape(engine.ANNOTATION) + r"(\d+)")
 
 
@@ -68,8 +69,9 @@ class SummaryRow(NamedTuple):
       own code (not its children's), comma-joined; ``-`` for none. Mixed operands
       read ``bfloat16*float32``.
     matmuls: how many matmul and convolution equations ran there (a loop body once).
-    mismatch: whether something ran in another dtype than ``compute_dtype`` (fp8
-      operands are never a mismatch: fp8 is always asked for).
+    mismatch: whether a matmul multiplied floating-point operands of another dtype than
+      ``compute_dtype`` (quantized operands, fp8 or int8, are never a mismatch: a
+      recipe asks for them).
   """
 
   path: str
@@ -221,8 +223,19 @@ def rows_from_records(rules: rules_lib.PolicyRules, records: list[engine.CallRec
   return tuple(
       row._replace(ran=",".join(sorted(classes[key])) or "-",
                    matmuls=sum(classes[key].values()),
-                   mismatch=any(c != row.compute_dtype and c not in _FP8 for c in classes[key]))
+                   mismatch=any(_mismatches(c, row.compute_dtype) for c in classes[key]))
       for key, row in rows.items())
+
+
+def _mismatches(operand_class: str, compute_dtype: str) -> bool:
+  """Whether a matmul of ``operand_class`` ("bfloat16*float32") computed in another dtype.
+
+  Only floating-point operands that are not fp8 count: fp8 operands (an fp8 recipe) and
+  integer ones (``Int8Scaling``: int8 x int8 -> int32) are asked for by a recipe.
+  """
+  return any(name != compute_dtype and dtypes_lib.is_float_dtype(name)
+             and np.dtype(name) not in dtypes_lib.FP8_DTYPES
+             for name in operand_class.split("*"))
 
 
 def _warn_mismatches(summary: PrecisionSummary) -> None:
@@ -251,7 +264,8 @@ def summary(model_or_wrapper: Any, rules: rules_lib.PolicyOrRules | None = None,
     model_or_wrapper: a linen Module, an NNX Module, or what
       :func:`jaxmp.linen.mixed_precision` or :func:`jaxmp.nnx.mixed_precision`
       returned.
-    rules: a policy or :class:`jaxmp.PolicyRules`; may be ``None`` for a wrapper.
+    rules: a policy or :class:`jaxmp.PolicyRules`; ``None`` (or the wrapper's own
+      rules) for a wrapper, which runs only its own.
     *args: the call's positional arguments (arrays or ``jax.ShapeDtypeStruct``).
     variables: the model's variables (those a tracing wrapper's ``init`` returned, with
       the non-finite probe, too); without them the call is traced as ``init``.
@@ -264,6 +278,8 @@ def summary(model_or_wrapper: Any, rules: rules_lib.PolicyOrRules | None = None,
   Raises:
     TypeError: if the model is not a linen Module, an NNX Module or a wrapper, or
       ``variables``/``rngs`` are given for an NNX model.
+    ValueError: for a wrapper with rules other than its own (summarise
+      ``wrapper.model`` with them instead), or an unwrapped model without rules.
 
   Example:
     >>> import flax.linen as nn
@@ -292,6 +308,13 @@ def trace_calls(model_or_wrapper: Any, rules: rules_lib.PolicyOrRules | None = N
   Takes what :func:`summary` takes.
   """
   adapter = adapter_lib.for_model(model_or_wrapper, "jaxmp.tools.summary")
+  if isinstance(model_or_wrapper, engine.Wrapper) and rules is not None:
+    given = rules_lib.as_rules(rules)
+    if given != model_or_wrapper.rules:  # the table would show what the wrapper never runs
+      raise ValueError(
+          f"jaxmp.tools.summary: the wrapper runs its own rules, not the rules given "
+          f"({given}); pass rules=None to see what it runs, or its model (wrapper.model) with "
+          f"these rules.")
   return adapter.trace_abstract(model_or_wrapper, rules, args, kwargs, variables=variables,
                                 rngs=rngs)
 

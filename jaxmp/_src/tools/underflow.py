@@ -348,6 +348,14 @@ def _power_of_two_bounds(max_abs: float, min_abs: float,
   return 2.0 ** need, 2.0 ** cap
 
 
+def _magnitude(value: Any, name: str) -> float:
+  value = checks.real_number(value, name, where="suggest_scale")
+  if not value >= 0:  # NaN too: a magnitude is never NaN
+    raise ValueError(f"suggest_scale: {name} must be a magnitude: >= 0 (inf when there is "
+                     f"none), got {value!r}.")
+  return value
+
+
 def suggest_scale(max_abs: float, min_abs: float,
                   dtype: dtypes_lib.DTypeLike) -> float | None:
   """A power-of-two loss scale that brings values in ``[min_abs, max_abs]`` into range.
@@ -361,12 +369,19 @@ def suggest_scale(max_abs: float, min_abs: float,
   only when ``max_abs`` itself would overflow. Clamped to ``[2**-126, 2**126]``.
 
   Args:
-    max_abs: the largest magnitude; > 0 and finite.
-    min_abs: the smallest nonzero magnitude; > 0 and finite.
+    max_abs: the largest finite magnitude; >= 0 (0 or inf: nothing to scale).
+    min_abs: the smallest nonzero finite magnitude; >= 0, at most ``max_abs`` (0 or
+      inf: nothing to scale; :func:`underflow_report` passes inf when no value is
+      nonzero and finite).
     dtype: the dtype, as for :func:`underflow_report`.
 
   Returns:
-    The scale, or ``None`` when either magnitude is 0 or not finite (nothing to scale).
+    The scale, or ``None`` when either magnitude is 0 or inf (nothing to scale).
+
+  Raises:
+    TypeError: for a magnitude that is not a real number.
+    ValueError: for a negative or NaN magnitude, ``min_abs`` above a finite
+      ``max_abs`` (the two swapped), or an unknown dtype.
 
   Example:
     >>> jaxmp.tools.suggest_scale(1e-3, 1e-6, "float16")  # 1e-6 * 64 >= 2**-14
@@ -374,6 +389,10 @@ def suggest_scale(max_abs: float, min_abs: float,
     >>> jaxmp.tools.suggest_scale(1.0, 1e-12, "float16")  # capped: 16384 <= 65504 / 2
     16384.0
   """
+  max_abs, min_abs = _magnitude(max_abs, "max_abs"), _magnitude(min_abs, "min_abs")
+  if math.isfinite(max_abs) and math.isfinite(min_abs) and min_abs > max_abs:
+    raise ValueError(f"suggest_scale: min_abs ({min_abs!r}) is larger than max_abs "
+                     f"({max_abs!r}): the arguments are (max_abs, min_abs).")
   if not all(math.isfinite(v) and v > 0 for v in (max_abs, min_abs)):
     return None
   need, cap = _power_of_two_bounds(max_abs, min_abs, dtypes_lib.float_format(dtype))
