@@ -291,7 +291,7 @@ def test_h100_fp8_train_step_with_a_donated_state_copies_no_parameter():
   # per-GEMM recipes (rowwise here) copied every kernel too until their quantizations
   # went behind a barrier in the forward pass (fp8/per_gemm.py); the block recipe's
   # FFN kernels until its kernel wrote the weight gradient as (in, out)
-  # (scaled_gemm._block_dot).
+  # (block.gemm).
   assert _check_deviceless(_DONATED_COPIES, 600) == ""
 
 

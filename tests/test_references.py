@@ -12,6 +12,7 @@ of ``_src``.
 from __future__ import annotations
 
 import importlib
+import inspect
 import pathlib
 import re
 from typing import Any, Optional
@@ -110,10 +111,60 @@ def _short_problem(reference: str) -> Optional[str]:
   return _resolve(module, [a for a in attributes.split(".") if a])
 
 
+def _src_classes() -> dict[str, list[type]]:
+  """Every class defined in a ``jaxmp/_src`` module, by name."""
+  classes: dict[str, list[type]] = {}
+  for path in sorted(SRC.rglob("*.py")):
+    parts = path.relative_to(SRC.parent.parent).with_suffix("").parts
+    module = importlib.import_module(".".join(p for p in parts if p != "__init__"))
+    for value in vars(module).values():
+      if isinstance(value, type) and value.__module__ == module.__name__:
+        classes.setdefault(value.__name__, []).append(value)
+  return classes
+
+
+def _assigned_in_methods(cls: type, attribute: str) -> bool:
+  """Whether a method of ``cls`` assigns ``self.<attribute>``."""
+  return re.search(rf"\bself\.{attribute}\s*(:[^=\n]*)?=(?!=)", inspect.getsource(cls)) is not None
+
+
+def _class_problem(reference: str, classes: dict[str, list[type]]) -> Optional[str]:
+  """Why ARCHITECTURE.md's ``Class.attribute`` (``Call.attention_rules_reached``) names
+  nothing, or None; references of another form are not checked here."""
+  match = re.fullmatch(r"([A-Z][A-Za-z0-9_]*)((?:\.[A-Za-z_][A-Za-z0-9_]*)+)", reference)
+  if match is None:
+    return None
+  name, attributes = match.group(1), [a for a in match.group(2).split(".") if a]
+  if name not in classes:
+    return f"no class {name} in jaxmp/_src"
+  for cls in classes[name]:
+    if len(attributes) == 1 and _assigned_in_methods(cls, attributes[0]):
+      return None  # an instance attribute (``self.records = ...``)
+    obj: Any = cls
+    for attribute in attributes:
+      obj = None if obj is None else _attribute(obj, attribute)
+      if obj is _MISSING:
+        break
+    else:
+      return None
+  return f"no class {name} in jaxmp/_src has {'.'.join(attributes)}"
+
+
 def test_architecture_md_names_what_exists():
+  classes = _src_classes()
   problems = [f"`{reference}`: {problem}" for reference in _architecture_references()
-              if (problem := _short_problem(reference))]
+              if (problem := _short_problem(reference) or _class_problem(reference, classes))]
   assert not problems, "\n".join(problems)
+
+
+def test_a_class_attribute_named_without_its_module_is_checked_too():
+  classes = _src_classes()
+  assert _class_problem("Call.attention_rules_reached", classes) is None
+  assert _class_problem("Call.causal_rules_reached", classes) == (
+      "no class Call in jaxmp/_src has causal_rules_reached")
+  assert _class_problem("NoSuchClass.x", classes) == "no class NoSuchClass in jaxmp/_src"
+  checked = [r for r in _architecture_references() if re.fullmatch(r"[A-Z]\w*(\.\w+)+", r)]
+  assert len(checked) > 10
 
 
 def test_the_checks_report_a_moved_name():

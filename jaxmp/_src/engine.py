@@ -80,7 +80,7 @@ from jaxmp._src import float32_ops as float32_ops_lib
 from jaxmp._src import paths as paths_lib
 from jaxmp._src import rules as rules_lib
 from jaxmp._src import tree as tree_lib
-from jaxmp._src.fp8 import recipes as recipes_lib
+from jaxmp._src.fp8 import ops as fp8_ops
 
 T = TypeVar("T")
 
@@ -745,7 +745,7 @@ def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
                                      decided)
     if decided and rule.fp8 is not None and not any(r.precision.fp8 for r in decided):
       problems.append(f"rule {index} ({rule.describe()}) has an "
-                      f"{recipes_lib.narrow_type(rule.fp8)} recipe but matches no layer "
+                      f"{fp8_ops.narrow_type(rule.fp8)} recipe but matches no layer "
                       f"fp8 applies to ({fp8_layer_names})")
     declared = [d for d, on in (("causal", rule.causal_attention),
                                 ("padded", rule.padded_attention)) if on]

@@ -55,6 +55,7 @@ from jaxmp._src import checks
 from jaxmp._src import dtypes as dtypes_lib
 from jaxmp._src import float32_ops as float32_ops_lib
 from jaxmp._src import policy as policy_lib
+from jaxmp._src.fp8 import ops as fp8_ops
 from jaxmp._src.fp8 import recipes as recipes_lib
 
 _NORMALIZATION_NAME = re.compile(r".*(Norm|Normalization)")
@@ -120,7 +121,7 @@ def _check_match(match: Any) -> re.Pattern | None:
 
 def _check_fp8(recipe: Any) -> None:
   if recipe is not None:
-    recipes_lib.check_recipe(recipe, where="Rule fp8")
+    fp8_ops.check(recipe, where="Rule fp8")
 
 
 def _named_output(policy: Any, parsed: policy_lib.Policy) -> np.dtype | None:

@@ -10,6 +10,9 @@
   weight-gradient GEMMs a recipe each (or one per operand, :class:`OperandRecipes`), or
   the compute dtype. float32 scaling
   arithmetic and accumulation throughout.
+- New recipes: a frozen dataclass derived from :class:`GemmRecipe` and its entry in the
+  fp8 ops table (:func:`register_recipe`, a :class:`RecipeOps`): every fp8 op, layer and
+  rule then runs it.
 - What runs where: :func:`compile_target` names the chip being compiled for, and a
   recipe whose GEMMs do not run as fp8 GEMMs there warns
   (:class:`Fp8FallbackWarning`).
@@ -33,14 +36,24 @@ Example:
   Array([3., 3.], dtype=float32)
 """
 
+from jaxmp._src.fp8.chips import Lowering
+from jaxmp._src.fp8.chips import Target
 from jaxmp._src.fp8.dot_general import fp8_dot_general
 from jaxmp._src.fp8.dot_general import fp8_einsum
+from jaxmp._src.fp8.grouped import Grouping
+from jaxmp._src.fp8.grouped import Quantized
+from jaxmp._src.fp8.ops import GemmCall
+from jaxmp._src.fp8.ops import OperandOps
+from jaxmp._src.fp8.ops import RecipeOps
+from jaxmp._src.fp8.ops import register_recipe
 from jaxmp._src.fp8.recipes import BlockScaling
 from jaxmp._src.fp8.recipes import CurrentScaling
 from jaxmp._src.fp8.recipes import DelayedScaling
+from jaxmp._src.fp8.recipes import GemmRecipe
 from jaxmp._src.fp8.recipes import GemmRecipes
 from jaxmp._src.fp8.recipes import Int8Scaling
 from jaxmp._src.fp8.recipes import MXScaling
+from jaxmp._src.fp8.recipes import OperandRecipe
 from jaxmp._src.fp8.recipes import OperandRecipes
 from jaxmp._src.fp8.recipes import Recipe
 from jaxmp._src.fp8.recipes import RowwiseScaling
@@ -59,16 +72,26 @@ __all__ = (
     "DelayedScaling",
     "DelayedScalingState",
     "Fp8FallbackWarning",
+    "GemmCall",
+    "GemmRecipe",
     "GemmRecipes",
+    "Grouping",
     "Int8Scaling",
+    "Lowering",
     "MXScaling",
+    "OperandOps",
+    "OperandRecipe",
     "OperandRecipes",
+    "Quantized",
     "Recipe",
+    "RecipeOps",
     "RowwiseScaling",
+    "Target",
     "compile_target",
     "current_target",
     "fp8_dot_general",
     "fp8_einsum",
     "init_state",
+    "register_recipe",
     "state",
 )

@@ -16,7 +16,7 @@ from jaxmp import fp8
 from jaxmp._src.fp8 import block_gemm
 from jaxmp._src.fp8 import grouped
 from jaxmp._src.fp8 import quantize as q
-from jaxmp._src.fp8 import scaled_gemm
+from jaxmp._src.fp8 import block
 from jaxmp._src.fp8 import support
 from jaxmp._src.tools import targets as audit_targets
 from tests.fp8 import reference
@@ -51,7 +51,7 @@ def test_the_kernel_sums_the_same_products_as_the_dequantized_gemm(role, a_shape
                TILE)
   b = _operand(rng.integers(-16, 17, b_shape), grouping_b)
   out = block_gemm.gemm(a, b, grouping_b, jnp.float32, interpret=True)
-  expected = scaled_gemm._dequantized_dot(a, b, TILE, grouping_b, jnp.float32, True)
+  expected = block.dequantized_dot(a, b, TILE, grouping_b, jnp.float32, True)
   assert out.shape == expected.shape and out.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
   assert np.count_nonzero(np.asarray(out)) > out.size // 2  # not a product of zeros

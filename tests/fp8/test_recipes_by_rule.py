@@ -30,13 +30,13 @@ MLP_OUT = fp8.BlockScaling(block_size=16, power_of_two=True)
 def recorded(monkeypatch):
   """``{kernel shape: {recipes}}`` of every fp8 matmul traced while the fixture is active."""
   calls = {}
-  original = dot_general_lib.fp8_dot_general
+  original = dot_general_lib.dot_general  # what the fp8 layers call
 
   def recorder(lhs, rhs, *args, recipe=None, **kwargs):
     calls.setdefault(tuple(rhs.shape), set()).add(recipe)
     return original(lhs, rhs, *args, recipe=recipe, **kwargs)
 
-  monkeypatch.setattr(dot_general_lib, "fp8_dot_general", recorder)
+  monkeypatch.setattr(dot_general_lib, "dot_general", recorder)
   return calls
 
 

@@ -12,10 +12,13 @@ the form XLA folds into one fp8 GEMM writing bfloat16, with the combined scale r
 to bfloat16 as Flax's is (:func:`~jaxmp._src.fp8.scaled_gemm.rescaled_dot`); on every
 other platform the float32 product is scaled in float32 as described.
 
-With :class:`~jaxmp.fp8.DelayedScaling`, scales come from the amax histories in
-``state`` and the updated state comes back as the cotangent of ``state`` (see
-:mod:`jaxmp.fp8.state`); with :class:`~jaxmp.fp8.CurrentScaling` every scale comes
-from its tensor's own amax and there is no state.
+Where the scales come from is the recipe's per-tensor op in the fp8 ops table
+(:mod:`~jaxmp._src.fp8.ops`): with :class:`~jaxmp.fp8.DelayedScaling`
+(:mod:`~jaxmp._src.fp8.delayed`) from the amax histories in ``state``, the updated
+state coming back as the cotangent of ``state`` (see :mod:`jaxmp.fp8.state`); with
+:class:`~jaxmp.fp8.CurrentScaling` (:mod:`~jaxmp._src.fp8.current`) from each tensor's
+own amax, with no state. The other recipes run per GEMM
+(:mod:`~jaxmp._src.fp8.per_gemm`).
 
 Example:
   >>> from jaxmp import fp8
@@ -32,10 +35,10 @@ from __future__ import annotations
 
 import functools
 import string
-from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -43,12 +46,12 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jaxmp._src import sharding
+from jaxmp._src.fp8 import delayed
 from jaxmp._src.fp8 import maxgrad
+from jaxmp._src.fp8 import ops
 from jaxmp._src.fp8 import per_gemm as per_gemm_lib
-from jaxmp._src.fp8 import quantize as q
 from jaxmp._src.fp8 import recipes as recipes_lib
 from jaxmp._src.fp8 import scaled_gemm
-from jaxmp._src.fp8 import state as state_lib
 from jaxmp._src.fp8 import support
 
 F32 = np.dtype(np.float32)
@@ -57,7 +60,7 @@ F32 = np.dtype(np.float32)
 class _Config(NamedTuple):
   """Everything static about one fp8 matmul (hashable)."""
   dimension_numbers: tuple
-  recipe: recipes_lib.DelayedScaling | recipes_lib.CurrentScaling  # per tensor
+  recipe: Any  # a per-tensor recipe (ops.per_tensor): DelayedScaling, CurrentScaling
   lhs_dtype: np.dtype
   rhs_dtype: np.dtype
   out_dtype: np.dtype
@@ -114,45 +117,6 @@ def _output_dtype(lhs, rhs, preferred_element_type) -> np.dtype:
         "fp8_dot_general: preferred_element_type must be a floating-point dtype, got "
         f"{dtype.name}.")
   return dtype
-
-
-def _as_state(state: Any, recipe: recipes_lib.DelayedScaling) -> state_lib.DelayedScalingState:
-  if state is None:
-    raise ValueError(
-        "fp8_dot_general: DelayedScaling needs state=; create it with "
-        "jaxmp.fp8.init_state(recipe) (or use the Fp8DotGeneral module, which keeps it "
-        "in the '_overwrite_with_gradient' collection).")
-  if isinstance(state, Mapping):
-    state = state_lib.DelayedScalingState.from_variables(state)
-  if not isinstance(state, state_lib.DelayedScalingState):
-    raise TypeError(
-        "fp8_dot_general: state must be a jaxmp.fp8.DelayedScalingState or a mapping with "
-        f"its six variable names, got {type(state).__name__}.")
-  state = state_lib.DelayedScalingState(*(jnp.asarray(x) for x in state))
-  for tensor in state_lib.TENSORS:
-    scale = getattr(state, f"{tensor}_scale")
-    history = getattr(state, f"{tensor}_amax_history")
-    if scale.size != 1:
-      raise ValueError(
-          f"fp8_dot_general: {tensor}_scale must hold one value, got shape {scale.shape}.")
-    if history.shape != (recipe.amax_history_length,):
-      raise ValueError(
-          f"fp8_dot_general: {tensor}_amax_history has shape {history.shape}, but the recipe "
-          f"has amax_history_length={recipe.amax_history_length}.")
-  for name, x in zip(state._fields, state):
-    # Amax histories and scales are float32 in Flax and TransformerEngine; a narrower
-    # state would round every recorded amax.
-    if not (maxgrad.is_max_float32(x) or x.dtype == F32):
-      raise TypeError(f"fp8_dot_general: fp8 state must be float32, got {name} of dtype "
-                      f"{x.dtype}.")
-  return state
-
-
-def _read(x: jax.Array) -> jax.Array:
-  """A state leaf as float32 (its stored form may be max_float32)."""
-  if maxgrad.is_max_float32(x):
-    return jax.lax.convert_element_type(x, F32)
-  return x.astype(F32)
 
 
 def _write(x: jax.Array, aval: tuple) -> jax.Array:
@@ -230,27 +194,6 @@ def _operand_grad(g: jax.Array, other: jax.Array, primal: jax.Array, dimension_n
   return out if out_axes == tuple(range(out.ndim)) else jax.lax.transpose(out, out_axes)
 
 
-def _delayed_scales(st: state_lib.DelayedScalingState, recipe: recipes_lib.DelayedScaling
-                    ) -> jax.Array:
-  """The input, kernel and output-gradient scales of this step, ``[3]``, from ``st``."""
-  # The scales read the old histories through an optimization barrier. Without it
-  # XLA fuses their max-reductions with the step's own reductions over the new
-  # histories (fp8/state.merge checks those), so that each quantization scale comes
-  # to depend on its tensor's current amax, and the quantization can no longer join
-  # the kernel that computes that amax: one more read of every output gradient
-  # (seen in compiled H100 HLO).
-  old = jax.lax.optimization_barrier(
-      (st.input_amax_history, st.kernel_amax_history, st.output_grad_amax_history))
-  # The three scales as one computation over the stacked histories: three kernels
-  # per matmul on GPUs (the reduction, the scales, their products), where three
-  # separate computations became six (seen in compiled H100 HLO). Each row is
-  # computed alone, so every scale is the one computed on its own.
-  previous = jnp.stack([st.input_scale.reshape(()), st.kernel_scale.reshape(()),
-                        st.output_grad_scale.reshape(())])
-  return q.scale_from_amax(q.amax_from_history(jnp.stack(old), recipe.amax_compute), previous,
-                           (q.E4M3, q.E4M3, q.E5M2), recipe.margin, recipe.power_of_two)
-
-
 def _scaled_product(q_lhs: jax.Array, q_rhs: jax.Array, scale: jax.Array, cfg: _Config
                     ) -> jax.Array:
   """The forward GEMM of the quantized operands, rescaled by ``scale`` (input x kernel)."""
@@ -259,101 +202,44 @@ def _scaled_product(q_lhs: jax.Array, q_rhs: jax.Array, scale: jax.Array, cfg: _
                                   out_sharding=cfg.out_sharding)
 
 
-def _quantized_operands(lhs: jax.Array, rhs: jax.Array, x_scale: jax.Array,
-                        k_scale: jax.Array, k_major_fp8: bool) -> tuple[jax.Array, ...]:
-  """The forward GEMM's operands in E4M3, in their own layout on Hopper if ``k_major_fp8``.
-
-  See :func:`~jaxmp._src.fp8.scaled_gemm.in_own_layout_on_gpus`; ``False`` leaves the
-  layouts to XLA.
-  """
-  return scaled_gemm.in_own_layout_on_gpus(
-      k_major_fp8, q.quantize(lhs, q.E4M3, x_scale), q.quantize(rhs, q.E4M3, k_scale))
-
-
 def _primal(lhs, rhs, state, cfg: _Config):
-  """The product when nothing differentiates it (an eval step, say).
-
-  Under delayed scaling nothing records an amax without a gradient, so the amaxes,
-  their barrier and the operand layouts of :func:`_forward` (which serve the backward
-  pass and the state update) are left out, and XLA quantizes the kernel straight into
-  the layout its GEMM reads: a Dense 4096^3 forward moved 128 MiB of other traffic
-  through :func:`_forward`, 96 MiB (Flax's figure) this way (compiled H100 HLO).
-  """
-  recipe = cfg.recipe
-  if not isinstance(recipe, recipes_lib.DelayedScaling):
+  """The product when nothing differentiates it (an eval step, say): the recipe's
+  ``primal`` where it has one (delayed scaling leaves out what only training needs)."""
+  scaling = ops.per_tensor(cfg.recipe)
+  assert scaling is not None  # _Config holds a per-tensor recipe
+  if scaling.primal is None:
     return _forward(lhs, rhs, state, cfg)[0]
-  scales = _delayed_scales(state_lib.DelayedScalingState(*(_read(x) for x in state)), recipe)
-  q_lhs, q_rhs = _quantized_operands(lhs, rhs, scales[0], scales[1], k_major_fp8=False)
-  return _scaled_product(q_lhs, q_rhs, scales[0] * scales[1], cfg)
+  q_lhs, q_rhs, scale = scaling.primal(lhs, rhs, state, cfg)
+  return _scaled_product(q_lhs, q_rhs, scale, cfg)
 
 
 def _forward(lhs, rhs, state, cfg: _Config):
-  recipe = cfg.recipe
-  if isinstance(recipe, recipes_lib.DelayedScaling):
-    st = state_lib.DelayedScalingState(*(_read(x) for x in state))
-    scales = _delayed_scales(st, recipe)
-    # Each operand is quantized in its own layout, so that one kernel reads it for its
-    # quantization and its amax (below); see scaled_gemm.in_own_layout_on_gpus. (With
-    # current scaling, below, the amax comes first, but the layout still saves a pass.)
-    q_lhs, q_rhs = _quantized_operands(lhs, rhs, scales[0], scales[1], cfg.k_major_fp8)
-    # This step's amaxes are computed before the quantized operands are used (a
-    # barrier). Left free, XLA fuses each kernel's amax with the optimizer's update of
-    # that kernel (the last other reader of the parameter), and with a donated state
-    # the updated parameter can then not be written in place: the step copied every
-    # fp8 kernel (1.6 GiB on a Llama-3-8B layer; compiled H100 HLO). Measured on an
-    # H200 with a donated state, that layer's fp8 step went from 8.75 to 8.12 ms
-    # with both amaxes behind the barrier, and to 8.59 ms with the kernel's alone.
-    x_amax, k_amax = (q.shared_amax(lhs, st.input_amax_history),
-                      q.shared_amax(rhs, st.kernel_amax_history))
-    # The scales pass it too: they are also the new state's scales, and left free XLA
-    # could recompute them from the old ones inside fp8/state.merge's select, which
-    # then cannot write the donated state in place (a small Llama layer's donated step
-    # copied its 21 scales: 155 kernels, 140 with this; compiled H100 HLO).
-    q_lhs, q_rhs, x_amax, k_amax, scales = jax.lax.optimization_barrier(
-        (q_lhs, q_rhs, x_amax, k_amax, scales))
-    x_scale, k_scale, g_scale = scales[0], scales[1], scales[2]
-    x_history = q.record_amax(st.input_amax_history, x_amax)
-    k_history = q.record_amax(st.kernel_amax_history, k_amax)
-    g_history = q.valid_history(st.output_grad_amax_history)
-    histories = (x_history, k_history, g_history)
-  else:
-    one = jnp.ones((), F32)
-    x_scale = q.scale_from_amax(q.amax(lhs), one, q.E4M3, recipe.margin, recipe.power_of_two)
-    k_scale = q.scale_from_amax(q.amax(rhs), one, q.E4M3, recipe.margin, recipe.power_of_two)
-    g_scale, histories = None, None
-    q_lhs, q_rhs = _quantized_operands(lhs, rhs, x_scale, k_scale, cfg.k_major_fp8)
+  scaling = ops.per_tensor(cfg.recipe)
+  assert scaling is not None  # _Config holds a per-tensor recipe
+  q_lhs, q_rhs, x_scale, k_scale, carry = scaling.forward(lhs, rhs, state, cfg)
   out = _scaled_product(q_lhs, q_rhs, x_scale * k_scale, cfg)
-  return out, (q_lhs, q_rhs, x_scale, k_scale, g_scale, histories)
+  return out, (q_lhs, q_rhs, x_scale, k_scale, carry)
 
 
 def _backward(cfg: _Config, residuals, g):
-  q_lhs, q_rhs, x_scale, k_scale, g_scale, histories = residuals
-  recipe = cfg.recipe
-  if isinstance(recipe, recipes_lib.DelayedScaling):
-    x_history, k_history, old_g_history = histories
-    g_history = q.record_amax(old_g_history, q.shared_amax(g, old_g_history))
-    # Written by the kernel that computes g, then transposed for the weight gradient's
-    # GEMM (see scaled_gemm.in_own_layout_on_gpus: measured faster on an H200).
-    (q_g,) = scaled_gemm.in_own_layout_on_gpus(
-        cfg.k_major_fp8, q.quantize(g, q.E5M2, g_scale), own_kernel=True)
-  else:
-    g_scale = q.scale_from_amax(q.amax(g), jnp.ones((), F32), q.E5M2, recipe.margin,
-                                recipe.power_of_two)
-    q_g = q.quantize(g, q.E5M2, g_scale)
+  q_lhs, q_rhs, x_scale, k_scale, carry = residuals
+  scaling = ops.per_tensor(cfg.recipe)
+  assert scaling is not None  # _Config holds a per-tensor recipe
+  q_g, g_scale, new_values = scaling.backward(g, x_scale, k_scale, carry, cfg)
   (lc, rc), (lb, rb) = cfg.dimension_numbers
-  pow2 = recipe.power_of_two
+  pow2 = cfg.recipe.power_of_two
   d_lhs = _operand_grad(q_g, q_rhs, q_lhs, cfg.dimension_numbers, primal_is_lhs=True,
                         scale=k_scale * g_scale, dtype=cfg.lhs_dtype, exact_scale=pow2)
   d_rhs = _operand_grad(q_g, q_lhs, q_rhs, ((rc, lc), (rb, lb)), primal_is_lhs=False,
                         scale=x_scale * g_scale, dtype=cfg.rhs_dtype, exact_scale=pow2)
   d_lhs = sharding.like_primal(d_lhs, cfg.lhs_varying, jax.lax.psum)
   d_rhs = sharding.like_primal(d_rhs, cfg.rhs_varying, jax.lax.psum)
-  if cfg.state_avals is None or cfg.state_varying is None:  # both set with a state
+  if cfg.state_avals is None or cfg.state_varying is None or new_values is None:
     return d_lhs, d_rhs, None
-  values = (x_scale, x_history, k_scale, k_history, g_scale, g_history)
-  new_state = state_lib.DelayedScalingState(
-      *(_write(sharding.like_primal(v, axes, jax.lax.pmax), aval)
-        for v, aval, axes in zip(values, cfg.state_avals, cfg.state_varying)))
+  assert scaling.state_type is not None  # new state comes only from a recipe with state
+  new_state = scaling.state_type(*(
+      _write(sharding.like_primal(v, axes, jax.lax.pmax), aval)
+      for v, aval, axes in zip(new_values, cfg.state_avals, cfg.state_varying)))
   return d_lhs, d_rhs, new_state
 
 
@@ -373,7 +259,7 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array,
                     dimension_numbers: jax.lax.DotDimensionNumbers,
                     precision: jax.lax.PrecisionLike = None,
                     preferred_element_type: DTypeLike | None = None, out_sharding: Any = None, *,
-                    state: state_lib.DelayedScalingState | None = None,
+                    state: delayed.DelayedScalingState | None = None,
                     recipe: recipes_lib.Recipe | None = None) -> jax.Array:
   """``jax.lax.dot_general`` computed in fp8, under any jaxmp fp8 recipe.
 
@@ -432,9 +318,23 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array,
     Array([[5]], dtype=bfloat16)
   """
   del precision  # fp8 products have one precision.
-  recipe = recipes_lib.DelayedScaling() if recipe is None else recipes_lib.check_recipe(
-      recipe, "fp8_dot_general")
-  assert recipe is not None  # check_recipe returns a recipe here (None only for a GEMM field)
+  return dot_general(lhs, rhs, dimension_numbers, preferred_element_type, out_sharding,
+                     state=state, recipe=checked_recipe(recipe, "fp8_dot_general"))
+
+
+def checked_recipe(recipe: Any, where: str) -> recipes_lib.Recipe:
+  """``recipe`` (``DelayedScaling()`` for ``None``), checked: a jaxmp recipe with an entry
+  in the fp8 ops table. Raises a TypeError naming ``where`` otherwise."""
+  return recipes_lib.DelayedScaling() if recipe is None else ops.check(recipe, where)
+
+
+def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
+                preferred_element_type: DTypeLike | None = None, out_sharding: Any = None, *,
+                state: Any, recipe: recipes_lib.Recipe) -> jax.Array:
+  """:func:`fp8_dot_general` for a recipe checked where it was given (a rule, a layer).
+
+  The fp8 layers call this while tracing; the recipe is not checked again.
+  """
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   _check_operand("lhs", lhs)
   _check_operand("rhs", rhs)
@@ -444,8 +344,9 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array,
   target = support.current_target()
   support.warn_on_fallback(recipe, target)  # the recipe as the user wrote it
   recipe = recipes_lib.per_gemm(recipe)
-  if isinstance(recipe, recipes_lib.DelayedScaling):
-    state = _as_state(state, recipe)
+  scaling = ops.per_tensor(recipe)
+  if scaling is not None and scaling.check_state is not None:
+    state = scaling.check_state(state, recipe)
     state_avals = tuple((x.shape, x.dtype) for x in state)
     state_varying = tuple(sharding.varying_axes(x) for x in state)
   else:
@@ -454,13 +355,13 @@ def fp8_dot_general(lhs: jax.Array, rhs: jax.Array,
           f"fp8_dot_general: {recipe!r} keeps no state, but state= was given; pass "
           "state=None, or use DelayedScaling for stateful scaling.")
     state_avals = state_varying = None
-  if isinstance(recipe, recipes_lib.GemmRecipes):
+  if scaling is None:  # a recipe per GEMM
     if out_sharding is not None:
       raise ValueError(
           f"fp8_dot_general: out_sharding={out_sharding!r} is supported by the per-tensor "
           f"recipes only, not by {recipe!r}; shard the operands instead.")
-    cfg = per_gemm_lib.config(lhs, rhs, dimension_numbers, recipe, out_dtype, target.mx,
-                              target.block_fp8, target.k_major_fp8)
+    cfg = per_gemm_lib.config(lhs, rhs, dimension_numbers,
+                              cast(recipes_lib.GemmRecipes, recipe), out_dtype, target)
     return per_gemm_lib.dot(lhs, rhs, cfg)
   cfg = _Config(dimension_numbers, recipe, np.dtype(lhs.dtype), np.dtype(rhs.dtype),
                 out_dtype, out_sharding, state_avals, sharding.varying_axes(lhs),
@@ -518,7 +419,7 @@ def _parse_einsum(eqn: str, lhs_ndim: int, rhs_ndim: int) -> tuple:
 
 
 def fp8_einsum(eqn: str, lhs: jax.Array, rhs: jax.Array, *,
-               state: state_lib.DelayedScalingState | None = None,
+               state: delayed.DelayedScalingState | None = None,
                recipe: recipes_lib.Recipe | None = None,
                preferred_element_type: DTypeLike | None = None,
                precision: jax.lax.PrecisionLike = None, out_sharding: Any = None) -> jax.Array:
@@ -557,6 +458,15 @@ def fp8_einsum(eqn: str, lhs: jax.Array, rhs: jax.Array, *,
     >>> fp8.fp8_einsum("btd,dh->bth", x, w, recipe=fp8.CurrentScaling()).shape
     (2, 3, 5)
   """
+  del precision  # fp8 products have one precision.
+  return einsum(eqn, lhs, rhs, state=state, recipe=checked_recipe(recipe, "fp8_einsum"),
+                preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+
+
+def einsum(eqn: str, lhs: jax.Array, rhs: jax.Array, *, state: Any,
+           recipe: recipes_lib.Recipe, preferred_element_type: DTypeLike | None = None,
+           out_sharding: Any = None) -> jax.Array:
+  """:func:`fp8_einsum` for a recipe checked where it was given (a rule, a layer)."""
   if out_sharding is not None:
     raise ValueError(f"fp8_einsum does not take out_sharding, got {out_sharding!r}; shard the "
                      f"einsum's inputs instead.")
@@ -581,8 +491,7 @@ def fp8_einsum(eqn: str, lhs: jax.Array, rhs: jax.Array, *,
   contract = [c for c in lhs_spec if c in rhs_spec and c not in out]
   dims = ((tuple(lhs_spec.index(c) for c in contract), tuple(rhs_spec.index(c) for c in contract)),
           (tuple(lhs_spec.index(c) for c in batch), tuple(rhs_spec.index(c) for c in batch)))
-  y = fp8_dot_general(lhs, rhs, dims, precision, preferred_element_type, state=state,
-                      recipe=recipe)
+  y = dot_general(lhs, rhs, dims, preferred_element_type, state=state, recipe=recipe)
   y_spec = ("".join(batch) + "".join(c for c in lhs_spec if c not in rhs_spec)
             + "".join(c for c in rhs_spec if c not in lhs_spec))
   perm = tuple(y_spec.index(c) for c in out)
@@ -590,6 +499,9 @@ def fp8_einsum(eqn: str, lhs: jax.Array, rhs: jax.Array, *,
 
 
 __all__ = (
+    "checked_recipe",
+    "dot_general",
+    "einsum",
     "fp8_dot_general",
     "fp8_einsum",
 )

@@ -6,7 +6,7 @@ row, ``max|row| / 127``; its elements become ``clip(round(x / scale), -127, 127)
 int8 (ties to even); two such operands multiply with ``preferred_element_type=int32``,
 which is exact (every partial sum is an integer below ``C * 127**2``), and the int32
 product, converted to float32, is multiplied by the outer product of the row scales
-(:func:`jaxmp._src.fp8.scaled_gemm.gemm`).
+(:func:`dot`).
 On TPU v5e, v5p and v6e this is an int8 matrix-unit GEMM at about half bfloat16's
 cycles (:mod:`~jaxmp._src.fp8.support`).
 
@@ -26,15 +26,19 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src.fp8 import chips
 from jaxmp._src.fp8 import grouped
+from jaxmp._src.fp8 import scaled_gemm
 
 INT8 = np.dtype(np.int8)
 INT32 = np.dtype(np.int32)
-"""The accumulator of an int8 GEMM (:func:`jaxmp._src.fp8.scaled_gemm.gemm`)."""
+"""The accumulator of an int8 GEMM (:func:`dot`)."""
 F32 = np.dtype(np.float32)
 INT8_MAX = 127
 """The symmetric int8 range is ``[-127, 127]`` (AQT's; -128 is never produced)."""
@@ -105,5 +109,67 @@ def quantize_swapped(x: jax.Array) -> grouped.Quantized:
   return grouped.Quantized(jnp.swapaxes(_codes(x, scale), 1, 2), jnp.swapaxes(scale, 1, 2))
 
 
-__all__ = ("INT8", "INT8_MAX", "INT32", "quantize", "quantize_swapped", "row_amax",
-           "scales")
+def grouping(recipe: Any, role: str) -> grouped.Grouping:
+  """One scale per row along the contracted dimension, every operand."""
+  del recipe, role
+  return grouped.ROW
+
+
+def element_format(recipe: Any, role: str) -> np.dtype:
+  """int8, every operand."""
+  del recipe, role
+  return INT8
+
+
+def quantize_operand(x: jax.Array, recipe: Any, role: str) -> grouped.Quantized:
+  """:func:`quantize` (the recipe has no options)."""
+  del recipe, role
+  return quantize(x)
+
+
+def quantize_swapped_operand(x: jax.Array, recipe: Any, role: str) -> grouped.Quantized:
+  """:func:`quantize_swapped` (the recipe has no options)."""
+  del recipe, role
+  return quantize_swapped(x)
+
+
+def dot(a: grouped.Quantized, b: grouped.Quantized, out_dtype: Any) -> jax.Array:
+  """``(B, P, C) x (B, Q, C) -> (B, P, Q)`` for int8 operands with row scales.
+
+  ``float32(dot_general(a, b, preferred_element_type=int32)) * (scale_a * scale_b.T)``
+  cast to ``out_dtype``: the accumulation is exact, then one float32 rounding (of the
+  int32 sum, above ``2**24``), one of the scale product and one of the rescale.
+
+  Example:
+    >>> from jaxmp._src.fp8 import int8
+    >>> a = int8.quantize(jnp.array([[[1.0, 127.0]]]))  # scale 1: exact
+    >>> b = int8.quantize(jnp.array([[[2.0, 254.0], [0.0, 0.0]]]))  # scales 2, 1
+    >>> int8.dot(a, b, jnp.float32)
+    Array([[[32260.,     0.]]], dtype=float32)
+  """
+  acc = jax.lax.dot_general(a.data, b.data, scaled_gemm.CANONICAL, preferred_element_type=INT32)
+  return (acc.astype(F32) * scaled_gemm.outer(a.scale, b.scale)).astype(out_dtype)
+
+
+def gemm_operands(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, call: Any
+                  ) -> jax.Array:
+  """:func:`dot` for a GEMM ``call``."""
+  del recipe
+  return dot(a, b, call.out_dtype)
+
+
+def lowering(recipe: Any, target: chips.Target) -> chips.Lowering:
+  """An int8 GEMM where it runs faster than bfloat16 (:attr:`~.chips.Target.int8`)."""
+  del recipe
+  if target.int8 is None:
+    return chips.Lowering("unknown", f"int8 GEMM speed on {target.description} is not "
+                          "described")
+  if target.int8:
+    return chips.Lowering("int8", "an int8 GEMM with int32 accumulation")
+  return chips.Lowering("fallback", "int8 GEMMs at the bfloat16 rate (libtpu's cost model): "
+                        "only the quantization's cost is added")
+
+
+__all__ = ("INT8", "INT8_MAX", "INT32", "dot", "element_format", "gemm_operands", "grouping",
+           "lowering", "quantize", "quantize_operand", "quantize_swapped",
+           "quantize_swapped_operand", "row_amax", "scales")

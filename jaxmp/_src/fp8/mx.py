@@ -105,6 +105,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src import dtypes as dtypes_lib
+from jaxmp._src.fp8 import chips
 from jaxmp._src.fp8 import grouped
 from jaxmp._src.fp8 import quantize as q
 
@@ -251,6 +252,41 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, out_dtype: Any,
       default=lambda a, b: _dequantized_gemm(a, b, out_dtype))
 
 
+def grouping(recipe: Any, role: str) -> grouped.Grouping:
+  """:data:`GROUPING` for every operand: 32 elements along the contracted dimension."""
+  del recipe, role
+  return GROUPING
+
+
+def fp8_format(recipe: Any, role: str) -> np.dtype:
+  """E4M3 for the input and kernel, the recipe's ``gradient_format`` for the gradient."""
+  return q.role_format(role, recipe.gradient_format)
+
+
+def quantize_operand(x: jax.Array, recipe: Any, role: str) -> grouped.Quantized:
+  """A canonical operand in ``role`` under an ``MXScaling`` recipe (:func:`quantize`)."""
+  return quantize(x, fp8_format(recipe, role), recipe.scale_rounding)
+
+
+def gemm_operands(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, call: Any
+                  ) -> jax.Array:
+  """:func:`gemm` for a GEMM ``call``: cuDNN's block-scaled GEMM where the target runs MX."""
+  del recipe
+  return gemm(a, b, call.out_dtype, call.target.mx)
+
+
+def lowering(recipe: Any, target: chips.Target) -> chips.Lowering:
+  """cuDNN's MXFP8 GEMM on Blackwell (cuDNN >= 9.10); a bfloat16 GEMM elsewhere."""
+  del recipe
+  unknown = chips.unknown_fp8(target)
+  if unknown is not None:
+    return unknown
+  if target.mx:
+    return chips.Lowering("mx", "cuDNN's MXFP8 block-scaled GEMM")
+  return chips.Lowering("fallback", "a bfloat16 GEMM on dequantized operands (MXFP8 GEMMs "
+                        "need a Blackwell GPU with cuDNN >= 9.10)")
+
+
 __all__ = (
     "BLOCK",
     "E8M0",
@@ -258,8 +294,13 @@ __all__ = (
     "decode",
     "dequantize",
     "emax",
+    "fp8_format",
     "gemm",
+    "gemm_operands",
+    "grouping",
+    "lowering",
     "quantize",
+    "quantize_operand",
     "shared_exponents",
     "to_e8m0",
 )

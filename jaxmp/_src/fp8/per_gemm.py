@@ -13,11 +13,12 @@ input grad     ``g`` (gradient), ``w.T``       ``N``: per token / per in channel
 weight grad    ``g.T`` (gradient), ``x.T``     ``M``: per channel, along the tokens
 =============  ==============================  ====================================
 
-Each operand is quantized along the dimension its GEMM contracts, with the grouping
-and format its recipe gives its role (:func:`grouping`, :func:`fp8_format`); a GEMM
-whose recipe is an :class:`~jaxmp.fp8.OperandRecipes` quantizes each operand with the
-recipe of its role (:func:`operand_recipe`) and multiplies them as a per-row or
-per-tensor GEMM rescaled by the outer product of the two operands' scales. The
+Each operand is quantized along the dimension its GEMM contracts, as the recipe of
+its role (``recipe.for_role(role)``: the GEMM's one recipe, or an
+:class:`~jaxmp.fp8.OperandRecipes`' recipe for that operand) prepares it, and the two
+are multiplied by the GEMM recipe's product: both from the recipe's entry in the fp8
+ops table (:mod:`~jaxmp._src.fp8.ops`: :func:`grouping`, :func:`fp8_format`,
+:func:`quantize`, the entry's ``gemm``). The
 forward pass quantizes ``x`` and ``w`` for the forward GEMM and, for the backward
 GEMMs, ``w.T`` and ``x.T`` along their own contracted dimensions; the backward pass
 keeps those (fp8 data and scales, or the operand itself for a compute-dtype GEMM) as
@@ -43,16 +44,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src import sharding
+from jaxmp._src.fp8 import chips
 from jaxmp._src.fp8 import grouped
-from jaxmp._src.fp8 import int8
 from jaxmp._src.fp8 import layout as layout_lib
-from jaxmp._src.fp8 import mx
-from jaxmp._src.fp8 import quantize as q
+from jaxmp._src.fp8 import ops
 from jaxmp._src.fp8 import recipes as recipes_lib
 from jaxmp._src.fp8 import scaled_gemm
 
-INPUT, KERNEL, GRADIENT = "input", "kernel", "output_grad"
-_FORMATS = {"e4m3": q.E4M3, "e5m2": q.E5M2}
+INPUT, KERNEL, GRADIENT = recipes_lib.ROLES
 
 Operand = grouped.Quantized | jax.Array
 
@@ -66,71 +65,54 @@ class Config(NamedTuple):
   lhs_dtype: np.dtype
   rhs_dtype: np.dtype
   out_dtype: np.dtype
-  block_scaled_gemm: bool = False
+  target: chips.Target
   lhs_varying: frozenset = frozenset()
   rhs_varying: frozenset = frozenset()
-  block_fp8: bool = False
-  k_major_fp8: bool = False
 
 
-def operand_recipe(recipe: Any, role: str) -> Any:
-  """The recipe that quantizes the operand in ``role`` of a GEMM under ``recipe``."""
-  if isinstance(recipe, recipes_lib.OperandRecipes):
-    return recipe.recipe(role)
-  return recipe
-
-
-def grouping(recipe: Any, role: str) -> grouped.Grouping:
+def grouping(recipe: recipes_lib.GemmRecipe, role: str) -> grouped.Grouping:
   """Which elements of an operand in ``role`` share a scale under ``recipe``."""
-  recipe = operand_recipe(recipe, role)
-  if isinstance(recipe, recipes_lib.CurrentScaling):
-    return grouped.TENSOR
-  if isinstance(recipe, (recipes_lib.RowwiseScaling, recipes_lib.Int8Scaling)):
-    return grouped.ROW
-  if isinstance(recipe, recipes_lib.MXScaling):
-    return mx.GROUPING
-  size = recipe.block_size
-  return grouped.Grouping(size if role == KERNEL else 1, size)
+  operand = recipe.for_role(role)
+  return ops.operand_ops(operand).grouping(operand, role)
 
 
-def fp8_format(recipe: Any, role: str) -> np.dtype:
-  """The fp8 format of an operand in ``role`` under ``recipe``."""
-  recipe = operand_recipe(recipe, role)
-  if role != GRADIENT or isinstance(recipe, recipes_lib.BlockScaling):
-    return q.E4M3
-  if isinstance(recipe, recipes_lib.CurrentScaling):
-    return q.E5M2
-  return _FORMATS[recipe.gradient_format]
+def fp8_format(recipe: recipes_lib.GemmRecipe, role: str) -> np.dtype:
+  """The narrow format of an operand in ``role`` under ``recipe`` (int8 for int8)."""
+  operand = recipe.for_role(role)
+  return ops.operand_ops(operand).element_format(operand, role)
 
 
-def quantize(x: jax.Array, recipe: Any, role: str) -> Operand:
+def quantize(x: jax.Array, recipe: recipes_lib.GemmRecipe | None, role: str) -> Operand:
   """A canonical operand prepared for a GEMM under ``recipe`` (itself for ``None``)."""
-  recipe = operand_recipe(recipe, role)
-  if recipe is None:
+  operand = None if recipe is None else recipe.for_role(role)
+  if operand is None:
     return x
-  if isinstance(recipe, recipes_lib.Int8Scaling):
-    return int8.quantize(x)
-  fmt = fp8_format(recipe, role)
-  if isinstance(recipe, recipes_lib.MXScaling):
-    return mx.quantize(x, fmt, recipe.scale_rounding)
-  group = grouping(recipe, role)
-  scale = grouped.scales(x, group, fmt, recipe.margin, recipe.power_of_two)
+  entry = ops.operand_ops(operand)
+  if entry.quantize is not None:
+    return entry.quantize(x, operand, role)
+  group, fmt = entry.grouping(operand, role), entry.element_format(operand, role)
+  scaled = cast(ops.AmaxScaled, operand)
+  scale = grouped.scales(x, group, fmt, scaled.margin, scaled.power_of_two)
   return grouped.quantize(x, group, fmt, scale)
 
 
-def quantize_swapped(x: jax.Array, recipe: Any, role: str) -> Operand:
+def quantize_swapped(x: jax.Array, recipe: recipes_lib.GemmRecipe | None, role: str
+                     ) -> Operand:
   """``quantize(layout.swap(x), recipe, role)``: ``x`` as a backward GEMM reads it.
 
-  int8 quantizes in ``x``'s layout and swaps the codes (:func:`.int8.quantize_swapped`:
-  the same values, fewer passes on TPUs); every other recipe swaps first.
+  A recipe may compute it another way (its entry's ``quantize_swapped``: int8 quantizes
+  in ``x``'s layout and swaps the codes, the same values in fewer passes on TPUs);
+  every other recipe swaps first.
   """
-  if isinstance(operand_recipe(recipe, role), recipes_lib.Int8Scaling):
-    return int8.quantize_swapped(x)
+  operand = None if recipe is None else recipe.for_role(role)
+  swapped = None if operand is None else ops.operand_ops(operand).quantize_swapped
+  if swapped is not None:
+    return swapped(x, operand, role)
   return quantize(layout_lib.swap(x), recipe, role)
 
 
-def _gemm(a: Operand, b: Operand, recipe: Any, roles: tuple, shape: tuple, out_dtype: Any,
-          cfg: Config) -> jax.Array:
+def _gemm(a: Operand, b: Operand, recipe: recipes_lib.GemmRecipe | None, roles: tuple,
+          shape: tuple, out_dtype: Any, cfg: Config) -> jax.Array:
   """``(B, P, C) x (B, Q, C) -> (B, P, Q)`` under ``recipe``, or in the operands' dtype."""
   if recipe is None:
     # A GEMM without a recipe gets its operands unquantized (see ``_quantize``).
@@ -141,10 +123,12 @@ def _gemm(a: Operand, b: Operand, recipe: Any, roles: tuple, shape: tuple, out_d
   a, b = cast(grouped.Quantized, a), cast(grouped.Quantized, b)
   # The gradient GEMMs accumulate without cuBLASLt's fast accumulation, as in Flax and
   # TransformerEngine (scaled_gemm.rescaled_dot).
-  groupings = tuple(grouping(recipe, role) for role in roles)
-  return scaled_gemm.gemm(a, b, recipe, groupings, shape, out_dtype, cfg.block_scaled_gemm,
-                          accumulate_exactly_on_gpus=roles[0] == GRADIENT,
-                          block_fp8=cfg.block_fp8)
+  call = ops.GemmCall(roles, (grouping(recipe, roles[0]), grouping(recipe, roles[1])),
+                      np.dtype(out_dtype), cfg.target, roles[0] == GRADIENT)
+  gemm = ops.of(recipe).gemm
+  assert gemm is not None  # register_recipe requires one of a GEMM recipe
+  p, q_ = shape
+  return gemm(a, b, recipe, call)[:, :p, :q_]
 
 
 def _product(q_x: Operand, q_w: Operand, cfg: Config) -> jax.Array:
@@ -164,7 +148,7 @@ def _primal(lhs: jax.Array, rhs: jax.Array, cfg: Config) -> jax.Array:
 def _canonical_on_gpus(operand: Operand, cfg: Config) -> Operand:
   """A quantized operand's data laid out as its GEMM reads it on CUDA, contracted minor.
 
-  Where the target's fp8 GEMMs read K-major operands (``cfg.k_major_fp8``, Hopper;
+  Where the target's fp8 GEMMs read K-major operands (``cfg.target.k_major_fp8``, Hopper;
   scaled_gemm.in_own_layout_on_gpus decides). Chosen by XLA, the forward pass's
   quantizations of a Dense kernel were written transposed and its two amaxes read a
   transposed int16 copy of its magnitudes. Only the forward pass's: pinning the output
@@ -173,7 +157,7 @@ def _canonical_on_gpus(operand: Operand, cfg: Config) -> Operand:
   """
   if not isinstance(operand, grouped.Quantized):
     return operand  # a compute-dtype GEMM's operand: cuBLAS reads any layout
-  (data,) = scaled_gemm.in_own_layout_on_gpus(cfg.k_major_fp8, operand.data)
+  (data,) = scaled_gemm.in_own_layout_on_gpus(cfg.target.k_major_fp8, operand.data)
   return operand._replace(data=data)
 
 
@@ -221,16 +205,13 @@ dot = jax.jit(_dot, static_argnums=(2,))
 
 def config(lhs: jax.Array, rhs: jax.Array, dimension_numbers: tuple,
            recipes: recipes_lib.GemmRecipes, out_dtype: np.dtype,
-           block_scaled_gemm: bool, block_fp8: bool = False,
-           k_major_fp8: bool = False) -> Config:
-  """The static configuration of ``dot(lhs, rhs, ...)``."""
+           target: chips.Target) -> Config:
+  """The static configuration of ``dot(lhs, rhs, ...)`` on ``target``."""
   (lc, rc), (lb, rb) = dimension_numbers
   return Config(recipes, dimension_numbers, layout_lib.Layout.of(lhs.shape, lc, lb),
                 layout_lib.Layout.of(rhs.shape, rc, rb), np.dtype(lhs.dtype),
-                np.dtype(rhs.dtype), np.dtype(out_dtype), block_scaled_gemm,
-                sharding.varying_axes(lhs), sharding.varying_axes(rhs), block_fp8,
-                k_major_fp8)
+                np.dtype(rhs.dtype), np.dtype(out_dtype), target,
+                sharding.varying_axes(lhs), sharding.varying_axes(rhs))
 
 
-__all__ = ("Config", "config", "dot", "fp8_format", "grouping", "operand_recipe", "quantize",
-           "quantize_swapped")
+__all__ = ("Config", "config", "dot", "fp8_format", "grouping", "quantize", "quantize_swapped")

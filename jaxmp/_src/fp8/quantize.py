@@ -50,6 +50,20 @@ E5M2 = np.dtype(jnp.float8_e5m2)
 
 F32 = np.dtype(np.float32)
 
+FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
+"""The fp8 dtype of each format name a recipe's ``gradient_format`` may give."""
+
+
+def role_format(role: str, gradient_format: str) -> np.dtype:
+  """E4M3 for a GEMM's input and kernel, ``gradient_format`` for its output gradient.
+
+  Example:
+    >>> from jaxmp._src.fp8 import quantize as q
+    >>> q.role_format("kernel", "e5m2"), q.role_format("output_grad", "e5m2")
+    (dtype(float8_e4m3fn), dtype(float8_e5m2))
+  """
+  return FORMATS[gradient_format] if role == "output_grad" else E4M3
+
 
 def fp8_max(fp8_dtype: Any) -> float:
   """The largest finite value of an fp8 dtype (448 for E4M3, 57344 for E5M2).
@@ -373,6 +387,8 @@ def _shared_amax_vmap(axis_size, in_batched, x, history):
 
 
 __all__ = (
+    "FORMATS",
+    "role_format",
     "E4M3",
     "E5M2",
     "amax",

@@ -105,8 +105,49 @@ def _normalise_ints(recipe: Any, *names: str) -> None:
     object.__setattr__(recipe, name, int(getattr(recipe, name)))
 
 
+class Recipe:
+  """Base of every recipe a layer, a rule or ``fp8_dot_general`` accepts.
+
+  A recipe is configuration only: a frozen, hashable dataclass whose constructor checks
+  its fields. What the fp8 core does with it (how it quantizes, multiplies, lowers and
+  keeps state) is the recipe type's entry in :mod:`jaxmp._src.fp8.ops`.
+  """
+
+  __slots__ = ()
+
+
+class GemmRecipe(Recipe):
+  """Base of the recipes one GEMM of :class:`GemmRecipes` may use (current scaling, no state).
+
+  Such a recipe is also a layer's whole recipe: it then runs as ``GemmRecipes(r, r, r)``
+  (:class:`OperandRecipes` excepted: it names the operands of one particular GEMM).
+  Derive a new recipe from it and give it an entry in the fp8 ops table
+  (:func:`jaxmp.fp8.register_recipe`).
+  """
+
+  __slots__ = ()
+
+  def for_role(self, role: str) -> GemmRecipe | None:
+    """The recipe that quantizes this GEMM's operand in ``role``: this one, for both."""
+    del role
+    return self
+
+
+class OperandRecipe(GemmRecipe):
+  """Base of the recipes one operand of :class:`OperandRecipes` may use.
+
+  Those whose scales do not vary along the contracted dimension, so that any two of them
+  multiply in one fp8 GEMM rescaled by the outer product of their scales; each has a
+  ``margin`` and says whether its scales are powers of two.
+  """
+
+  __slots__ = ()
+  margin: int
+  power_of_two: bool
+
+
 @dataclasses.dataclass(frozen=True)
-class DelayedScaling:
+class DelayedScaling(Recipe):
   """Delayed scaling: each tensor's scale comes from the amaxes of previous steps.
 
   Per tensor (input, kernel, output gradient) the state holds a scale and an amax
@@ -176,7 +217,7 @@ class DelayedScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class CurrentScaling:
+class CurrentScaling(OperandRecipe):
   """Current (just-in-time) scaling: each tensor's scale comes from its own amax.
 
   ``scale = 1 / ((fp8_max / max|x|) / 2**margin)`` for the input and the kernel in the
@@ -210,7 +251,7 @@ class CurrentScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class RowwiseScaling:
+class RowwiseScaling(OperandRecipe):
   """Row-wise current scaling (torchao's "rowwise" recipe).
 
   Every GEMM operand gets one scale per row along the dimension the GEMM contracts:
@@ -252,7 +293,7 @@ class RowwiseScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockScaling:
+class BlockScaling(GemmRecipe):
   """Block-wise current scaling (DeepSeek-V3's fine-grained fp8).
 
   Activations and gradients are scaled per ``1 x block_size`` tile (one row, that many
@@ -305,7 +346,7 @@ class BlockScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class MXScaling:
+class MXScaling(GemmRecipe):
   """MXFP8 (OCP Microscaling Formats v1.0): 32-element blocks with E8M0 scales.
 
   Every GEMM operand is split into blocks of 32 consecutive elements along the
@@ -358,7 +399,7 @@ class MXScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class Int8Scaling:
+class Int8Scaling(GemmRecipe):
   """Symmetric int8 with per-row current scaling (AQT's int8 training, as in MaxText).
 
   Every GEMM operand gets one scale per row along the dimension the GEMM contracts,
@@ -390,10 +431,29 @@ class Int8Scaling:
   """
 
 
-OPERAND_RECIPE_TYPES = (CurrentScaling, RowwiseScaling)
-"""The recipes one operand of a GEMM may use in :class:`OperandRecipes`: those whose
-scales do not vary along the contracted dimension, so that any two of them multiply
-in one fp8 GEMM rescaled by the outer product of their scales."""
+def concrete_types(base: type) -> tuple[type, ...]:
+  """The recipe classes derived from ``base`` (recipes, not bases), in definition order.
+
+  Every message that lists what is accepted reads it here, so a recipe registered
+  later (:func:`jaxmp.fp8.register_recipe`) is listed too.
+
+  Example:
+    >>> recipes = jaxmp._src.fp8.recipes
+    >>> [t.__name__ for t in recipes.concrete_types(recipes.OperandRecipe)]
+    ['CurrentScaling', 'RowwiseScaling']
+  """
+  found: list[type] = []
+  for sub in base.__subclasses__():
+    candidates = (sub,) if dataclasses.is_dataclass(sub) else ()
+    for t in (*candidates, *concrete_types(sub)):
+      if t not in found:
+        found.append(t)
+  return tuple(found)
+
+
+def _names(base: type) -> str:
+  return ", ".join(t.__name__ for t in concrete_types(base))
+
 
 ROLES = ("input", "kernel", "output_grad")
 """The operands of a layer's GEMMs (:class:`OperandRecipes` fields)."""
@@ -404,7 +464,7 @@ GEMM_ROLES = {"forward": ("input", "kernel"), "input_grad": ("output_grad", "ker
 
 
 @dataclasses.dataclass(frozen=True)
-class OperandRecipes:
+class OperandRecipes(GemmRecipe):
   """A recipe for each operand of one GEMM: a :class:`GemmRecipes` field.
 
   Each operand of a layer's GEMM has a role: the forward GEMM multiplies the input by
@@ -442,17 +502,17 @@ class OperandRecipes:
     ('kernel', 'output_grad')
   """
 
-  input: Any = None
-  kernel: Any = None
-  output_grad: Any = None
+  input: OperandRecipe | None = None
+  kernel: OperandRecipe | None = None
+  output_grad: OperandRecipe | None = None
 
   def __post_init__(self):
     for role in ROLES:
       recipe = getattr(self, role)
-      if recipe is not None and not isinstance(recipe, OPERAND_RECIPE_TYPES):
+      if recipe is not None and not isinstance(recipe, OperandRecipe):
         raise TypeError(
             f"OperandRecipes: {role} must be None or one of "
-            f"{', '.join(t.__name__ for t in OPERAND_RECIPE_TYPES)} (a recipe with one "
+            f"{_names(OperandRecipe)} (a recipe with one "
             f"scale per row or tensor), got {recipe!r} of type {type(recipe).__name__}.")
     if len(self.roles) != 2:
       raise ValueError(f"OperandRecipes: a GEMM has two operands, so exactly two of "
@@ -463,8 +523,12 @@ class OperandRecipes:
     """The roles given a recipe, in ``ROLES`` order."""
     return tuple(role for role in ROLES if getattr(self, role) is not None)
 
-  def recipe(self, role: str) -> Any:
-    """The recipe of the operand in ``role``."""
+  def recipe(self, role: str) -> OperandRecipe:
+    """The recipe of the operand in ``role`` (one of :attr:`roles`)."""
+    return getattr(self, role)
+
+  def for_role(self, role: str) -> OperandRecipe | None:
+    """The recipe of the operand in ``role``, ``None`` for a role this GEMM does not read."""
     return getattr(self, role)
 
   @property
@@ -473,13 +537,8 @@ class OperandRecipes:
     return all(self.recipe(role).power_of_two for role in self.roles)
 
 
-GEMM_RECIPE_TYPES = (CurrentScaling, RowwiseScaling, BlockScaling, MXScaling, Int8Scaling,
-                     OperandRecipes)
-"""The recipes one GEMM of :class:`GemmRecipes` may use (current scaling: no state)."""
-
-
 @dataclasses.dataclass(frozen=True)
-class GemmRecipes:
+class GemmRecipes(Recipe):
   """A recipe for each of an fp8 layer's three GEMMs, or its compute dtype.
 
   A matmul layer ``y = x @ w`` runs three GEMMs in training: the forward GEMM, the
@@ -513,9 +572,9 @@ class GemmRecipes:
     (True, True)
   """
 
-  forward: Any = None
-  input_grad: Any = None
-  weight_grad: Any = None
+  forward: GemmRecipe | None = None
+  input_grad: GemmRecipe | None = None
+  weight_grad: GemmRecipe | None = None
 
   def __post_init__(self):
     for name, roles in GEMM_ROLES.items():
@@ -530,7 +589,7 @@ class GemmRecipes:
                        "at least one GEMM a recipe, or drop the fp8 rule.")
 
   @property
-  def gemms(self) -> tuple[Any | None, Any | None, Any | None]:
+  def gemms(self) -> tuple[GemmRecipe | None, GemmRecipe | None, GemmRecipe | None]:
     """``(forward, input_grad, weight_grad)``."""
     return (self.forward, self.input_grad, self.weight_grad)
 
@@ -562,13 +621,6 @@ class GemmRecipes:
                None)
 
 
-Recipe = (DelayedScaling | CurrentScaling | RowwiseScaling | BlockScaling | MXScaling
-          | Int8Scaling | GemmRecipes)
-
-RECIPE_TYPES = (DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling, MXScaling,
-                Int8Scaling, GemmRecipes)
-
-
 def check_recipe(recipe: Any, where: str = "fp8", *, gemm: bool = False) -> Any:
   """Returns ``recipe`` if it is a jaxmp fp8 recipe, else raises a TypeError naming it.
 
@@ -580,7 +632,7 @@ def check_recipe(recipe: Any, where: str = "fp8", *, gemm: bool = False) -> Any:
     recipe: the value to check.
     where: who is asking, for the error message.
     gemm: check one GEMM's recipe (a :class:`GemmRecipes` field): ``None`` (the
-      compute dtype) or one of :data:`GEMM_RECIPE_TYPES`, not a layer's recipe.
+      compute dtype) or a :class:`GemmRecipe`, not a layer's recipe.
 
   Returns:
     ``recipe``.
@@ -595,42 +647,29 @@ def check_recipe(recipe: Any, where: str = "fp8", *, gemm: bool = False) -> Any:
     >>> jaxmp._src.fp8.recipes.check_recipe(fp8.CurrentScaling())
     CurrentScaling(margin=0, power_of_two=False)
   """
-  types = GEMM_RECIPE_TYPES if gemm else RECIPE_TYPES
-  if isinstance(recipe, types) or (gemm and recipe is None):
+  if gemm and (recipe is None or isinstance(recipe, GemmRecipe)):
+    return recipe
+  if not gemm and isinstance(recipe, Recipe) and not isinstance(recipe, OperandRecipes):
     return recipe
   hint = ""
-  if isinstance(recipe, type) and issubclass(recipe, RECIPE_TYPES):
+  if isinstance(recipe, type) and issubclass(recipe, Recipe):
     hint = f" Pass an instance, e.g. {recipe.__name__}()."
+  elif isinstance(recipe, OperandRecipes):
+    hint = (" OperandRecipes names the operands of one GEMM: give it as a GemmRecipes "
+            "field.")
   elif gemm and isinstance(recipe, DelayedScaling):
     hint = (" DelayedScaling keeps one state per tensor, shared by the GEMMs that read it: "
             "use it as the layer's whole recipe.")
   if gemm:
-    accepted = (f"None (the compute dtype) or one of "
-                f"{', '.join(t.__name__ for t in GEMM_RECIPE_TYPES)}")
+    accepted = f"None (the compute dtype) or one of {_names(GemmRecipe)}"
   else:
+    others = [t.__name__ for t in concrete_types(Recipe)
+              if t not in (DelayedScaling, OperandRecipes)]
     accepted = ("a jaxmp.fp8.DelayedScaling or another jaxmp.fp8 recipe instance "
-                "(CurrentScaling, RowwiseScaling, BlockScaling, MXScaling, Int8Scaling, "
-                "GemmRecipes)")
+                f"({', '.join(others)})")
   subject = where if gemm else f"{where}: recipe"
   raise TypeError(f"{subject} must be {accepted}, got {recipe!r} of type "
                   f"{type(recipe).__name__}.{hint}")
-
-
-def narrow_type(recipe: Any) -> str:
-  """What a layer's or one GEMM's recipe quantizes to: ``"int8"``, ``"fp8"`` or both.
-
-  For messages (a rule's recipe, a fallback warning).
-
-  Example:
-    >>> from jaxmp import fp8
-    >>> narrow_type = jaxmp._src.fp8.recipes.narrow_type
-    >>> narrow_type(fp8.Int8Scaling()), narrow_type(fp8.GemmRecipes(fp8.Int8Scaling(),
-    ...                                                             fp8.RowwiseScaling()))
-    ('int8', 'fp8 and int8')
-  """
-  gemms = recipe.gemms if isinstance(recipe, GemmRecipes) else (recipe,)
-  found = {"int8" if isinstance(r, Int8Scaling) else "fp8" for r in gemms if r is not None}
-  return " and ".join(sorted(found))
 
 
 def per_gemm(recipe: Recipe) -> DelayedScaling | CurrentScaling | GemmRecipes:
@@ -655,27 +694,30 @@ def per_gemm(recipe: Recipe) -> DelayedScaling | CurrentScaling | GemmRecipes:
     if isinstance(first, CurrentScaling) and all(r == first for r in recipe.gemms):
       return first
     return recipe
-  return GemmRecipes(recipe, recipe, recipe)
+  if isinstance(recipe, GemmRecipe):
+    return GemmRecipes(recipe, recipe, recipe)
+  raise TypeError(f"{recipe!r} is neither a per-tensor recipe nor one a GEMM can use, so no "
+                  f"fp8 op runs it; derive its class from jaxmp.fp8.GemmRecipe.")
 
 
 __all__ = (
     "FORMATS",
-    "GEMM_RECIPE_TYPES",
     "GEMM_ROLES",
     "MAX_MARGIN",
-    "OPERAND_RECIPE_TYPES",
     "ROLES",
     "SCALE_ROUNDINGS",
     "BlockScaling",
     "CurrentScaling",
     "DelayedScaling",
+    "GemmRecipe",
     "GemmRecipes",
     "Int8Scaling",
     "MXScaling",
+    "OperandRecipe",
     "OperandRecipes",
     "Recipe",
     "RowwiseScaling",
     "check_recipe",
-    "narrow_type",
+    "concrete_types",
     "per_gemm",
 )

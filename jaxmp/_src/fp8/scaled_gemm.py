@@ -1,31 +1,17 @@
-"""One scaled fp8 GEMM: how a recipe's quantized operands are multiplied.
+"""Scaled fp8 GEMMs: how quantized operands with per-tensor or per-row scales are multiplied.
 
-Per recipe (operands canonical, ``(B, P, C) x (B, Q, C) -> (B, P, Q)``, see
-:mod:`~jaxmp._src.fp8.layout`):
-
-- **per tensor, per row** (``CurrentScaling``, ``RowwiseScaling``, and
-  ``OperandRecipes`` mixing them, one per operand): no scale varies
-  along the contracted dimension, so the GEMM multiplies the fp8 operands themselves
-  (float32 accumulation) and the product is multiplied by the outer product of the
-  two operands' scales: ``acc * (scale_a[p] * scale_b[q])``. XLA lowers this to an fp8
-  GEMM (cuBLASLt on Hopper and Blackwell) with the scaling in the epilogue or a fused
-  elementwise kernel (:func:`rescaled_dot`).
-- **blocks** (``BlockScaling``): scales vary along the contracted dimension and XLA
-  has no block-scaled fp8 GEMM. On Hopper targets (``support.Target.block_fp8``), for
-  the recipes it takes (:func:`.block_gemm.supports`), the product is jaxmp's kernel
-  (:mod:`.block_gemm`: fp8 tensor-core products per 128-element block, scaled and
-  summed in float32, as DeepGEMM), in a ``lax.platform_dependent`` branch for CUDA.
-  Elsewhere the operands are dequantized (float32, or bfloat16 where power-of-two
-  scales make it exact) and multiplied with float32 accumulation: the same sum of the
-  same products, by a wider GEMM. Emulating the published kernel with XLA's GEMMs
-  instead, as per-block partial products (a batched fp8 GEMM with ``K / 128`` float32
-  partial outputs, then scaled and summed), compiles for an H100 to fp8 GEMMs but
-  writes ``K / 128`` times the output to memory: about 6x slower than the dequantized
-  GEMM at 4096^3 by the audit's estimate.
-- **MX** (``MXScaling``): :func:`jaxmp._src.fp8.mx.gemm`.
-- **int8** (``Int8Scaling``): the int8 operands multiply with an int32 accumulator
-  (exact), and the product, converted to float32, is multiplied by the outer product
-  of the row scales, then cast: :func:`int8_dot`.
+Operands canonical, ``(B, P, C) x (B, Q, C) -> (B, P, Q)`` (see
+:mod:`~jaxmp._src.fp8.layout`). Where no scale varies along the contracted dimension
+(per tensor, per row: ``CurrentScaling``, ``RowwiseScaling``, and ``OperandRecipes``
+mixing them, one per operand), the GEMM multiplies the fp8 operands themselves
+(float32 accumulation) and the product is multiplied by the outer product of the two
+operands' scales: ``acc * (scale_a[p] * scale_b[q])`` (:func:`outer_scaled_gemm`). XLA
+lowers this to an fp8 GEMM (cuBLASLt on Hopper and Blackwell) with the scaling in the
+epilogue or a fused elementwise kernel (:func:`rescaled_dot`, which the per-tensor op
+of :mod:`~jaxmp._src.fp8.dot_general` also uses). The GEMMs of the other recipes live
+with them: block scales in :mod:`~jaxmp._src.fp8.block`, MX in
+:mod:`~jaxmp._src.fp8.mx`, int8 in :mod:`~jaxmp._src.fp8.int8`; the table of
+:mod:`~jaxmp._src.fp8.ops` says which is whose.
 
 Example:
   >>> from jaxmp._src.fp8 import scaled_gemm, quantize as q
@@ -46,11 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp._src.fp8 import block_gemm
 from jaxmp._src.fp8 import grouped
-from jaxmp._src.fp8 import int8
-from jaxmp._src.fp8 import mx
-from jaxmp._src.fp8 import recipes as recipes_lib
+from jaxmp._src.fp8 import quantize as q
 
 try:  # JAX 0.7's names (earlier, DeviceLocalLayout); absent, XLA keeps its choice
   from jax.experimental.layout import Layout as _Layout
@@ -117,7 +100,7 @@ def in_own_layout_on_gpus(k_major_fp8: bool, *operands: jax.Array, own_kernel: b
                           ) -> tuple[jax.Array, ...]:
   """``operands``, each laid out row-major on CUDA GPUs (its own layout) if ``k_major_fp8``.
 
-  ``k_major_fp8`` is the target's :attr:`~jaxmp._src.fp8.support.Target.k_major_fp8`
+  ``k_major_fp8`` is the target's :attr:`~jaxmp._src.fp8.chips.Target.k_major_fp8`
   (Hopper); without it, and off CUDA, the operands are returned as they are.
 
   For quantized GEMM operands, whose layout XLA otherwise chooses. cuBLASLt's fp8 GEMMs
@@ -254,102 +237,35 @@ def rescaled_dot(a: jax.Array, b: jax.Array, dimension_numbers: Any, scale: jax.
   return jax.lax.platform_dependent(a, b, scale, cuda=cuda_product, default=product)
 
 
-def _outer(scale_a: jax.Array, scale_b: jax.Array) -> jax.Array:
+def outer(scale_a: jax.Array, scale_b: jax.Array) -> jax.Array:
   """``(B, P, 1) x (B, Q, 1) -> (B, P, Q)``: the scale of every product element."""
   return scale_a * jnp.swapaxes(scale_b, 1, 2)
 
 
-def int8_dot(a: grouped.Quantized, b: grouped.Quantized, out_dtype: Any) -> jax.Array:
-  """``(B, P, C) x (B, Q, C) -> (B, P, Q)`` for int8 operands with row scales.
+def outer_scaled_gemm(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, call: Any
+                      ) -> jax.Array:
+  """The product of two operands with per-tensor or per-row scales, rescaled by their outer
+  product (:func:`rescaled_dot`); ``recipe.power_of_two`` says whether the scales are exact.
 
-  ``float32(dot_general(a, b, preferred_element_type=int32)) * (scale_a * scale_b.T)``
-  cast to ``out_dtype``: the accumulation is exact, then one float32 rounding (of the
-  int32 sum, above ``2**24``), one of the scale product and one of the rescale.
-
-  Example:
-    >>> from jaxmp._src.fp8 import int8, scaled_gemm
-    >>> a = int8.quantize(jnp.array([[[1.0, 127.0]]]))  # scale 1: exact
-    >>> b = int8.quantize(jnp.array([[[2.0, 254.0], [0.0, 0.0]]]))  # scales 2, 1
-    >>> scaled_gemm.int8_dot(a, b, jnp.float32)
-    Array([[[32260.,     0.]]], dtype=float32)
+  ``call`` is the GEMM (:class:`~jaxmp._src.fp8.ops.GemmCall`): its output dtype, and
+  whether it accumulates without fast accumulation on GPUs (the gradient GEMMs).
   """
-  acc = jax.lax.dot_general(a.data, b.data, CANONICAL, preferred_element_type=int8.INT32)
-  return (acc.astype(F32) * _outer(a.scale, b.scale)).astype(out_dtype)
+  return rescaled_dot(a.data, b.data, CANONICAL, outer(a.scale, b.scale), call.out_dtype,
+                      exact_scale=recipe.power_of_two,
+                      accumulate_exactly_on_gpus=call.accumulate_exactly_on_gpus)
 
 
-def _dequantized_dot(a: grouped.Quantized, b: grouped.Quantized, grouping_a: grouped.Grouping,
-                     grouping_b: grouped.Grouping, out_dtype: Any, exact: bool) -> jax.Array:
-  a, b = grouped.held(a, b)  # so that XLA does not skip the quantization on GPUs
-  dtype = BF16 if exact else F32
-  preferred = out_dtype if fuses_output(out_dtype, exact) else F32
-  precision = None if exact else jax.lax.Precision.HIGHEST
-  out = jax.lax.dot_general(grouped.dequantize(a, grouping_a, dtype),
-                            grouped.dequantize(b, grouping_b, dtype), CANONICAL,
-                            precision=precision, preferred_element_type=preferred)
-  return out.astype(out_dtype)
+def forward_operands(lhs: jax.Array, rhs: jax.Array, x_scale: jax.Array, k_scale: jax.Array,
+                     k_major_fp8: bool) -> tuple[jax.Array, ...]:
+  """A per-tensor forward GEMM's operands in E4M3, in their own layout on Hopper if asked.
 
-
-def _block_dot(a: grouped.Quantized, b: grouped.Quantized, grouping_a: grouped.Grouping,
-               grouping_b: grouped.Grouping, out_dtype: Any, recipe: Any,
-               block_fp8: bool) -> jax.Array:
-  """A ``BlockScaling`` product: the fp8 kernel when lowering for CUDA on Hopper."""
-  dequantized = functools.partial(_dequantized_dot, grouping_a=grouping_a,
-                                  grouping_b=grouping_b, out_dtype=out_dtype,
-                                  exact=recipe.power_of_two)
-  if not (block_fp8 and block_gemm.supports(recipe)):
-    return dequantized(a, b)
-  kernel = functools.partial(block_gemm.gemm, grouping_b=grouping_b, out_dtype=out_dtype)
-  if grouping_a == grouping_b:
-    # The weight-gradient GEMM (both operands tiled along the tokens) is written
-    # transposed, (B, Q, P): the kernel's gradient is then already in the layout of a
-    # Dense kernel, (in, out), which the caller's transpose back would otherwise
-    # rewrite, and which a donated train step updates in place (compiled for an
-    # H100, the Llama layer's step copied its three FFN kernels without this).
-    kernel = _written_transposed(kernel)
-  return jax.lax.platform_dependent(a, b, cuda=kernel, default=dequantized)
-
-
-def _written_transposed(gemm: Any) -> Any:
-  """``gemm(a, b)`` computed as the transpose of ``gemm(b, a)``: the same products."""
-  return lambda a, b: jnp.swapaxes(gemm(b, a), 1, 2)
-
-
-def gemm(a: grouped.Quantized, b: grouped.Quantized, recipe: Any, groupings: tuple,
-         shape: tuple, out_dtype: Any, block_scaled_gemm: bool = False,
-         accumulate_exactly_on_gpus: bool = False, block_fp8: bool = False) -> jax.Array:
-  """The product of two quantized canonical operands under ``recipe``.
-
-  Args:
-    a: the first operand (``(B, P', C')`` data, padded to whole groups).
-    b: the second operand (``(B, Q', C')``).
-    recipe: the GEMM's recipe (``CurrentScaling``, ``RowwiseScaling``,
-      ``BlockScaling`` or ``MXScaling``).
-    groupings: the two operands' :class:`~.grouped.Grouping`.
-    shape: ``(P, Q)``, the product's unpadded rows and columns.
-    out_dtype: the product's dtype.
-    block_scaled_gemm: for MX, use the block-scaled GEMM when lowering for CUDA.
-    accumulate_exactly_on_gpus: as for :func:`rescaled_dot` (gradient GEMMs).
-    block_fp8: for a ``BlockScaling`` the kernel takes (:func:`.block_gemm.supports`),
-      use :func:`~.block_gemm.gemm` when lowering for CUDA (Hopper targets: the fp8
-      support module decides).
-
-  Returns:
-    ``(B, P, Q)`` in ``out_dtype``.
+  ``k_major_fp8`` is the target's :attr:`~jaxmp._src.fp8.chips.Target.k_major_fp8` (see
+  :func:`in_own_layout_on_gpus`); ``False`` leaves the layouts to XLA.
   """
-  p, q_ = shape
-  if isinstance(recipe, recipes_lib.MXScaling):
-    out = mx.gemm(a, b, out_dtype, block_scaled_gemm)
-  elif isinstance(recipe, recipes_lib.Int8Scaling):
-    out = int8_dot(a, b, out_dtype)
-  elif isinstance(recipe, recipes_lib.BlockScaling):
-    grouping_a, grouping_b = groupings
-    out = _block_dot(a, b, grouping_a, grouping_b, out_dtype, recipe, block_fp8)
-  else:
-    out = rescaled_dot(a.data, b.data, CANONICAL, _outer(a.scale, b.scale), out_dtype,
-                       exact_scale=recipe.power_of_two,
-                       accumulate_exactly_on_gpus=accumulate_exactly_on_gpus)
-  return out[:, :p, :q_]
+  return in_own_layout_on_gpus(
+      k_major_fp8, q.quantize(lhs, q.E4M3, x_scale), q.quantize(rhs, q.E4M3, k_scale))
 
 
-__all__ = ("CANONICAL", "GPU_FP8_CONTRACTION_MULTIPLE", "fuses_output", "fuses_output_on_gpus",
-           "gemm", "int8_dot", "rescaled_dot")
+__all__ = ("CANONICAL", "GPU_FP8_CONTRACTION_MULTIPLE", "forward_operands", "fuses_output",
+           "fuses_output_on_gpus", "in_own_layout_on_gpus", "outer", "outer_scaled_gemm",
+           "rescaled_dot")

@@ -64,7 +64,9 @@ from jax.typing import ArrayLike
 
 from jaxmp._src import dtypes
 from jaxmp._src import tree as tree_lib
+from jaxmp._src.fp8 import delayed
 from jaxmp._src.fp8 import maxgrad
+from jaxmp._src.fp8 import ops
 from jaxmp._src.fp8 import recipes as recipes_lib
 
 T = TypeVar("T")
@@ -72,61 +74,10 @@ T = TypeVar("T")
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"
 """The Flax collection fp8 state lives in; Flax's ``TrainState`` overwrites it."""
 
-TENSORS = ("input", "kernel", "output_grad")
+TENSORS = delayed.TENSORS
+DelayedScalingState = delayed.DelayedScalingState
 
 F32 = np.dtype(np.float32)
-
-
-class DelayedScalingState(NamedTuple):
-  """The delayed-scaling state of one fp8 matmul.
-
-  Field names are the variable names of Flax's ``nn.Fp8DotGeneral``, and shapes are
-  Flax's (scales ``(1,)``, histories ``(amax_history_length,)``, float32), so state
-  moves between the two with ``DelayedScalingState(**variables)`` and
-  ``state._asdict()``.
-
-  Attributes:
-    input_scale: dequantization multiplier of the input (lhs), ``(1,)``.
-    input_amax_history: amax history of the input, most recent first.
-    kernel_scale: scale of the kernel (rhs).
-    kernel_amax_history: amax history of the kernel.
-    output_grad_scale: scale of the output gradient.
-    output_grad_amax_history: amax history of the output gradient.
-
-  Example:
-    >>> import flax.linen as nn
-    >>> from jaxmp import fp8
-    >>> flax_layer = nn.Dense(2, dot_general_cls=nn.Fp8DotGeneral)  # Flax's own fp8
-    >>> variables = flax_layer.init(jax.random.key(0), jnp.ones((1, 3)))
-    >>> (flax_state,) = variables[fp8.OVERWRITE_WITH_GRADIENT].values()
-    >>> state = fp8.DelayedScalingState.from_variables(flax_state)
-    >>> state.input_scale, state.input_amax_history.shape
-    (Array([1.], dtype=float32), (1024,))
-    >>> sorted(state._asdict()) == sorted(flax_state)
-    True
-  """
-
-  input_scale: Any
-  input_amax_history: Any
-  kernel_scale: Any
-  kernel_amax_history: Any
-  output_grad_scale: Any
-  output_grad_amax_history: Any
-
-  @classmethod
-  def from_variables(cls, variables: Any) -> DelayedScalingState:
-    """Builds the state from a mapping with Flax's six variable names.
-
-    Raises:
-      ValueError: naming the missing or unexpected keys.
-    """
-    names = set(cls._fields)
-    given = set(variables)
-    if given != names:
-      raise ValueError(
-          f"fp8 state needs exactly the variables {sorted(names)}; missing "
-          f"{sorted(names - given)}, unexpected {sorted(given - names)}.")
-    return cls(**{name: variables[name] for name in cls._fields})
 
 
 def init_state(recipe: recipes_lib.Recipe) -> DelayedScalingState | None:
@@ -152,11 +103,15 @@ def init_state(recipe: recipes_lib.Recipe) -> DelayedScalingState | None:
     (Array([1.], dtype=float32), Array([0., 0., 0.], dtype=float32))
   """
   recipe = recipes_lib.check_recipe(recipe, "init_state")
-  if not isinstance(recipe, recipes_lib.DelayedScaling):
+  return initial_state(ops.check_registered(recipe, "init_state"))
+
+
+def initial_state(recipe: recipes_lib.Recipe) -> Any:
+  """:func:`init_state` of a recipe checked where it was given (a rule, a layer)."""
+  scaling = ops.per_tensor(recipe)
+  if scaling is None or scaling.init_state is None:
     return None
-  scale = jnp.ones((1,), F32)
-  history = jnp.zeros((recipe.amax_history_length,), F32)
-  return DelayedScalingState(scale, history, scale, history, scale, history)
+  return scaling.init_state(recipe)
 
 
 def read_state(recipe: recipes_lib.Recipe, read: Callable[[str, Callable[[], jax.Array]], Any]
@@ -185,11 +140,12 @@ def read_state(recipe: recipes_lib.Recipe, read: Callable[[str, Callable[[], jax
     >>> state.read_state(jaxmp.fp8.CurrentScaling(), lambda name, initial: initial()) is None
     True
   """
-  if not isinstance(recipe, recipes_lib.DelayedScaling):
+  state_type = ops.state_type(recipe)
+  if state_type is None:
     return None
-  return DelayedScalingState(*(
-      read(name, lambda name=name: getattr(init_state(recipe), name))
-      for name in DelayedScalingState._fields))
+  return state_type(*(
+      read(name, lambda name=name: getattr(initial_state(recipe), name))
+      for name in state_type._fields))
 
 
 def for_grad(state: T) -> T:
@@ -568,6 +524,7 @@ __all__ = (
     "for_grad",
     "from_grad",
     "init_state",
+    "initial_state",
     "merge",
     "read_state",
     "require_state_gradient",

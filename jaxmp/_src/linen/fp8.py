@@ -36,6 +36,7 @@ import flax.linen as nn
 import jax
 
 from jaxmp._src.fp8 import dot_general as dot_general_lib
+from jaxmp._src.fp8 import ops
 from jaxmp._src.fp8 import recipes as recipes_lib
 from jaxmp._src.fp8 import state as state_lib
 
@@ -64,7 +65,7 @@ def _check_state_reachable(module: nn.Module) -> None:
 def _read_state(module: nn.Module, recipe: recipes_lib.Recipe
                 ) -> state_lib.DelayedScalingState | None:
   """The op's state from its collection, created there on ``init`` (fp8 core's rule)."""
-  if isinstance(recipe, recipes_lib.DelayedScaling):
+  if ops.state_type(recipe) is not None:
     _check_state_reachable(module)
   return state_lib.read_state(recipe, lambda name, initial: module.variable(
       state_lib.OVERWRITE_WITH_GRADIENT, name, initial).value)
@@ -113,7 +114,7 @@ class Fp8DotGeneral(nn.Module):
   recipe: Any = recipes_lib.DelayedScaling()
 
   def __post_init__(self):
-    recipes_lib.check_recipe(self.recipe, type(self).__name__)
+    ops.check(self.recipe, type(self).__name__)
     super().__post_init__()
 
   @nn.compact
@@ -123,9 +124,9 @@ class Fp8DotGeneral(nn.Module):
     """``fp8_dot_general(lhs, rhs, ...)`` with this module's state; same arguments."""
     state = _read_state(self, self.recipe)
     rhs = _guarded(self, rhs, state)
-    return dot_general_lib.fp8_dot_general(
-        lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding,
-        state=state, recipe=self.recipe)
+    del precision  # fp8 products have one precision
+    return dot_general_lib.dot_general(lhs, rhs, dimension_numbers, preferred_element_type,
+                                       out_sharding, state=state, recipe=self.recipe)
 
 
 class Fp8Einsum(nn.Module):
@@ -155,7 +156,7 @@ class Fp8Einsum(nn.Module):
   recipe: Any = recipes_lib.DelayedScaling()
 
   def __post_init__(self):
-    recipes_lib.check_recipe(self.recipe, type(self).__name__)
+    ops.check(self.recipe, type(self).__name__)
     super().__post_init__()
 
   @nn.compact
@@ -166,10 +167,10 @@ class Fp8Einsum(nn.Module):
     there)."""
     state = _read_state(self, self.recipe)
     rhs = _guarded(self, rhs, state)
-    return dot_general_lib.fp8_einsum(
-        eqn, lhs, rhs, state=state, recipe=self.recipe,
-        preferred_element_type=preferred_element_type, precision=precision,
-        out_sharding=out_sharding)
+    del precision  # fp8 products have one precision
+    return dot_general_lib.einsum(eqn, lhs, rhs, state=state, recipe=self.recipe,
+                                  preferred_element_type=preferred_element_type,
+                                  out_sharding=out_sharding)
 
 
 __all__ = (

@@ -48,6 +48,7 @@ from flax import nnx
 
 from jaxmp._src import adapter as adapter_lib
 from jaxmp._src.fp8 import dot_general as dot_general_lib
+from jaxmp._src.fp8 import ops
 from jaxmp._src.fp8 import recipes as recipes_lib
 from jaxmp._src.fp8 import state as state_lib
 
@@ -72,7 +73,7 @@ def register_collection_name() -> None:
 
 
 def _init_variables(module: nnx.Module, recipe: recipes_lib.Recipe) -> None:
-  state = state_lib.init_state(recipe)
+  state = state_lib.initial_state(recipe)
   if state is None:
     return
   register_collection_name()
@@ -127,7 +128,7 @@ class Fp8DotGeneral(nnx.Module):
   """
 
   def __init__(self, recipe: recipes_lib.Recipe = recipes_lib.DelayedScaling()):
-    self.recipe = recipes_lib.check_recipe(recipe, "Fp8DotGeneral")
+    self.recipe = ops.check(recipe, "Fp8DotGeneral")
     _init_variables(self, self.recipe)
 
   def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
@@ -139,10 +140,11 @@ class Fp8DotGeneral(nnx.Module):
       ValueError: while ``rhs`` (the kernel) is differentiated and the state is not
         (a plain ``nnx.grad`` training loop, whose fp8 state would never update).
     """
+    del precision  # fp8 products have one precision
     state = _read_state(self)
-    return dot_general_lib.fp8_dot_general(
-        lhs, _guarded(rhs, state), dimension_numbers, precision, preferred_element_type,
-        out_sharding, state=state, recipe=self.recipe)
+    return dot_general_lib.dot_general(lhs, _guarded(rhs, state), dimension_numbers,
+                                       preferred_element_type, out_sharding, state=state,
+                                       recipe=self.recipe)
 
 
 class Fp8Einsum(nnx.Module):
@@ -166,7 +168,7 @@ class Fp8Einsum(nnx.Module):
   """
 
   def __init__(self, recipe: recipes_lib.Recipe = recipes_lib.DelayedScaling()):
-    self.recipe = recipes_lib.check_recipe(recipe, "Fp8Einsum")
+    self.recipe = ops.check(recipe, "Fp8Einsum")
     _init_variables(self, self.recipe)
 
   def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array, precision: Any = None,
@@ -177,11 +179,12 @@ class Fp8Einsum(nnx.Module):
       ValueError: for an ``out_sharding`` (:func:`~jaxmp.fp8.fp8_einsum` lays its output
         out itself), and while the kernel is differentiated and the state is not.
     """
+    del precision  # fp8 products have one precision
     state = _read_state(self)
-    return dot_general_lib.fp8_einsum(
-        eqn, lhs, _guarded(rhs, state), state=state, recipe=self.recipe,
-        preferred_element_type=preferred_element_type, precision=precision,
-        out_sharding=out_sharding)
+    return dot_general_lib.einsum(eqn, lhs, _guarded(rhs, state), state=state,
+                                  recipe=self.recipe,
+                                  preferred_element_type=preferred_element_type,
+                                  out_sharding=out_sharding)
 
 
 FP8_LAYER_TYPES: tuple[type, ...] = (
