@@ -24,6 +24,7 @@ import jaxmp
 from jaxmp import fp8
 from jaxmp._src.fp8 import ops as ops_lib
 from jaxmp._src.fp8 import recipes as recipes_lib
+from tests.published import matmuls
 from tests.published import models as registry
 
 BF16 = "params=float32,compute=bfloat16,output=float32"
@@ -68,18 +69,8 @@ RECIPE = E5M2Tensorwise()
 
 
 def _dots(jaxpr) -> list:
-  """The dtypes of both operands of every dot_general anywhere in ``jaxpr``."""
-  found = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
-      found.append(tuple(np.dtype(v.aval.dtype) for v in eqn.invars))
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          found += _dots(sub.jaxpr)
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          found += _dots(sub)
-  return found
+  """The operand dtypes of every dot_general anywhere in ``jaxpr`` (that runs here)."""
+  return [dtypes for name, dtypes in matmuls.iter_matmuls(jaxpr) if name == "dot_general"]
 
 
 def test_the_registered_recipe_computes_its_own_formula():
