@@ -36,6 +36,8 @@ from jaxmp._src.optim.kahan import kahan_summation
 from jaxmp._src.optim.master_weights import MasterWeightsState
 from jaxmp._src.optim.master_weights import master_params
 from jaxmp._src.optim.master_weights import master_weights
+from jaxmp._src.optim.quantized import QuantizedMoment
+from jaxmp._src.optim.quantized import quantized_moments
 from jaxmp._src.optim.remainders import join_remainder
 from jaxmp._src.optim.remainders import split_remainder
 from jaxmp._src.optim.state_dtypes import state_dtypes
@@ -46,12 +48,14 @@ from jaxmp._src.optim.stochastic_rounding import stochastic_rounding
 __all__ = (
     "KahanState",
     "MasterWeightsState",
+    "QuantizedMoment",
     "StochasticRoundingState",
     "join_remainder",
     "kahan_add",
     "kahan_summation",
     "master_params",
     "master_weights",
+    "quantized_moments",
     "split_remainder",
     "state_dtypes",
     "stochastic_round",

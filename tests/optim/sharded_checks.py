@@ -21,6 +21,10 @@ if any failed.
   Optax over bfloat16 params agrees only because it rounds that float32 sum to
   bfloat16, which hides a few float32 ulps (except where the sum lies near a bfloat16
   rounding boundary).
+* ``quantized_parity``: 8-bit moments (``quantized_moments``) alone and under master
+  weights (full and remainders), params sharded on their last dimension: codes sharded
+  like their param, scales (a block per 32 values of a row) along the same axis, and
+  every value bit for bit what one device gives.
 * ``fsdp_train_step``: a bfloat16-param MLP trained with master weights under
   ``jaxmp.loss_scaling``, FSDP-sharded, matches one device; a NaN in one device's
   data makes every device skip with masters and params untouched.
@@ -126,6 +130,42 @@ def check_optimizer_parity() -> str:
   return "bit for bit as on one device: " + ", ".join(checked)
 
 
+def _quantized_adamw():
+  return jaxmp.optim.quantized_moments(_adamw(), block_size=32, min_size=0)
+
+
+QUANTIZED = {
+    "8-bit moments": _quantized_adamw,
+    "master, 8-bit moments": lambda: jaxmp.optim.master_weights(_quantized_adamw()),
+    "remainders, 8-bit moments": lambda: jaxmp.optim.master_weights(
+        _quantized_adamw(), remainders=True),
+}
+
+
+def check_quantized_parity() -> str:
+  mesh = _mesh()
+  params = {"w": jax.random.normal(jax.random.key(0), (16, 512)).astype(jnp.bfloat16),
+            "b": jnp.zeros(512, jnp.bfloat16)}
+  is_quantized = lambda x: isinstance(x, jaxmp.optim.QuantizedMoment)
+  checked = []
+  for name, make in QUANTIZED.items():
+    tx = make()
+    single = _optimizer_run(tx, params)
+    sharded = _optimizer_run(tx, params, mesh)
+    tree_asserts.assert_trees_equal(jax.device_get(sharded), jax.device_get(single), what=name)
+    moments = [x for x in jax.tree.leaves(sharded[1], is_leaf=is_quantized) if is_quantized(x)]
+    assert len(moments) == 4, f"{name}: {len(moments)} quantized moments"
+    for moment in moments:
+      codes, scale = moment
+      assert codes.dtype == jnp.uint8 and scale.shape[-1] == 16, (name, scale.shape)
+      for leaf, per_device in ((codes, 512 // DEVICES), (scale, 16 // DEVICES)):
+        assert leaf.sharding.spec[-1] == AXIS, f"{name}: {leaf.shape} {leaf.sharding.spec}"
+        assert {s.data.shape[-1] for s in leaf.addressable_shards} == {per_device}
+    checked.append(name)
+  return ("codes and scales sharded like their param, bit for bit as on one device: "
+          + ", ".join(checked))
+
+
 def _clipped_adamw():
   return optax.chain(optax.clip_by_global_norm(1.0), _adamw())
 
@@ -215,6 +255,7 @@ def check_fsdp_train_step() -> str:
 CHECKS = {
     "optimizer_parity": check_optimizer_parity,
     "clipped_parity": check_clipped_parity,
+    "quantized_parity": check_quantized_parity,
     "fsdp_train_step": check_fsdp_train_step,
 }
 
