@@ -122,3 +122,20 @@ def test_scales_keep_the_leading_axes():
 def test_an_array_without_whole_blocks_is_refused():
   with pytest.raises(ValueError, match=r"shape \(100,\) \(size 100\) has no blocks of 256"):
     dynamic_map.quantize(jnp.zeros(100), signed=True, block_size=256)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_code_steps_up_exactly_at_each_threshold(signed):
+  # jaxmp counts thresholds where torchao searches and rounds: the same code for every
+  # float32 if torchao's code steps up exactly there. Checked at each threshold and at
+  # the float32 just below it, in blocks whose scale is 1 (so the values are not moved).
+  thresholds = dynamic_map._THRESHOLDS[signed]
+  below = np.nextafter(thresholds, F32(-np.inf))
+  x = np.stack([np.r_[1.0, thresholds], np.r_[1.0, below]]).astype(F32)  # each block's max: 1
+  ref_codes, ref_scale = ref.quantize(x, signed, BLOCK)
+  assert np.all(ref_scale == 1.0)
+  k = np.arange(1, 256)
+  np.testing.assert_array_equal(ref_codes[0, 1:], k)      # at the threshold: code k
+  np.testing.assert_array_equal(ref_codes[1, 1:], k - 1)  # just below: k - 1
+  jax_codes, _ = dynamic_map.quantize(jnp.asarray(x), signed=signed, block_size=BLOCK)
+  np.testing.assert_array_equal(np.asarray(jax_codes), ref_codes)

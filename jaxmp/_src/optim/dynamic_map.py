@@ -21,9 +21,10 @@ bit:
   ``float32(1e-12)``, and the block is divided by it (float32 division), so it lies
   in ``[-1, 1]``.
 * **Codes.** A scaled value ``x`` gets the code ``c`` of the largest map value at
-  most ``x`` (0 below the map; a branchless binary search, as torchao's), then
+  most ``x`` (0 below the map; torchao finds it by a branchless binary search), then
   ``c + 1`` (at most 255) if ``x - map[c] >= (map[c + 1] - map[c]) * 0.5``: the
-  nearest map value, ties upward.
+  nearest map value, ties upward. Here the code is the number of 255 precomputed
+  thresholds at most ``x``, the same code for every float32 (``_thresholds``).
 * **Dequantization** is ``map[code] * scale`` (float32).
 
 What the steps give at the edges: zeros (and ``-0.0``) have the code of 0 and come
@@ -138,12 +139,114 @@ def _blocks(x: jax.Array, block_size: int) -> jax.Array:
   return x.reshape(*shape, block_size)
 
 
-def _search(x: jax.Array, values: jax.Array) -> jax.Array:
-  """The index of the largest map value ``<= x`` (0 if none, or for NaN), as torchao's."""
-  codes = jnp.where(x >= values[128], 128, 0)
-  for step in (64, 32, 16, 8, 4, 2, 1):
-    codes = codes + jnp.where(x >= jnp.take(values, codes + step), step, 0)
-  return codes
+def _ordered(x: np.float32) -> int:
+  """A float32 as an integer of the same order (-0.0 and 0.0 alike)."""
+  bits = int(np.array(x, _F32).view(np.int32))
+  return bits if bits >= 0 else -(bits & 0x7FFFFFFF)
+
+
+def _from_ordered(k: int) -> np.float32:
+  bits = k if k >= 0 else (-k) | 0x80000000
+  return _F32(np.array(bits & 0xFFFFFFFF, np.uint32).view(_F32))
+
+
+def _rounds_up(x: np.float32, below: np.float32, above: np.float32) -> bool:
+  """torchao's rounding test between neighbouring map values, in float32."""
+  return bool(_F32(x - below) >= _F32(above - below) * _F32(0.5))
+
+
+def _thresholds(values: np.ndarray) -> np.ndarray:
+  """``t[k - 1]``, for codes ``k = 1..255``: the smallest float32 whose code is ``k`` or more.
+
+  torchao's code of ``x`` is ``c`` (the largest index with ``values[c] <= x``, or 0),
+  plus one where ``x - values[c] >= (values[c + 1] - values[c]) * 0.5`` in float32.
+  Within ``[values[c], values[c + 1]]`` that test switches once, from false to true
+  (``x - values[c]`` rounds monotonically), so the code never decreases as ``x`` grows
+  and is the number of thresholds at most ``x``; NaN is at most none, code 0, as in
+  torchao. Each threshold is found by bisection over the float32 values of its interval.
+  """
+  out = []
+  with np.errstate(over="ignore"):
+    for below, above in zip(values[:-1], values[1:]):
+      low, high = _ordered(below), _ordered(above)  # below never rounds up, above does
+      while high - low > 1:
+        mid = (low + high) // 2
+        if _rounds_up(_from_ordered(mid), below, above):
+          high = mid
+        else:
+          low = mid
+      out.append(_from_ordered(high))
+  return np.array(out, _F32)
+
+
+_THRESHOLDS = {True: _thresholds(SIGNED_MAP), False: _thresholds(UNSIGNED_MAP)}
+
+
+def block_scales(x: jax.Array, block_size: int) -> jax.Array:
+  """The float32 scales of ``x``'s blocks: each block's largest magnitude, at least 1e-12.
+
+  Raises:
+    ValueError: if the size of ``x`` is not a positive multiple of ``block_size``.
+  """
+  return jnp.maximum(jnp.max(jnp.abs(_blocks(x, block_size)), axis=-1), MIN_SCALE)
+
+
+def _scaled(x: jax.Array, scale: jax.Array) -> jax.Array:
+  """``x`` divided by its block scales, in blocks (``scale.shape + (block_size,)``)."""
+  blocks = x.reshape(*scale.shape, -1)
+  # XLA compiles x / broadcast(s) as x * broadcast(1 / s), which rounds twice. A divisor
+  # that depends on x elementwise keeps the division: s + x * 0 is s for a finite x,
+  # and NaN for an infinite or NaN x, whose quotient x / s is NaN anyway (s is then
+  # infinite or NaN).
+  return blocks / (scale[..., None] + blocks * _F32(0))
+
+
+def _padded(signed: bool) -> np.ndarray:
+  """The thresholds indexed by code: ``[-inf, t(1), ..., t(255)]``."""
+  return np.concatenate([[-np.inf], _THRESHOLDS[signed]]).astype(_F32)
+
+
+def coarse_codes(x: jax.Array, scale: jax.Array, *, signed: bool) -> jax.Array:
+  """The codes of ``x`` (divided by ``scale``) rounded down to a multiple of 16, as uint8.
+
+  The first of :func:`encode`'s two steps: how many of every 16th threshold are at most
+  the value, times 16 (at most 240).
+  """
+  padded = _padded(signed)
+  scaled = _scaled(x, scale)
+  group = sum((scaled >= padded[16 * j]).astype(jnp.uint8) for j in range(1, 16))
+  return (group * jnp.uint8(16)).reshape(x.shape)
+
+
+def encode(x: jax.Array, scale: jax.Array, *, signed: bool,
+           coarse: jax.Array | None = None) -> jax.Array:
+  """The uint8 codes of ``x`` divided by its block scales (``block_scales(x)``).
+
+  torchao finds a code by a binary search through the map and rounds it; the number of
+  thresholds at most the value is the same code (``_thresholds``). It is counted in two
+  steps of 15 comparisons: against every 16th threshold (:func:`coarse_codes`), then
+  against the 15 after the last one passed, looked up by the first count. XLA's GPU
+  compiler fuses neither a chain of lookups (a search) nor 255 comparisons into one
+  pass with the values' computation, nor a lookup whose index that pass computes;
+  given ``coarse`` from a pass of its own, it fuses the rest.
+
+  Args:
+    x: a float32 array.
+    scale: its block scales.
+    signed: which map.
+    coarse: ``coarse_codes(x, scale, signed=signed)``, if computed already.
+
+  Returns:
+    uint8 codes of ``x``'s shape.
+  """
+  if coarse is None:
+    coarse = coarse_codes(x, scale, signed=signed)
+  scaled = _scaled(x, scale)
+  first = coarse.reshape(scaled.shape)
+  table = jnp.asarray(_padded(signed))
+  fine = sum((scaled >= jnp.take(table, first + jnp.uint8(i), mode="clip")).astype(jnp.uint8)
+             for i in range(1, 16))  # first + 15 is at most 255
+  return (first + fine).reshape(x.shape)
 
 
 def quantize(x: jax.Array, *, signed: bool, block_size: int) -> tuple[jax.Array, jax.Array]:
@@ -161,19 +264,8 @@ def quantize(x: jax.Array, *, signed: bool, block_size: int) -> tuple[jax.Array,
   Raises:
     ValueError: if the size of ``x`` is not a positive multiple of ``block_size``.
   """
-  blocks = _blocks(x, block_size)
-  scale = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1), MIN_SCALE)
-  # XLA compiles x / broadcast(s) as x * broadcast(1 / s), which rounds twice. A divisor
-  # that depends on x elementwise keeps the division: s + x * 0 is s for a finite x,
-  # and NaN for an infinite or NaN x, whose quotient x / s is NaN anyway (s is then
-  # infinite or NaN).
-  scaled = blocks / (scale[..., None] + blocks * _F32(0))
-  values = jnp.asarray(table(signed))
-  codes = _search(scaled, values)
-  up = jnp.minimum(codes + 1, 255)
-  below, above = jnp.take(values, codes), jnp.take(values, up)
-  codes = jnp.where(scaled - below >= (above - below) * _F32(0.5), up, codes)
-  return codes.astype(CODE_DTYPE).reshape(x.shape), scale
+  scale = block_scales(x, block_size)
+  return encode(x, scale, signed=signed), scale
 
 
 def dequantize(codes: jax.Array, scale: jax.Array, *, signed: bool) -> jax.Array:

@@ -16,9 +16,9 @@ arithmetic bit for bit (:mod:`jaxmp._src.optim.dynamic_map`). Each ``update``:
 So the result equals running the inner optimizer and replacing its chosen state
 leaves by their 8-bit round trip after each step (what the tests check against a
 NumPy port of torchao's code). The inner arithmetic is the inner optimizer's own:
-with ``optax.adamw`` the moments follow Optax's ``(1 - b) * g + b * m``, not
-torchao's ``lerp``, so the trajectories differ from torchao's ``AdamW8bit`` by that
-rounding only.
+with ``optax.adamw``, Optax's (moments ``(1 - b) * g + b * m``, not torchao's
+``lerp``; bias corrections and weight decay in Optax's order), so a run differs from
+torchao's ``AdamW8bit`` by those roundings only.
 
 Which leaves, and which map: by default every float32 state leaf with at least
 ``min_size`` values (torchao and bitsandbytes: 4096) whose size is a multiple of
@@ -31,7 +31,9 @@ the signed one. A function ``quantize(path, leaf)`` chooses instead, per state l
 ``"signed"``, ``"unsigned"`` (for non-negative values only: a negative value is stored
 as 0) or ``None`` to keep the leaf as it is.
 
-Wrap the optimizer that the other memory transforms wrap:
+The default takes every float32 array of the state, accumulated gradients too: wrap
+``optax.MultiSteps`` around this transform, not inside it, unless its accumulator
+should be 8-bit as well. Wrap the optimizer that the other memory transforms wrap:
 ``jaxmp.loss_scaling(jaxmp.optim.master_weights(quantized_moments(optax.adamw(...))))``
 (the reverse, quantizing master weights, is refused). A skipped step under
 :func:`jaxmp.loss_scaling` keeps the codes and scales bit for bit. Codes have their
@@ -173,17 +175,35 @@ def _stored_like(container: Any, new: QuantizedMoment) -> Any:
   return treedef.unflatten([getattr(new, name) for name in names])
 
 
-def _quantize_state(state: Any, maps: Any, block_size: int, containers: list | None = None
-                    ) -> Any:
-  """The inner state with its chosen leaves quantized, each in its stored container."""
+def _map_chosen(fn: Callable[..., Any], state: Any, maps: Any, *trees: Any) -> Any:
+  """``fn(leaf, signed, *others)`` for the chosen leaves of the inner state, None elsewhere."""
   flat, treedef = jax.tree_util.tree_flatten(state)
+  others = [treedef.flatten_up_to(tree) for tree in trees]
+  return treedef.unflatten([
+      None if signed is None else fn(x, signed, *rest)
+      for x, signed, *rest in zip(flat, treedef.flatten_up_to(maps), *others)])
+
+
+def _quantize_state(state: Any, maps: Any, block_size: int) -> Any:
+  """The inner state with its chosen leaves quantized."""
+  scales = _map_chosen(lambda x, signed: dynamic_map.block_scales(x, block_size), state, maps)
+  return _encode_state(state, maps, scales)
+
+
+def _encode_state(state: Any, maps: Any, scales: Any, coarse: Any = None,
+                  containers: list | None = None) -> Any:
+  """The inner state with its chosen leaves encoded with ``scales`` (and ``coarse`` codes,
+  if computed), each in the container it was stored in."""
+  flat, treedef = jax.tree_util.tree_flatten(state)
+  coarse = [None] * len(flat) if coarse is None else treedef.flatten_up_to(coarse)
   containers = containers or [None] * len(flat)
   stored = []
-  for x, signed, container in zip(flat, treedef.flatten_up_to(maps), containers):
+  for x, signed, scale, first, container in zip(
+      flat, treedef.flatten_up_to(maps), treedef.flatten_up_to(scales), coarse, containers):
     if signed is None:
       stored.append(x)
       continue
-    new = QuantizedMoment(*dynamic_map.quantize(x, signed=signed, block_size=block_size))
+    new = QuantizedMoment(dynamic_map.encode(x, scale, signed=signed, coarse=first), scale)
     stored.append(new if container is None else _stored_like(container, new))
   return treedef.unflatten(stored)
 
@@ -282,9 +302,28 @@ def quantized_moments(inner: optax.GradientTransformation, *, block_size: int = 
     updates32 = state_dtypes_lib.upcast(updates)
     natural = natural_state(updates32 if params32 is None else params32)
     maps = _maps(quantize, natural, block_size, min_size)
-    inner_state, stored = _dequantize_state(state, maps, natural)
-    updates, inner_state = inner.update(updates32, inner_state, params32, **extra_args)
-    return updates, _quantize_state(inner_state, maps, block_size, stored)
+
+    def run(after):
+      """The inner update, computed after ``after`` (returned with it): XLA may not
+      merge the computations of two runs, whose inputs pass an optimization barrier."""
+      grads, stored, params, after = jax.lax.optimization_barrier(
+          (updates32, state, params32, after))
+      inner_state, stored = _dequantize_state(stored, maps, natural)
+      updates, new = inner.update(grads, inner_state, params, **extra_args)
+      return updates, new, stored, after
+
+    # Three runs of the same update, each fused into one pass over the moments with
+    # what it feeds: the new moments' block scales; their codes to a multiple of 16;
+    # the full codes and the updates. No float32 copy of a new moment is written to
+    # memory: a single run would keep one (a reduction and its consumers need it at
+    # once), and the 8-bit state would cost more temporary memory than it saves.
+    _, new, _, _ = run(None)
+    scales = _map_chosen(lambda x, signed: dynamic_map.block_scales(x, block_size), new, maps)
+    _, new, _, scales = run(scales)
+    coarse = _map_chosen(lambda x, signed, scale: dynamic_map.coarse_codes(
+        x, scale, signed=signed), new, maps, scales)
+    updates, new, stored, (scales, coarse) = run((scales, coarse))
+    return updates, _encode_state(new, maps, scales, coarse, stored)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

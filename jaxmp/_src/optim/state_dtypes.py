@@ -37,7 +37,7 @@ RMSProp's ``nu``, Adagrad's ``sum_of_squares``, Adafactor's ``v_row``/``v_col``/
 SM3's ``mu``, ...), whether a plain dtype or a function chose it; keep those in
 bfloat16 and store the first moments in float16 if you like. A custom optimizer's
 squares are not recognised: keep them out of float16 yourself. Block-scaled 8-bit
-states are not offered.
+states: ``jaxmp.optim.quantized_moments``.
 
 Example:
   >>> import optax
