@@ -305,11 +305,11 @@ def quantized_moments(inner: optax.GradientTransformation, *, block_size: int = 
 
     def run(after):
       """The inner update, computed after ``after`` (returned with it): XLA may not
-      merge the computations of two runs, whose inputs pass an optimization barrier."""
-      grads, stored, params, after = jax.lax.optimization_barrier(
-          (updates32, state, params32, after))
+      merge the computations of two runs, whose stored states pass an optimization
+      barrier (the gradients and params do not: they would be written to memory)."""
+      stored, after = jax.lax.optimization_barrier((state, after))
       inner_state, stored = _dequantize_state(stored, maps, natural)
-      updates, new = inner.update(grads, inner_state, params, **extra_args)
+      updates, new = inner.update(updates32, inner_state, params32, **extra_args)
       return updates, new, stored, after
 
     # Three runs of the same update, each fused into one pass over the moments with
