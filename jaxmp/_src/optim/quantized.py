@@ -314,9 +314,10 @@ def quantized_moments(inner: optax.GradientTransformation, *, block_size: int = 
 
     # Three runs of the same update, each fused into one pass over the moments with
     # what it feeds: the new moments' block scales; their codes to a multiple of 16;
-    # the full codes and the updates. No float32 copy of a new moment is written to
-    # memory: a single run would keep one (a reduction and its consumers need it at
-    # once), and the 8-bit state would cost more temporary memory than it saves.
+    # the full codes and the updates. A single run writes a float32 copy of each new
+    # moment to memory (a reduction and its consumers need it at once); these do not
+    # on their own, though inside loss scaling and under master weights XLA still
+    # keeps float32 buffers (docs/guides/memory.md).
     _, new, _, _ = run(None)
     scales = _map_chosen(lambda x, signed: dynamic_map.block_scales(x, block_size), new, maps)
     _, new, _, scales = run(scales)
