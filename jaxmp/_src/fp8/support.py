@@ -58,6 +58,7 @@ from typing import Any
 import jax
 
 from jaxmp._src import dtypes as dtypes_lib
+from jaxmp._src import jax_compat
 from jaxmp._src.fp8 import block_gemm
 from jaxmp._src.fp8 import recipes as recipes_lib
 
@@ -162,14 +163,6 @@ def compile_target(name: str) -> Iterator[Target]:
       jax.clear_caches()
 
 
-def _cudnn_version() -> int | None:
-  try:
-    from jax._src.lib import cuda_versions  # pylint: disable=g-import-not-at-top
-    return int(cuda_versions.cudnn_get_version()) if cuda_versions else None
-  except Exception:  # pylint: disable=broad-except
-    return None  # unknown: no claim either way
-
-
 def target_for_device(device: Any) -> Target:
   """The :class:`Target` of a ``jax.Device`` (duck-typed on ``platform``, ``device_kind``).
 
@@ -188,7 +181,7 @@ def target_for_device(device: Any) -> Target:
   capability = dtypes_lib.gpu_compute_capability(device, "jaxmp.fp8")
   if capability is None:  # ROCm: not described here, so no claim is made
     return Target(kind, "gpu", None, False, kind)
-  cudnn = _cudnn_version()
+  cudnn = jax_compat.cudnn_version()
   mx = capability >= (10, 0) and (cudnn is None or cudnn >= 91000)
   return Target(kind, "gpu", capability >= (8, 9), mx,
                 f"{kind}, sm_{capability[0]}{capability[1]}", block_fp8=capability == (9, 0),

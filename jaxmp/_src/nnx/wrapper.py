@@ -85,7 +85,11 @@ import flax.linen as linen
 import jax
 import numpy as np
 from flax import nnx
-from flax.nnx import graphlib
+
+try:
+  from flax.nnx import graphlib
+except ImportError:  # flax < 0.12.5 names it graph (kept there as an alias since)
+  from flax.nnx import graph as graphlib
 
 from jaxmp._src import engine
 from jaxmp._src import paths as paths_lib
