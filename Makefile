@@ -56,8 +56,9 @@ JAX_CACHE := JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax_cache \
 test-fast: $(STAMP)
 	$(JAX_CACHE) $(PY) -m pytest -m "not slow" -n auto --dist loadfile
 
-# The lower bounds, pinned, beside the newest dev tools that install with them. No
-# persistent compilation cache, as `make test`.
+# The lower bounds, pinned, beside the newest dev tools that install with them. The fast
+# tests but the golden ones (jaxprs as the newest JAX and Flax print them); no persistent
+# compilation cache, as `make test`.
 $(MIN_STAMP): pyproject.toml .ci/lower_bounds.py
 	$(PYTHON) -m venv $(MIN_VENV)
 	$(MIN_PY) -m pip install --quiet --upgrade pip
@@ -67,7 +68,7 @@ $(MIN_STAMP): pyproject.toml .ci/lower_bounds.py
 
 test-min: $(MIN_STAMP)
 	@echo "make test-min: the fast tests on $$(tr '\n' ' ' < $(MIN_VENV)/lower-bounds.txt)"
-	$(MIN_PY) -m pytest -m "not slow" -n auto --dist loadfile
+	$(MIN_PY) -m pytest -m "not slow and not golden" -n auto --dist loadfile
 
 # Rewrites tests/golden/ from the current code with the installed JAX and Flax (their
 # first line names the versions; the test fails when they are not the installed ones).

@@ -68,3 +68,11 @@ def test_a_lower_bound_becomes_a_pin(requirement, pin):
 def test_a_dependency_without_one_lower_bound_is_refused(requirement):
   with pytest.raises(ValueError, match="lower bound"):
     _lower_bounds_script().lower_bound(requirement)
+
+
+def test_the_readme_names_the_tested_lower_bounds():
+  readme = " ".join((ROOT / "README.md").read_text().split())
+  tested = readme.split("Tested versions:", 1)[1].split(". ", 1)[0]
+  for pin in _lower_bounds_script().pins(ROOT / "pyproject.toml"):
+    name, version = pin.split("==")
+    assert f"{name} {version}" in tested, f"README's 'Tested versions' does not name {pin}"

@@ -140,7 +140,7 @@ def _define_max_float32() -> Any:
     _rules = MaxFloat32Rules
     # JAX's ExtendedDType declares ``type`` an abstract property; its own extended
     # dtypes (PRNG keys) define it as a class attribute, as here.
-    type = max_float32_scalar  # pyright: ignore[reportAssignmentType]
+    type = max_float32_scalar
     name = "max_float32"
     itemsize = 4
 

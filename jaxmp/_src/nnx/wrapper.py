@@ -85,11 +85,7 @@ import flax.linen as linen
 import jax
 import numpy as np
 from flax import nnx
-
-try:
-  from flax.nnx import graphlib
-except ImportError:  # flax < 0.12.5 names it graph (kept there as an alias since)
-  from flax.nnx import graph as graphlib
+from flax.nnx import graphlib
 
 from jaxmp._src import engine
 from jaxmp._src import paths as paths_lib
