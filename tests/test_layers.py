@@ -362,7 +362,7 @@ def private_jax_imports(package: pathlib.Path) -> list[str]:
                      f"{imported}{how}; only {JAX_COMPAT} imports JAX's private or moved "
                      f"modules")
         break
-  return found
+  return sorted(found, key=lambda line: (line.split(":")[0], int(line.split(":")[1])))
 
 
 def test_only_jax_compat_imports_private_jax_modules():

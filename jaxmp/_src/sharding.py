@@ -11,6 +11,8 @@ Example:
   >>> from jaxmp._src import sharding
   >>> sharding.varying_axes(jnp.ones(2))
   frozenset()
+  >>> sharding.varying_axes(jax.eval_shape(jnp.ones, 2))  # a ShapeDtypeStruct
+  frozenset()
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import jax
 def varying_axes(x: Any) -> frozenset:
   """The ``shard_map`` mesh axes ``x`` (an array, tracer or ShapeDtypeStruct) varies over."""
   aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-  return frozenset(aval.manual_axis_type.varying)
+  manual = aval.manual_axis_type  # None: a ShapeDtypeStruct that names no mesh axes
+  return frozenset() if manual is None else frozenset(manual.varying)
 
 
 def make_varying(x: jax.Array, axes: Any) -> jax.Array:
