@@ -11,7 +11,7 @@ Example:
   >>> from jaxmp._src import sharding
   >>> sharding.varying_axes(jnp.ones(2))
   frozenset()
-  >>> sharding.varying_axes(jax.eval_shape(jnp.ones, 2))  # a ShapeDtypeStruct
+  >>> sharding.varying_axes(jax.eval_shape(lambda: jnp.ones(2)))  # a ShapeDtypeStruct
   frozenset()
 """
 
