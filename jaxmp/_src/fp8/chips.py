@@ -20,6 +20,7 @@ import dataclasses
 from typing import Any
 
 from jaxmp._src import dtypes as dtypes_lib
+from jaxmp._src import jax_compat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,14 +73,6 @@ _TPU_KINDS = {"TPU v5 lite": "v5e", "TPU v5": "v5p", "TPU v6 lite": "v6e", "TPU7
               "TPU v7": "v7"}
 
 
-def _cudnn_version() -> int | None:
-  try:
-    from jax._src.lib import cuda_versions  # pylint: disable=g-import-not-at-top
-    return int(cuda_versions.cudnn_get_version()) if cuda_versions else None
-  except Exception:  # pylint: disable=broad-except
-    return None  # unknown: no claim either way
-
-
 def target_for_device(device: Any) -> Target:
   """The :class:`Target` of a ``jax.Device`` (duck-typed on ``platform``, ``device_kind``).
 
@@ -98,7 +91,7 @@ def target_for_device(device: Any) -> Target:
   capability = dtypes_lib.gpu_compute_capability(device, "jaxmp.fp8")
   if capability is None:  # ROCm: not described here, so no claim is made
     return Target(kind, "gpu", None, False, kind)
-  cudnn = _cudnn_version()
+  cudnn = jax_compat.cudnn_version()
   mx = capability >= (10, 0) and (cudnn is None or cudnn >= 91000)
   return Target(kind, "gpu", capability >= (8, 9), mx,
                 f"{kind}, sm_{capability[0]}{capability[1]}", block_fp8=capability == (9, 0),
