@@ -63,10 +63,6 @@ AFTER_PAGE = {
 }
 
 
-def _page_id(page) -> str:
-  return page.name
-
-
 # The README's one block, the quickstart, runs in tests/test_readme.py, which checks what
 # it computed; getting_started.md shows that block through an include (checked below).
 RUN_BY_TEST_README = {"README.md", "getting_started.md"}
@@ -74,7 +70,8 @@ RUN_BY_TEST_README = {"README.md", "getting_started.md"}
 
 @pytest.mark.parametrize("page", [
     pytest.param(page, marks=[pytest.mark.slow] if page.name in SLOW_PAGES else [])
-    for page in doc_snippets.PAGES if page.name not in RUN_BY_TEST_README], ids=_page_id)
+    for page in doc_snippets.PAGES if page.name not in RUN_BY_TEST_README],
+    ids=lambda page: page.name)
 def test_every_page_s_python_runs_as_written_in_order(page, tmp_path):
   # One fresh interpreter per page, as a reader pasting its blocks in order would have;
   # from the repository's root, on the CPU, temporary files (checkpoints) under tmp_path.
