@@ -255,8 +255,10 @@ def _recommend(script, *targets_):
   env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
              ALLOW_MULTIPLE_LIBTPU_LOAD="1",
              PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+  # Each TPU compile runs in a child process of its own (audit), about 20-40 s more per
+  # candidate on a busy 2-core machine than compiling in the process.
   out = subprocess.run([sys.executable, "-W", "ignore", "-c", script + _PRINT_RESULTS, *targets_],
-                       env=env, capture_output=True, text=True, timeout=1200)
+                       env=env, capture_output=True, text=True, timeout=1800)
   assert out.returncode == 0, out.stderr[-4000:]
   rows = {}
   for line in out.stdout.splitlines():
