@@ -274,7 +274,8 @@ def time_table(title: str, cases: dict[str, gpu_report.Case], results: dict,
                baselines: tuple[str, ...] = ("float32", "bf16"),
                profile: pathlib.Path | None = None, rounds: int = 7) -> None:
   """Compiles, counts and times every case of one table; prints it, with each row's
-  speed against each of ``baselines`` (rows of the table)."""
+  speed against the row it differs from in one respect (``Case.against``: precision
+  or attention alone) and against each of ``baselines`` (rows of the table)."""
   runs, reports = {}, {}
   # Ratios against each baseline the table runs; with none of them chosen, its first row.
   baselines = tuple(b for b in baselines if b in cases) or tuple(cases)[:1]
@@ -296,9 +297,9 @@ def time_table(title: str, cases: dict[str, gpu_report.Case], results: dict,
   base = {b: measured[b].ms for b in baselines}
   print(f"\n### {title}\n\nmeasured on {timing.device_description()}, jax {jax.__version__}, "
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}\n")
-  print(f"| variant | ms/step | {' | '.join(f'vs {b}' for b in base)} | TFLOP/s (GEMMs) | "
-        f"kernels | GEMMs fp8/all | ms/step, one at a time |\n"
-        f"|---|---:|{'---:|' * len(base)}---:|---:|---|---:|")
+  print(f"| variant | ms/step | like for like | {' | '.join(f'vs {b}' for b in base)} | "
+        f"TFLOP/s (GEMMs) | kernels | GEMMs fp8/all | ms/step, one at a time |\n"
+        f"|---|---:|---|{'---:|' * len(base)}---:|---:|---|---:|")
   table = results.setdefault(title, {})
   for name, t in measured.items():
     r = reports[name]
@@ -306,7 +307,8 @@ def time_table(title: str, cases: dict[str, gpu_report.Case], results: dict,
     fp8 = sum(g.fp8 * g.count for g in r.gemms)
     ratios = " | ".join(f"{ms / t.ms:.2f}x" for ms in base.values())
     synced = one_at_a_time[name].ms
-    print(f"| {name} | {t.ms:.3f} | {ratios} | {tflops:.0f} | "
+    like = gpu_report.like_for_like(cases, {n: m.ms for n, m in measured.items()}, name)
+    print(f"| {name} | {t.ms:.3f} | {like} | {ratios} | {tflops:.0f} | "
           f"{r.launches} | {fp8}/{sum(g.count for g in r.gemms)} | {synced:.3f} |")
     table[name] = {"ms": t.ms, "tflops": tflops, "kernels": r.launches, "fp8_gemms": fp8,
                    "ms_one_at_a_time": synced}

@@ -5,10 +5,12 @@ target="h100")``) and read back from the optimized HLO: which GEMMs run in which
 dtype on which backend, the HBM bytes of every other kernel, and a roofline estimate
 (each kernel ``max(FLOPs / peak for its dtype, bytes / 3.35 TB/s)``, summed). These
 are **estimates from compiled H100 HLO (deviceless)**, not measurements: no overlap,
-no autotuning, and launch overheads only where stated: the precision tables count the
-kernels each step launches and give the speed against bf16 again with 0, 1, 2 and 3 us
-added per kernel launch (cuBLAS mode). Two compile modes, because without a GPU XLA
-cannot autotune GEMMs: ``cuBLAS`` (``xla_gpu_enable_triton_gemm=False``: every dot a
+no autotuning, and per-kernel overheads only where stated: the precision tables give
+each variant's speed against the variant it differs from in one respect (precision or
+attention, never both), count the kernels each step runs and give that ratio again
+with 0, 1, 2 and 3 us added per kernel (cuBLAS mode; an assumed cost per kernel on the
+GPU, not a host launch cost: see :data:`LAUNCH_US`). Two compile modes, because
+without a GPU XLA cannot autotune GEMMs: ``cuBLAS`` (``xla_gpu_enable_triton_gemm=False``: every dot a
 cuBLAS/cuBLASLt call, what a tuned H100 mostly runs) and ``Triton`` (XLA's default,
 GEMM fusions with an untuned default tile). A train step (one that returns its
 state) is compiled as a training loop runs it, its state donated, so that a new
@@ -103,9 +105,32 @@ PRECISIONS = ("float32", "bf16", "fp16 + loss scaling", "bf16 + jaxmp fp8", "bf1
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-  """A step to compile: ``fn(*make())``; ``make`` builds its arguments."""
+  """A step to compile: ``fn(*make())``; ``make`` builds its arguments.
+
+  ``against`` names the variant of the same table this one differs from in one respect
+  only, ``differs`` which (``"precision"`` or ``"attention"``): the tables give each
+  variant's speed against that one, so that a ratio measures one effect (bf16 with
+  cuDNN's causal attention against float32 with Flax's would mix both).
+  """
   fn: Callable[..., Any]
   make: Callable[[], tuple]
+  against: str | None = None
+  differs: str = ""
+
+
+def compared(case: Case, **change: str) -> Case:
+  """``case`` compared with another variant (``against=``, ``differs=``)."""
+  return dataclasses.replace(case, **change)
+
+
+def like_for_like(cases: dict[str, Case], seconds: dict[str, float | None], name: str) -> str:
+  """``"1.51x vs bf16 (attention)"``: ``name``'s speed against the variant it differs
+  from in one respect (its ``against``), from ``seconds`` per variant; ``-`` where it
+  has none, or that variant is not in ``seconds``."""
+  case = cases[name]
+  if case.against is None or seconds.get(case.against) is None or seconds.get(name) is None:
+    return "-"
+  return f"{seconds[case.against] / seconds[name]:.2f}x vs {case.against} ({case.differs})"
 
 
 # ---------------------------------------------------------------------------- workloads
@@ -133,6 +158,9 @@ def layer_cases(workload: str, power_of_two: bool = False,
             "fp16 + loss scaling": (jnp.float16, None, None),
             "bf16 + jaxmp fp8": variants["jaxmp_fp8"], "bf16 + Flax fp8": variants["flax_fp8"]}
   cases = {}
+  # Each against float32 (bf16, fp16) or bf16 (the fp8 variants): precision alone.
+  against = {"bf16": "float32", "fp16 + loss scaling": "float32", "bf16 + jaxmp fp8": "bf16",
+             "bf16 + Flax fp8": "bf16"}
   for name, (dtype, cls, update) in chosen.items():
     if workload == "dense":
       m, k, n = preset["dense"]
@@ -142,8 +170,10 @@ def layer_cases(workload: str, power_of_two: bool = False,
       b = preset["block"]
       model = bench_fp8.Block(b["d_model"], b["heads"], b["d_ff"], dtype, cls)
       shapes = ((b["batch"], b["seq"], b["d_model"]),) * 2
-    cases[name] = _layer_case(model, update, *shapes, dtype,
-                              loss_scale=2.0**15 if dtype == jnp.float16 else 1.0)
+    case = _layer_case(model, update, *shapes, dtype,
+                       loss_scale=2.0**15 if dtype == jnp.float16 else 1.0)
+    cases[name] = compared(case, against=against[name], differs="precision") \
+        if name in against else case
   return cases
 
 
@@ -200,12 +230,22 @@ def demo_cases(preset_name: str = "gpu") -> dict[str, Case]:
 
   # As the demo runs them at --preset gpu (fused attention), then bf16 and fp8 with
   # Flax's attention, beside Flax's own fp8 (a model written without fused attention).
-  return {"float32": jaxmp_case(runs["float32"]), "bf16": jaxmp_case(runs["bfloat16"]),
-          "fp16 + loss scaling": jaxmp_case(runs["float16 + loss scaling"]),
-          "bf16 + jaxmp fp8": jaxmp_case(runs["bfloat16 + fp8"]),
-          "bf16, unfused attention": jaxmp_case(runs["bfloat16"], False),
-          "bf16 + jaxmp fp8, unfused attention": jaxmp_case(runs["bfloat16 + fp8"], False),
-          "bf16 + Flax fp8 (unfused attention)": Case(flax_step, flax_make)}
+  # float32 keeps Flax's attention (cuDNN's takes 16-bit inputs only): precision alone
+  # is bf16 with Flax's attention against it, and the fused attention's gain is bf16
+  # against that.
+  precision = lambda of: dict(against=of, differs="precision")
+  return {"float32": jaxmp_case(runs["float32"]),
+          "bf16": compared(jaxmp_case(runs["bfloat16"]), against="bf16, unfused attention",
+                           differs="attention"),
+          "fp16 + loss scaling": compared(jaxmp_case(runs["float16 + loss scaling"]),
+                                          **precision("bf16")),
+          "bf16 + jaxmp fp8": compared(jaxmp_case(runs["bfloat16 + fp8"]), **precision("bf16")),
+          "bf16, unfused attention": compared(jaxmp_case(runs["bfloat16"], False),
+                                              **precision("float32")),
+          "bf16 + jaxmp fp8, unfused attention": compared(
+              jaxmp_case(runs["bfloat16 + fp8"], False), **precision("bf16, unfused attention")),
+          "bf16 + Flax fp8 (unfused attention)": Case(flax_step, flax_make,
+                                                      **precision("bf16, unfused attention"))}
 
 
 # --preset: (batch, context) of the llama workload; its layer is Llama-3-8B's at "gpu".
@@ -268,17 +308,27 @@ def llama_cases(preset_name: str = "gpu", layers: int = 1) -> dict[str, Case]:
     return {"params": params, OWG: new_owg}, value
 
   rules = lambda *r, **kw: jaxmp.PolicyRules(bf16, list(r), **kw)
+  # Each row against the one it differs from in one respect. float32 keeps Flax's
+  # attention (cuDNN's fused kernel takes 16-bit inputs only), so precision alone is
+  # bf16 against float32, both with Flax's attention, and attention alone is each
+  # fused variant against bf16.
+  precision = lambda of: dict(against=of, differs="precision")
+  attention = dict(against="bf16", differs="attention")
+  causal_bf16 = "bf16 + causal attention"
   return {
       "float32": jaxmp_case(jaxmp.PolicyRules("float32")),
-      "bf16": jaxmp_case(rules()),
-      "bf16 + fused attention (mask tensor)": jaxmp_case(rules(fused_attention=True)),
-      "bf16 + causal attention": jaxmp_case(rules(causal)),
-      "fp8 per-tensor": jaxmp_case(rules(fp8_rule(delayed))),
-      "fp8 per-tensor + causal attention": jaxmp_case(rules(causal, fp8_rule(delayed))),
-      "fp8 rowwise + causal attention": jaxmp_case(rules(causal, fp8_rule(rowwise))),
-      "fp8 block 1x128/128x128 + causal attention": jaxmp_case(
-          rules(causal, fp8_rule(fp8.BlockScaling()))),
-      "Flax fp8": Case(flax_step, flax_make),
+      "bf16": compared(jaxmp_case(rules()), **precision("float32")),
+      "bf16 + fused attention (mask tensor)": compared(
+          jaxmp_case(rules(fused_attention=True)), **attention),
+      causal_bf16: compared(jaxmp_case(rules(causal)), **attention),
+      "fp8 per-tensor": compared(jaxmp_case(rules(fp8_rule(delayed))), **precision("bf16")),
+      "fp8 per-tensor + causal attention": compared(
+          jaxmp_case(rules(causal, fp8_rule(delayed))), **precision(causal_bf16)),
+      "fp8 rowwise + causal attention": compared(
+          jaxmp_case(rules(causal, fp8_rule(rowwise))), **precision(causal_bf16)),
+      "fp8 block 1x128/128x128 + causal attention": compared(
+          jaxmp_case(rules(causal, fp8_rule(fp8.BlockScaling()))), **precision(causal_bf16)),
+      "Flax fp8": Case(flax_step, flax_make, **precision("bf16")),
   }
 
 
@@ -538,13 +588,25 @@ def measure(cases: dict[str, Case]) -> dict[str, timing.Timing]:
 
 
 LAUNCH_US = (0, 1, 2, 3)
-"""Per-kernel launch overheads (microseconds) the launch-aware ratios are shown at."""
+"""Per-kernel overheads (microseconds) the like-for-like ratios are shown again at.
+
+The roofline has no cost per kernel; these add a stated one for every kernel the step
+runs. It is not the host's cost of launching each kernel: XLA puts runs of a train
+step's kernels into CUDA-graph command buffers, which the host launches as one graph
+each (the Llama-3-8B-shaped layer's fp8 step: 90 of its 143 kernels in 9 buffers;
+benchmarks/RESULTS.md). It stands for what each kernel costs beyond its roofline time
+on the GPU itself (its ramp-up and tail, the gap before the next), as the 4 us that
+``jaxmp.tools.recommend_precision`` adds was fitted to steps measured on an H200."""
 
 
-def vs_bf16_with_launches(reports: dict, name: str) -> str:
-  """bf16's estimated cuBLAS-mode time over ``name``'s, at each of :data:`LAUNCH_US`."""
+def like_for_like_with_launches(cases: dict[str, Case], reports: dict, name: str) -> str:
+  """``name``'s speed against its ``against`` variant, cuBLAS mode, at each of
+  :data:`LAUNCH_US` per kernel."""
+  against = cases[name].against
+  if against is None:
+    return "-"
   at = lambda who, us: reports[who]["cuBLAS"].estimated_seconds_with_launches(us * 1e-6)
-  return "/".join(f"{at('bf16', us) / at(name, us):.2f}" for us in LAUNCH_US)
+  return "/".join(f"{at(against, us) / at(name, us):.2f}" for us in LAUNCH_US)
 
 
 def precision_table(title: str, cases: dict[str, Case], on_gpu: bool) -> None:
@@ -552,25 +614,28 @@ def precision_table(title: str, cases: dict[str, Case], on_gpu: bool) -> None:
              for name, case in cases.items()}
   measured = measure(cases) if on_gpu else {}
   est = lambda name, mode: reports[name][mode].estimated_seconds * 1e3
-  header = ["variant", "est. ms (cuBLAS)", "vs float32", "vs bf16", "est. ms (Triton)",
+  header = ["variant", "est. ms (cuBLAS)", "like for like (cuBLAS)", "est. ms (Triton)",
             "non-GEMM MiB", "GEMMs fp8/all", "GEMM ms", "other ms", "kernels",
-            "vs bf16 at " + "/".join(f"{us:g}" for us in LAUNCH_US) + " us/kernel"]
+            "like for like at " + "/".join(f"{us:g}" for us in LAUNCH_US) + " us/kernel"]
   if on_gpu:
-    header += ["measured ms", "measured TFLOP/s"]
+    header += ["measured ms", "measured like for like", "measured TFLOP/s"]
   print(f"\n### {title}\n")
+  print("Each variant against the one it differs from in one respect (precision or "
+        "attention), never across both.\n")
   print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+  cublas = {name: reports[name]["cuBLAS"].estimated_seconds for name in cases}
   for name in cases:
     r = reports[name]["cuBLAS"]
-    row = [name, f"{est(name, 'cuBLAS'):.3f}",
-           f"{est('float32', 'cuBLAS') / est(name, 'cuBLAS'):.2f}x" if "float32" in cases else "-",
-           f"{est('bf16', 'cuBLAS') / est(name, 'cuBLAS'):.2f}x" if "bf16" in cases else "-",
+    row = [name, f"{est(name, 'cuBLAS'):.3f}", like_for_like(cases, cublas, name),
            f"{est(name, 'Triton'):.3f}", f"{r.non_gemm_bytes / 2**20:.0f}",
            f"{sum(g.fp8 * g.count for g in r.gemms)}/{sum(g.count for g in r.gemms)}",
            f"{r.gemm_seconds * 1e3:.3f}", f"{r.non_gemm_seconds * 1e3:.3f}", str(r.launches),
-           vs_bf16_with_launches(reports, name) if "bf16" in cases else "-"]
+           like_for_like_with_launches(cases, reports, name)]
     if on_gpu:
       ms = measured[name].ms
-      row += [f"{ms:.3f}", f"{r.gemm_flops / (ms * 1e-3) / 1e12:.0f}"]
+      row += [f"{ms:.3f}",
+              like_for_like(cases, {n: m.ms for n, m in measured.items()}, name),
+              f"{r.gemm_flops / (ms * 1e-3) / 1e12:.0f}"]
     print("| " + " | ".join(row) + " |")
   flops = reports[next(iter(cases))]["cuBLAS"].gemm_flops
   print(f"\nGEMM work per step: {flops / 1e12:.3f} TFLOP (from the HLO).")
@@ -678,7 +743,13 @@ def _tpu_step_rows(generations, what: str, cases: dict[str, Case]) -> None:
     for name, case in cases.items():
       with warnings.catch_warnings():
         warnings.simplefilter("ignore", fp8.Fp8FallbackWarning)  # the table shows it
-        r = jaxmp.tools.audit(case.fn, *jax.eval_shape(case.make), target=gen)
+        try:
+          r = jaxmp.tools.audit(case.fn, *jax.eval_shape(case.make), target=gen)
+        except jaxmp.tools.CompileCrashError as e:  # libtpu died (in audit's child process)
+          progress(f"TPU {gen}: {what}, {name}: {e}")
+          print(f"| {gen} | {name} | compile crashed: {str(e).split(' compiling ')[0]} "
+                "| - | - | - |")
+          continue
       progress(f"compiled TPU {gen}: {what}, {name}")
       gemm_cycles, total = _tpu_cycles(r)
       base = base or total

@@ -198,10 +198,13 @@ def test_gpu_report_compiles_every_workload_for_an_h100():
   # backward) in place of the six score and weighted-sum GEMMs of Flax's attention.
   llama = out[out.index("### llama: one"):out.index("### llama: 2")]
   rows = _table_rows(llama, ["bf16", "bf16 + causal attention"])
-  assert (rows["bf16"][5], rows["bf16 + causal attention"][5]) == ("0/21", "0/17"), llama
+  assert (rows["bf16"][4], rows["bf16 + causal attention"][4]) == ("0/21", "0/17"), llama
+  # Each ratio measures one effect: attention against bf16, precision against float32.
+  assert rows["bf16"][1].endswith("x vs float32 (precision)"), llama
+  assert rows["bf16 + causal attention"][1].endswith("x vs bf16 (attention)"), llama
   # jaxmp's fp8 Dense runs its three GEMMs in fp8 on an H100, at any size.
   dense = out[out.index("### dense"):out.index("### block")]
-  assert _table_rows(dense, ["bf16 + jaxmp fp8"])["bf16 + jaxmp fp8"][5] == "3/3", dense
+  assert _table_rows(dense, ["bf16 + jaxmp fp8"])["bf16 + jaxmp fp8"][4] == "3/3", dense
   if "tpu" in workloads:
     assert "### TPU:" in out and "| v7 (" in out, out
     assert "jaxmp int8 Dense fwd+bwd" in out and "| v5e | int8 | " in out, out
@@ -451,8 +454,13 @@ def test_gpu_measure_times_counts_and_weighs_every_variant_it_names(tmp_path, ca
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(
         np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2),
         results[0], other)
-  kernels = {name: int(cells[4]) for name, cells in rows.items()}
+  kernels = {name: int(cells[5]) for name, cells in rows.items()}
   assert kernels["fp8 per-tensor"] > kernels["bf16"] > 0, out
+  # Each row against the row it differs from in one respect.
+  assert rows["float32"][1] == "-", out
+  assert rows["bf16 + causal attention"][1].endswith("x vs bf16 (attention)"), out
+  assert rows["fp8 per-tensor + causal attention"][1].endswith(
+      "x vs bf16 + causal attention (precision)"), out
   figures = json.loads((tmp_path / "m.json").read_text())
   table, = [v for k, v in figures.items() if k.startswith("llama") and "profiled" not in k]
   assert list(table) == names and all(r["ms"] > 0 and r["ms_one_at_a_time"] > 0
@@ -463,6 +471,31 @@ def test_gpu_measure_times_counts_and_weighs_every_variant_it_names(tmp_path, ca
   assert row["xla_peak_bytes"] > 0 and row["peak_bytes_in_use"] is None  # no stats on XLA:CPU
   # The lean compile (no dot merger) takes its options on any backend.
   assert gpu_measure.memory_run("(b) master + bf16 Adam", "smoke", lean=True)["xla_peak_bytes"] > 0
+
+
+def test_every_gpu_table_row_is_compared_with_a_row_differing_in_one_respect():
+  # A ratio across precision and attention at once (bf16 with cuDNN's causal attention
+  # against float32 with Flax's) measured neither: each row names its one difference.
+  import gpu_report  # pylint: disable=g-import-not-at-top
+  tables = {"llama": gpu_report.llama_cases("smoke"), "demo": gpu_report.demo_cases("smoke"),
+            "dense": gpu_report.layer_cases("dense", preset_name="smoke")}
+  for title, cases in tables.items():
+    baselines = [name for name, case in cases.items() if case.against is None]
+    assert baselines == ["float32"], (title, baselines)
+    for name, case in cases.items():
+      if case.against is not None:
+        assert case.against in cases and case.against != name, (title, name)
+        assert case.differs in ("precision", "attention"), (title, name)
+  llama, demo = tables["llama"], tables["demo"]
+  assert (llama["bf16"].against, llama["bf16"].differs) == ("float32", "precision")
+  assert (llama["bf16 + causal attention"].against,
+          llama["bf16 + causal attention"].differs) == ("bf16", "attention")
+  assert (demo["bf16, unfused attention"].against, demo["bf16"].against) == (
+      "float32", "bf16, unfused attention")
+  seconds = {"bf16": 11.648, "bf16 + causal attention": 7.724}
+  assert gpu_report.like_for_like(llama, seconds, "bf16 + causal attention") == (
+      "1.51x vs bf16 (attention)")
+  assert gpu_report.like_for_like(llama, seconds, "bf16") == "-"  # float32 not given
 
 
 def test_gpu_measure_runs_the_variants_asked_for_and_refuses_names_it_does_not_have():
