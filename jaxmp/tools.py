@@ -3,7 +3,8 @@
 * :func:`summary`: the per-module precision table of one call of a model.
 * :func:`audit`: what a compiled step actually runs (GEMM dtypes and backends,
   unfused converts, HBM bytes, a roofline estimate), locally or deviceless for an
-  H100/A100/B200 or a TPU v5e/v5p/v6e/v7.
+  H100/A100/B200 or a TPU v5e/v5p/v6e/v7 (a TPU compile runs in a child process: a
+  compiler crash raises :class:`CompileCrashError` and this process goes on).
 * :func:`underflow_report` / :func:`underflow_stats`: what a dtype (and a loss scale)
   would flush, make subnormal or overflow in a tree of values;
   :func:`suggest_scale` the loss scale that brings them into range.
@@ -43,6 +44,7 @@ from jaxmp._src.tools.hardware import DeviceCapabilities
 from jaxmp._src.tools.hardware import RecommendedPolicy
 from jaxmp._src.tools.hardware import device_capabilities
 from jaxmp._src.tools.hardware import recommended_policy
+from jaxmp._src.tools.isolated_compile import CompileCrashError
 from jaxmp._src.tools.memory import CompiledMemory
 from jaxmp._src.tools.memory import MemoryReport
 from jaxmp._src.tools.memory import memory_report
@@ -72,6 +74,7 @@ __all__ = (
     "Anomaly",
     "AuditReport",
     "CandidateEstimate",
+    "CompileCrashError",
     "CompiledMemory",
     "DeviceCapabilities",
     "DivergenceError",

@@ -103,6 +103,33 @@ def test_batched_einsum_shape_and_flops():
   assert gemm.operand_dtypes == ("float32", "float32")
 
 
+# XLA:CPU left this GEMM unfused in the entry computation (as it compiled a small train
+# step with tests/xla_flags.py's flags): its bfloat16 argument widened by a convert of
+# its own, the argument's number unrelated to the dot's operand order.
+UNFUSED_CPU_HLO = """\
+HloModule jit_step
+
+ENTRY %main.3 (g: f32[64,16], n: s32[], x: bf16[64,32]) -> f32[32,16] {
+  %g = f32[64,16]{1,0} parameter(0)
+  %n = s32[] parameter(1)
+  %x = bf16[64,32]{1,0} parameter(PARAMETER)
+  %widened = f32[64,32]{1,0} convert(%x)
+  ROOT %dot = f32[32,16]{1,0} dot(%widened, %g), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+}
+"""
+
+
+@pytest.mark.parametrize("parameter", [2, 1])  # before: IndexError; float32 (g's dtype)
+def test_an_unfused_dot_reads_its_operands_back_through_widening_converts(parameter):
+  hlo = UNFUSED_CPU_HLO.replace("PARAMETER", str(parameter))
+  if parameter == 1:
+    hlo = hlo.replace("%n = s32[] parameter(1)", "%n = s32[] parameter(2)")
+  (gemm,) = audit_lib.analyze(hlo, "cpu").gemms
+  assert (gemm.backend, gemm.operand_dtypes, gemm.compute_dtypes) == (
+      "CPU dot", ("bfloat16", "float32"), ("float32", "float32"))
+  assert (gemm.shape, gemm.flops) == ("32x16x64", 2 * 32 * 16 * 64)
+
+
 def test_jitted_function_keeps_its_static_arguments():
   f = jax.jit(lambda x, n: x @ x.T * n, static_argnums=1)
   report = jaxmp.tools.audit(f, jnp.ones((8, 4)), 3)
@@ -257,6 +284,21 @@ def test_cudnn_block_scaled_gemm_is_an_mx_gemm():
 def test_bad_target(target, error, match):
   with pytest.raises(error, match=match):
     jaxmp.tools.audit(lambda x: x, jnp.ones(2), target=target)
+
+
+@pytest.mark.parametrize("target, says", [
+    # TPU targets need libtpu alone: a small environment, not the 6.5 GB .venv-cuda.
+    ("v5e", f'jax[tpu] at this JAX\'s version in its own environment: for TPU targets alone '
+            f'`pip install "jax[tpu]=={jax.__version__}" -e .` in a virtual environment is '
+            'enough'),
+    ("h100", "jax[cuda12] at this JAX's version in its own environment: `make gpu-report` "
+             "builds one (.venv-cuda, which also holds libtpu)"),
+])
+def test_a_missing_plugin_says_what_to_install(monkeypatch, target, says):
+  monkeypatch.setattr(targets, "installed", lambda module: False)
+  with pytest.raises(ImportError, match="plugin, which is not installed here") as e:
+    targets.compile_device.__wrapped__(target)  # uncached: a built device would be kept
+  assert says in str(e.value), str(e.value)
 
 
 def test_bad_fn_and_options():

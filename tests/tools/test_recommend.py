@@ -13,6 +13,7 @@ import pytest
 
 import jaxmp
 from jaxmp._src.tools import audit as audit_lib
+from jaxmp._src.tools import isolated_compile
 from jaxmp._src.tools import recommend
 from jaxmp._src.tools import targets
 
@@ -68,17 +69,22 @@ def test_gpu_estimates_are_the_roofline_plus_the_stated_overhead_per_launch():
   assert recommend.step_estimates(reports, per_launch=0)[0] == {"bf16": 1e-3, "fp8": 0.9e-3}
 
 
-def test_tpu_estimates_are_the_cost_models_seconds_else_its_cycles_for_every_candidate():
-  with_seconds = {"bf16": _report("v5e", 2e-3, [_kernel(100)]),
-                  "int8": _report("v5e", 3e-3, [_kernel(50)])}
-  assert recommend.step_estimates(with_seconds)[:2] == ({"bf16": 2e-3, "int8": 3e-3}, "seconds")
-  # One compile without the cost model's seconds: every candidate by its summed cycles
-  # (a kernel without cycles counts 0, a loop's kernel its trip count times).
+def test_tpu_estimates_are_always_the_summed_kernel_cycles_never_optimal_seconds():
+  # libtpu's optimal_seconds prices an int8 and an fp8 4096^3 matmul alike on every TPU
+  # (v5e: 0.789 ms each, bf16 0.880 ms), where the kernels' cycles give each chip's
+  # matrix rate (v5e: int8 542,476, fp8 1,088,142, bf16 1,082,356): a precision is
+  # chosen by the cycles, even where every compile has the seconds. A kernel without
+  # cycles counts 0, a loop's kernel its trip count times.
+  with_seconds = {"bf16": _report("v5e", 0.880e-3, [_kernel(1_082_356)]),
+                  "int8": _report("v5e", 0.789e-3, [_kernel(542_476)]),
+                  "fp8": _report("v5e", 0.789e-3, [_kernel(1_088_142)])}
+  estimates, unit, source = recommend.step_estimates(with_seconds)
+  assert (estimates, unit) == ({"bf16": 1_082_356.0, "int8": 542_476.0, "fp8": 1_088_142.0},
+                               "cycles")
+  assert source == "TPU cost model (sum of kernels' estimated_cycles)"
   mixed = {"bf16": _report("v5e", 2e-3, [_kernel(100), _kernel(None, count=4)]),
            "int8": _report("v5e", None, [_kernel(50, count=3), _kernel(7)])}
-  estimates, unit, source = recommend.step_estimates(mixed)
-  assert (estimates, unit) == ({"bf16": 100.0, "int8": 157.0}, "cycles")
-  assert "estimated_cycles" in source
+  assert recommend.step_estimates(mixed)[:2] == ({"bf16": 100.0, "int8": 157.0}, "cycles")
 
 
 @pytest.mark.parametrize("reports", [
@@ -129,6 +135,32 @@ def test_the_result_holds_every_estimate_the_speedups_and_the_chosen_rules(monke
   seconds[id(CANDIDATES["bf16"])] = 2e-3
   assert recommend.recommend_precision(build, CANDIDATES, target="h100",
                                       per_launch=1e-4).chosen == "bf16"
+
+
+def test_a_candidate_whose_compile_crashes_is_left_out_by_name_the_baseline_is_not(
+    monkeypatch):
+  # libtpu 0.0.42.1 dies compiling a Llama-3-8B-shaped layer's int8 and fp8 steps for
+  # v7 at 2 x 4096 tokens; audit compiles TPU steps in a child and raises instead.
+  crashed = isolated_compile.CompileCrashError(
+      "audit(target='v7'): the compiler crashed with SIGSEGV (a stack overflow) compiling "
+      "step for TPU7x (v7), whose arguments are 11 arrays, the largest f32[14336,4096]")
+  seconds = {id(CANDIDATES["bf16"]): 4e-3, id(CANDIDATES["fp8"]): 3e-3}
+
+  def fake_audit(fn, key, *, target, compiler_options):
+    if key not in seconds:
+      raise crashed
+    return _report("v7", None, [_kernel(int(seconds[key] * 1e9))])
+
+  monkeypatch.setattr(audit_lib, "audit", fake_audit)
+  build = lambda rules: ((lambda: None), (id(rules),))
+  with pytest.warns(RuntimeWarning, match="left out candidate 'int8'.*SIGSEGV"):
+    result = recommend.recommend_precision(build, CANDIDATES, target="v7")
+  assert [c.name for c in result.candidates] == ["bf16", "fp8"] and result.chosen == "fp8"
+  assert result.failed == (("int8", str(crashed)),)
+  assert "int8: not compiled: audit(target='v7'): the compiler crashed" in str(result)
+  del seconds[id(CANDIDATES["bf16"])]  # without the baseline there is nothing to compare
+  with pytest.raises(isolated_compile.CompileCrashError, match="SIGSEGV"):
+    recommend.recommend_precision(build, CANDIDATES, target="v7")
 
 
 def test_on_a_cpu_there_is_no_estimate_to_recommend_from():

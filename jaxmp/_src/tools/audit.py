@@ -57,6 +57,7 @@ from jaxmp._src.fp8 import dot_general as fp8_dot_general
 from jaxmp._src.fp8 import state as fp8_state
 from jaxmp._src.fp8 import support as fp8_support
 from jaxmp._src.tools import hlo as hlo_lib
+from jaxmp._src.tools import isolated_compile
 from jaxmp._src.tools import memory as memory_lib
 from jaxmp._src.tools import table
 from jaxmp._src.tools import targets as targets_lib
@@ -488,7 +489,10 @@ def _block_fp8_gemm(module, ins) -> Gemm:
 def _fused_gemm(module, ins, dots, platform: str) -> Gemm:
   dot = max(dots, key=lambda d: math.prod(d.first_array[1]))
   a, b = (module.instruction(o) for o in dot.operands[:2])
-  held = tuple(_dtype_name(_held_dtype(module, x, ins)) for x in (a, b))
+  # A fusion's parameters are its operands; a dot left unfused reads its computation's
+  # own parameters (the entry's: the step's arguments), which no caller binds here.
+  caller = ins if ins.opcode == "fusion" else None
+  held = tuple(_dtype_name(_held_dtype(module, x, caller)) for x in (a, b))
   compute = tuple(_dtype_name(x.first_array[0]) for x in (a, b))
   flops = sum(hlo_lib.dot_flops(module, d) if d.opcode != "convolution"
               else hlo_lib.convolution_flops(module, d) for d in dots)
@@ -646,9 +650,11 @@ def audit(fn: Callable[..., Any], *args: Any, target: str | None = None,
   with ``args`` as given (arrays or ``jax.ShapeDtypeStruct``). With a target it
   compiles deviceless for that chip: every array leaf of ``args``/``kwargs`` is
   replaced by its shape and dtype on a compile-only device, so nothing is allocated;
-  GPU targets need JAX's CUDA plugin, TPU targets ``libtpu`` (``make gpu-report``
-  builds an environment with both), and GPU targets on a machine without a GPU a
-  process started with ``JAX_PLATFORMS=cpu``. Without a GPU XLA cannot autotune, so
+  GPU targets need JAX's CUDA plugin, TPU targets ``libtpu`` (``pip install
+  "jax[tpu]==<this JAX's version>"``; ``make gpu-report`` builds an environment with
+  both), and GPU targets on a machine without a GPU a process started with
+  ``JAX_PLATFORMS=cpu``. A TPU target is compiled in a child process, which a libtpu
+  crash ends without ending this one. Without a GPU XLA cannot autotune, so
   GEMM fusions get a default configuration; ``compiler_options=
   {"xla_gpu_enable_triton_gemm": False}`` turns every dot into a cuBLAS/cuBLASLt call,
   which is what a tuned H100 mostly runs.
@@ -670,7 +676,10 @@ def audit(fn: Callable[..., Any], *args: Any, target: str | None = None,
       ``compiler_options`` is not a mapping.
     ValueError: for an unknown target (the message lists the accepted ones).
     ImportError: if the target's plugin is not installed.
-    RuntimeError: if the CUDA plugin cannot compile deviceless in this process.
+    RuntimeError: if the CUDA plugin cannot compile deviceless in this process; for a
+      TPU target, :class:`jaxmp.tools.CompileCrashError` if libtpu crashes or fails
+      compiling the step, naming the chip and the arguments' shapes: TPU compiles run
+      in a child process (``isolated_compile``), so a crash there ends only the child.
 
   Example:
     >>> x = jnp.ones((32, 64), jnp.float32)
@@ -700,22 +709,24 @@ def audit(fn: Callable[..., Any], *args: Any, target: str | None = None,
     kind = device.device_kind
     platform = "tpu" if targets_lib.is_tpu(name) else "gpu"
     spec = targets_lib.GPU_TARGETS.get(name)
+  options = dict(compiler_options) if compiler_options else None
+  result = None
   # fp8 recipes decide at trace time what their GEMMs lower to (and warn where they
   # fall back): tell them which chip this compile is for.
   with fp8_support.compile_target(name) if name in fp8_support.TARGETS else \
       contextlib.nullcontext():
-    traced = jitted.trace(*args, **kwargs)
-  compiled = traced.lower().compile(dict(compiler_options) if compiler_options else None)
+    lowered = jitted.trace(*args, **kwargs).lower()
+    if platform == "tpu":  # libtpu can crash the process: compile in a child
+      result = isolated_compile.compile_in_child(jitted, args, kwargs, lowered, name, kind,
+                                                 options)
+  if result is None:
+    result = isolated_compile.read_compiled(lowered.compile(options))
   if platform == "tpu":
-    cost = compiled.cost_analysis() or {}
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    tpu_seconds = cost.get("optimal_seconds")
+    tpu_seconds = result.cost.get("optimal_seconds")
     if tpu_seconds is not None and tpu_seconds < 0:  # the cost model's "unknown"
       tpu_seconds = None
-  text = compiled.as_text()
-  assert text is not None  # JAX types it Optional; a compiled executable has its HLO
-  report = analyze(text, platform, spec, name, kind, compiler_options or {}, tpu_seconds)
-  return dataclasses.replace(report, memory=memory_lib.compiled_memory(compiled))
+  report = analyze(result.hlo, platform, spec, name, kind, compiler_options or {}, tpu_seconds)
+  return dataclasses.replace(report, memory=result.memory)
 
 
 def compiled_gemms(recipe: Any, target: str, size: int = 512) -> tuple[tuple[str, ...], bool]:

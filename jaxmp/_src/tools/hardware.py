@@ -8,16 +8,18 @@ turns that into a set-up, with the reasons:
 ======================================  =========================================  ===============
 device                                  policy (params, compute, output)           loss scale
 ======================================  =========================================  ===============
-TPU v7                                  float32, bfloat16, float32 (fp8 suggested)  none
-TPU v5e, v5p, v6e (and older)           float32, bfloat16, float32                 none
+TPU v7, v5e, v5p, v6e (and older)       float32, bfloat16, float32                 none
 GPU, compute capability >= 8.0, ROCm    float32, bfloat16, float32 (fp8 >= 8.9)    none
 GPU, compute capability < 8.0           float32, float16, float32                  dynamic
 CPU and other platforms                 float32, float32, float32                  none
 ======================================  =========================================  ===============
 
 bfloat16 has float32's range, so it needs no loss scale; float16 does. fp8 matmuls
-(``jaxmp.fp8``) are suggested, never switched on: they change a model's numerics per
-layer, so they are an opt-in by rule.
+(``jaxmp.fp8``) are suggested on GPUs with fp8 tensor cores, never switched on: they
+change a model's numerics per layer, so they are an opt-in by rule. On TPU v7, whose
+matrix units run fp8 at about twice the bfloat16 rate, they are not suggested: no whole
+train step compiled for it so far is estimated faster in fp8 (``TPU_V7_FP8_STEPS``);
+:func:`jaxmp.tools.recommend_precision` asks the compiler about a given step.
 
 Where fp8 pays (``benchmarks/RESULTS.md``, estimates from compiled HLO, no hardware):
 on an H100 an fp8 GEMM has twice the bfloat16 peak, so large GEMMs gain (a Dense
@@ -70,6 +72,16 @@ FP8_MIN_COMPUTE_CAPABILITY = (8, 9)    # Ada, Hopper: fp8 tensor cores
 # 0.10.2: `benchmarks/gpu_report.py --workloads tpu`), by `device_kind`. Below 1 is
 # faster; only v7 has fp8 matrix units.
 TPU_FP8_CYCLES = {"TPU v5 lite": 1.01, "TPU v5": 1.01, "TPU v6 lite": 1.09, "TPU7x": 0.48}
+
+
+# Whole train steps compiled deviceless for TPU v7, by libtpu's cost model (estimates,
+# not measurements; benchmarks/RESULTS.md, "TPU: the demo's train step" and "The
+# Llama-shaped layer on TPUs"): bf16's summed kernel cycles over fp8's. Every one is
+# below 1: the scaling passes cost more than the faster fp8 matmuls save.
+TPU_V7_FP8_STEPS = (
+    ("the demo's train step (width 768, per-tensor fp8)", 0.86),
+    ("a Llama-3-8B-shaped layer's train step (1 x 1024 tokens, rowwise fp8)", 0.62),
+)
 
 
 def _tpu_fp8_fast(device_kind: str) -> bool:
@@ -190,8 +202,8 @@ class RecommendedPolicy:
     loss_scale: the loss scale for :func:`jaxmp.loss_scaling`:
       ``DynamicLossScale()`` with float16 compute, ``NoOpLossScale()`` otherwise
       (the wrapper still skips non-finite steps).
-    fp8: an fp8 recipe (``jaxmp.fp8.DelayedScaling()``) to try by rule where the
-      device computes fp8 natively, else ``None``. Not part of ``policy``.
+    fp8: an fp8 recipe (``jaxmp.fp8.DelayedScaling()``) to try by rule on a GPU with
+      fp8 tensor cores, else ``None``. Not part of ``policy``.
     reason: why, in words.
   """
 
@@ -214,9 +226,10 @@ def recommended_policy(device: Any = None) -> RecommendedPolicy:
 
   * TPU, or GPU with bfloat16 tensor cores (compute capability >= 8.0, and ROCm):
     compute in bfloat16, no loss scale (bfloat16 has float32's exponent range); on
-    compute capability >= 8.9 and on TPU v7 also suggest fp8 matmuls with delayed
-    scaling (they pay for large GEMMs; on TPU v5e/v5p/v6e they would run at the
-    bfloat16 rate, so they are not suggested there).
+    compute capability >= 8.9 also suggest fp8 matmuls with delayed scaling (they pay
+    for large GEMMs: measured on an H200). Not on TPUs: on v5e/v5p/v6e they run at
+    the bfloat16 rate, and on v7, where they run at about twice it, every whole train
+    step compiled so far is estimated slower in fp8 (``TPU_V7_FP8_STEPS``).
   * GPU below 8.0: compute in float16 with dynamic loss scaling (float16 underflows
     small gradients without it).
   * CPU and other platforms: float32; half precision is emulated through float32
@@ -252,10 +265,17 @@ def recommended_policy(device: Any = None) -> RecommendedPolicy:
     loss_scale: loss_scale_lib.LossScale = loss_scale_lib.NoOpLossScale()
     reason = (f"{caps.device_kind} computes bfloat16 natively; bfloat16 has float32's "
               f"exponent range, so no loss scale is needed.")
-    if caps.supports_fp8:
+    if caps.supports_fp8 and caps.platform == "tpu":
+      steps = ", ".join(f"{what} at {speed:.2f}x" for what, speed in TPU_V7_FP8_STEPS)
+      reason += (f" Its matrix units run fp8 at about twice the bfloat16 rate, but by "
+                 f"libtpu's cost model every whole train step compiled for it so far is "
+                 f"slower in fp8 than in bfloat16 ({steps} bfloat16's speed; "
+                 "benchmarks/RESULTS.md): the scaling passes cost more than the matmuls "
+                 "save, so fp8 is not suggested. jaxmp.tools.recommend_precision(..., "
+                 "target='v7') estimates it for your step.")
+    elif caps.supports_fp8:
       fp8 = recipes_lib.DelayedScaling()
-      units = "matrix units" if caps.platform == "tpu" else "tensor cores"
-      reason += (f" It also has fp8 {units} (about twice the bfloat16 rate): try fp8 "
+      reason += (" It also has fp8 tensor cores (about twice the bfloat16 rate): try fp8 "
                  "matmuls by rule where GEMMs are large, e.g. PolicyRules(policy, "
                  "[Rule('head'), Rule(nn.Dense, fp8=DelayedScaling())]), compare the loss "
                  "with bfloat16's, and check with jaxmp.tools.audit that the GEMMs run in fp8.")

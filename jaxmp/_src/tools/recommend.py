@@ -11,15 +11,16 @@ at 2 x 4096 (``benchmarks/RESULTS.md``).
 1. For each candidate (a name and its :class:`~jaxmp.PolicyRules`), ``build(rules)``
    returns ``(step_fn, args)``, and :func:`~jaxmp.tools.audit` compiles
    ``step_fn(*args)`` deviceless for ``target`` (or on the local backend).
-2. Each compile's estimate is read by :func:`step_estimates`: on a TPU the cost
-   model's: ``AuditReport.estimated_seconds`` (``cost_analysis()["optimal_seconds"]``,
-   the compiler's estimate of the whole program) where every candidate has it; libtpu
-   leaves it unset for many steps (the lm1b train step of the tests, most fp8 and
-   int8 steps), and then every candidate is read as the sum of its kernels'
-   cost-model ``estimated_cycles``, as ``benchmarks/gpu_report.py`` sums them (that
-   sum leaves out asynchronous copies and custom calls, which carry no cycles; it is
-   not ``optimal_seconds`` times a clock: the two are read in one unit, never mixed).
-   On a GPU the roofline estimate plus a stated overhead per kernel launch
+2. Each compile's estimate is read by :func:`step_estimates`, one reading per
+   platform. On a TPU: the sum of every kernel's cost-model ``estimated_cycles``, as
+   ``benchmarks/gpu_report.py`` and ``benchmarks/RESULTS.md`` sum them (asynchronous
+   copies and custom calls carry no cycles and count 0). Not libtpu's whole-program
+   ``optimal_seconds`` (``AuditReport.estimated_seconds``), even where every compile
+   has it: it prices an int8 and an fp8 4096^3 matmul alike on every TPU (v5e: 0.789
+   ms each, bf16 0.880 ms), where the kernels' cycles give each chip's matrix rate
+   (v5e: int8 542,476, fp8 1,088,142, bf16 1,082,356; v7: fp8 149,229, int8 323,195,
+   bf16 312,832), and it is missing for many steps. On a GPU: the roofline estimate
+   plus a stated overhead per kernel
    (:meth:`~jaxmp.tools.AuditReport.estimated_seconds_with_launches`).
 3. :func:`choose` picks the candidate with the smallest estimate, but only if it is
    smaller than the baseline's; otherwise (ties included) the baseline.
@@ -32,12 +33,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
 from jaxmp._src import rules as rules_lib
 from jaxmp._src.tools import audit as audit_lib
+from jaxmp._src.tools import isolated_compile
 from jaxmp._src.tools import table as table_lib
 from jaxmp._src.tools import targets as targets_lib
 
@@ -78,6 +81,9 @@ class PrecisionRecommendation:
     chosen: the chosen candidate's name: the fastest by estimate if it is faster than
       the baseline, else the baseline.
     rules: the chosen candidate's rules.
+    failed: ``(name, message)`` of each candidate whose compile crashed or failed
+      (:class:`jaxmp.tools.CompileCrashError`), left out of
+      the choice.
   """
 
   target: str
@@ -87,6 +93,7 @@ class PrecisionRecommendation:
   baseline: str
   chosen: str
   rules: rules_lib.PolicyRules
+  failed: tuple[tuple[str, str], ...] = ()
 
   def __str__(self) -> str:
     def value(c: CandidateEstimate) -> str:
@@ -100,6 +107,7 @@ class PrecisionRecommendation:
               "vs baseline", "kernels", "")
     return (f"recommend_precision: {self.target}, {self.source}\n"
             + table_lib.text_table(header, rows, (False, True, True, True, False))
+            + "".join(f"\n{name}: not compiled: {why}" for name, why in self.failed)
             + f"\nchosen: {self.chosen} (compiler/cost-model estimates, not measurements)")
 
 
@@ -128,8 +136,9 @@ def step_estimates(reports: Mapping[str, audit_lib.AuditReport],
   """Each compiled step's estimate, in one unit for all of them.
 
   GPU reports (those with a roofline ``spec``): ``estimated_seconds_with_launches(
-  per_launch)``. TPU reports: ``estimated_seconds`` (the cost model's) where every
-  report has it, else the sum of every kernel's ``cycles`` for each.
+  per_launch)``. TPU reports: the sum of every kernel's cost-model ``cycles`` (never
+  ``estimated_seconds``, libtpu's ``optimal_seconds``, which does not tell an int8
+  GEMM from an fp8 one: see the module docstring).
 
   Args:
     reports: :func:`~jaxmp.tools.audit` reports by candidate name, one target.
@@ -150,9 +159,6 @@ def step_estimates(reports: Mapping[str, audit_lib.AuditReport],
     return _known(seconds, reports), "seconds", source
   if all(targets_lib.is_tpu(r.target) or r.device_kind.startswith("TPU")
          for r in reports.values()):
-    if all(r.estimated_seconds is not None for r in reports.values()):
-      seconds = {n: r.estimated_seconds for n, r in reports.items()}
-      return _known(seconds, reports), "seconds", "TPU cost model (optimal_seconds)"
     cycles = {n: _report_cycles(r) for n, r in reports.items()}
     return _known(cycles, reports), "cycles", "TPU cost model (sum of kernels' estimated_cycles)"
   return _known(dict.fromkeys(reports), reports), "seconds", ""
@@ -217,8 +223,7 @@ def recommend_precision(
   For each candidate, ``build(rules)`` gives ``(step_fn, args)``;
   :func:`~jaxmp.tools.audit` compiles ``step_fn(*args)`` for ``target`` (deviceless
   for a named chip); ``step_estimates`` reads the estimates (TPU: the cost
-  model's, in seconds where libtpu gives them for every candidate, else in summed
-  kernel cycles; GPU: the roofline plus ``per_launch`` per kernel launch);
+  model's kernel cycles, summed; GPU: the roofline plus ``per_launch`` per kernel);
   ``choose`` picks the smallest, if smaller than the baseline's, else the
   baseline. The result holds compiler and cost-model estimates, not measurements.
 
@@ -247,6 +252,9 @@ def recommend_precision(
       ``(callable, tuple)``; also :func:`~jaxmp.tools.audit`'s errors.
     ValueError: for an unknown target, no candidates, a baseline not among them, a
       negative ``per_launch``, or a compile that gives no estimate (a CPU).
+    RuntimeError: :class:`jaxmp.tools.CompileCrashError` if the baseline's compile crashes or fails
+      (another candidate's is left out with a ``RuntimeWarning`` naming it, and listed
+      in ``failed``).
 
   Example:
     >>> import flax.linen as nn
@@ -264,15 +272,16 @@ def recommend_precision(
     Traceback (most recent call last):
     ValueError: recommend_precision: the compile of candidate 'bf16' for 'cpu' ...
     >>> print(jaxmp.tools.recommend_precision(build, candidates, target="v5e"))  # doctest: +SKIP
-    recommend_precision: v5e, TPU cost model (optimal_seconds)
-    candidate         estimate  vs baseline  kernels
-    ---------------  ---------  -----------  -------  ---------
-    bf16 (baseline)  0.5372 us        1.00x        3  <- chosen
-    int8              1.615 us        0.33x        7
+    recommend_precision: v5e, TPU cost model (sum of kernels' estimated_cycles)
+    candidate        cycles  vs baseline  kernels
+    ---------------  ------  -----------  -------  ---------
+    bf16 (baseline)   6,820        1.00x        3  <- chosen
+    int8             16,710        0.41x        9
     chosen: bf16 (compiler/cost-model estimates, not measurements)
 
     On a CPU there is no estimate (first call); deviceless for TPU v5e (needs libtpu)
-    this Dense's int8 step is estimated 3x slower than bf16's, so bf16 is kept.
+    this Dense's int8 step is estimated 2.4x slower than bf16's (its scaling passes
+    cost more than its GEMM saves at this size), so bf16 is kept.
   """
   if not callable(build):
     raise TypeError(f"{_WHERE}: build must be a callable rules -> (step_fn, args), got "
@@ -293,18 +302,27 @@ def recommend_precision(
   per_launch = audit_lib.check_per_launch(per_launch)
   if target is not None:
     targets_lib.check_target(target, _WHERE)
-  reports = {}
+  reports, failed = {}, []
   for name, rules in candidates.items():
     step_fn, args = _check_build_output(build(rules), name)
-    reports[name] = audit_lib.audit(step_fn, *args, target=target,
-                                    compiler_options=compiler_options)
+    try:
+      reports[name] = audit_lib.audit(step_fn, *args, target=target,
+                                      compiler_options=compiler_options)
+    except isolated_compile.CompileCrashError as e:
+      if name == baseline:
+        raise  # nothing to compare the others with
+      # The compiler died on this candidate alone (in a child process): the others
+      # can still be compared.
+      warnings.warn(f"{_WHERE}: left out candidate {name!r}: {e}", RuntimeWarning,
+                    stacklevel=2)
+      failed.append((name, str(e)))
   estimates, unit, source = step_estimates(reports, per_launch)
   chosen = choose(estimates, baseline)
   base = estimates[baseline]
   rows = tuple(CandidateEstimate(n, candidates[n], e, base / e if e > 0 else math.inf,
                                  reports[n].launches) for n, e in estimates.items())
   return PrecisionRecommendation(next(iter(reports.values())).target, unit, source, rows,
-                                 baseline, chosen, candidates[chosen])
+                                 baseline, chosen, candidates[chosen], tuple(failed))
 
 
 __all__ = ("CandidateEstimate", "PrecisionRecommendation", "choose", "recommend_precision",

@@ -182,11 +182,15 @@ def cuda_plugin_installed() -> bool:
 
 def _require(module: str, extra: str, target: str) -> None:
   if not installed(module):
+    # TPU targets need libtpu alone (a small environment); GPU targets the CUDA plugin.
+    where = ("for TPU targets alone `pip install \"jax[tpu]==" + jax.__version__
+             + "\" -e .` in a virtual environment is enough; `make gpu-report` builds "
+             ".venv-cuda with the CUDA plugin and libtpu" if extra == "tpu" else
+             "`make gpu-report` builds one (.venv-cuda, which also holds libtpu)")
     raise ImportError(
         f"audit(target={target!r}) compiles without the hardware through JAX's {extra} "
         f"plugin, which is not installed here ({module} not found). Install "
-        f"jax[{extra}] at this JAX's version in its own environment; `make gpu-report` "
-        "builds one (.venv-cuda, which also holds libtpu).")
+        f"jax[{extra}] at this JAX's version in its own environment: {where}.")
 
 
 @functools.cache
