@@ -4,6 +4,9 @@
 # extra); any finding fails it.
 # `make docs` builds the documentation site (Sphinx, docs/ -> docs/_build/html) with the
 # docs extra; warnings and broken cross-references fail it.
+# `make test-min` runs the fast tests on the oldest releases pyproject.toml allows: it
+# builds .venv-min with each runtime dependency pinned at its `>=` bound
+# (.ci/lower_bounds.py reads them from pyproject.toml, the one place they are written).
 # `make gpu-report` estimates H100 (and TPU) performance without the hardware: it builds
 # .venv-cuda beside .venv (jax[cuda12,tpu] at .venv's jax version, 6.5 GB) on first use.
 
@@ -16,7 +19,11 @@ CUDA_VENV  ?= .venv-cuda
 CUDA_PY    := $(CUDA_VENV)/bin/python
 CUDA_STAMP := $(CUDA_VENV)/.installed
 
-.PHONY: test test-fast golden lint demo env gpu-report clean
+MIN_VENV  ?= .venv-min
+MIN_PY    := $(MIN_VENV)/bin/python
+MIN_STAMP := $(MIN_VENV)/.installed
+
+.PHONY: test test-fast test-min golden lint demo env gpu-report clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +55,20 @@ JAX_CACHE := JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.jax_cache \
 
 test-fast: $(STAMP)
 	$(JAX_CACHE) $(PY) -m pytest -m "not slow" -n auto --dist loadfile
+
+# The lower bounds, pinned, beside the newest dev tools that install with them. The fast
+# tests but the golden ones (jaxprs as the newest JAX and Flax print them); no persistent
+# compilation cache, as `make test`.
+$(MIN_STAMP): pyproject.toml .ci/lower_bounds.py
+	$(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_PY) -m pip install --quiet --upgrade pip
+	$(PYTHON) .ci/lower_bounds.py > $(MIN_VENV)/lower-bounds.txt
+	$(MIN_PY) -m pip install --quiet -r $(MIN_VENV)/lower-bounds.txt -e '.[dev]'
+	touch $(MIN_STAMP)
+
+test-min: $(MIN_STAMP)
+	@echo "make test-min: the fast tests on $$(tr '\n' ' ' < $(MIN_VENV)/lower-bounds.txt)"
+	$(MIN_PY) -m pytest -m "not slow and not golden" -n auto --dist loadfile
 
 # Rewrites tests/golden/ from the current code with the installed JAX and Flax (their
 # first line names the versions; the test fails when they are not the installed ones).
@@ -81,4 +102,4 @@ gpu-report: $(CUDA_STAMP)
 	$(CUDA_PY) benchmarks/gpu_report.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .jax_cache build *.egg-info docs/_build
+	rm -rf $(VENV) $(MIN_VENV) .pytest_cache .jax_cache build *.egg-info docs/_build

@@ -4,7 +4,8 @@ Trains the demo transformer (``examples/train_lm.py``: model, data, schedule, se
 with each way of storing params and AdamW's state in ``examples/train_memory.py``:
 float32, (a) today's mixed precision, (b) bfloat16 params + float32 master (full
 copy, or 16-bit remainder) + bfloat16 moments, (c) pure bfloat16 with round-to-nearest,
-(d) with stochastic rounding, (e) with Kahan summation; at two settings:
+(d) with stochastic rounding, (e) with Kahan summation, and (a)/(b) with AdamW's
+moments in 8 bits (``jaxmp.optim.quantized_moments``); at two settings:
 
 * the demo's: 600 steps, peak learning rate 2e-3 (cosine to 2e-4);
 * a low learning rate: 300 steps, peak 3e-4 (cosine to 3e-5), where most AdamW

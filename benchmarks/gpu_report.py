@@ -42,7 +42,8 @@ Workloads (``--workloads``):
   dominate), a jitted train step with clipped AdamW and the state donated, for each of
   ``examples/train_memory.py``'s runs (float32; mixed; bf16 params + float32 master +
   bf16 moments; remainder masters; pure bf16 with round-to-nearest, stochastic
-  rounding, Kahan summation): the compiled step's peak by XLA's accounting
+  rounding, Kahan summation; 8-bit moments without a master, with one, with remainders;
+  ``--memory-runs`` picks): the compiled step's peak by XLA's accounting
   (``audit(...).memory``: arguments + outputs + temporaries - aliased).
 * ``tpu``: 4096^3 matmuls in bf16, fp8 and int8, and jaxmp's fp8 and int8 Dense, compiled
   for TPU v5e, v5p, v6e and v7 (libtpu, deviceless): the operand dtypes in the HLO and
@@ -331,7 +332,7 @@ copies sat on the Llama layer's peak (16 MiB at 512 tokens, deviceless H100 comp
 
 def memory_cases(preset_name: str = "gpu", config: Any = None,
                  runs: Any = None) -> dict[str, Case]:
-  """``examples/train_memory.py``'s seven ways to store params and AdamW's state (or
+  """``examples/train_memory.py``'s ways to store params and AdamW's state (or
   ``runs``), on one Llama-3-8B-shaped layer (218M params at ``gpu``; or ``config``'s);
   steps donate their state."""
   config = config or (llama_layer.LLAMA3_8B if preset_name == "gpu" else llama_layer.SMOKE)
@@ -342,9 +343,12 @@ def memory_cases(preset_name: str = "gpu", config: Any = None,
           for run in (runs or train_memory.RUNS)}
 
 
-def memory_table(preset_name: str = "gpu") -> None:
-  """Peak memory of the compiled H100 train step, by XLA's accounting, per way."""
-  cases = memory_cases(preset_name)
+def memory_table(preset_name: str = "gpu", names: Any = None) -> None:
+  """Peak memory of the compiled H100 train step, by XLA's accounting, per way (the runs
+  of ``examples/train_memory.py`` named in ``names``, always with float32; default all)."""
+  runs = [run for run in train_memory.RUNS
+          if not names or run.name == "float32" or run.name in names]
+  cases = memory_cases(preset_name, runs=runs)
   reports = {name: audit(case, "cuBLAS", f"memory: {name}") for name, case in cases.items()}
   lean = {name: audit(case, "cuBLAS", f"memory: {name}, dot merger off", options=LEAN_MEMORY)
           for name, case in cases.items()}
@@ -732,11 +736,14 @@ def main(argv=None) -> None:
            "demo's train step in five precisions; dense: one 8192^3 Dense fwd+bwd; block: a "
            "transformer block; llama: a Llama-3-8B-shaped decoder layer and a stack of "
            "two at context 4096, nine ways; memory: that layer's train step's peak "
-           "memory with seven ways to store params and AdamW's state; traffic: jaxmp's fp8 against Flax's, non-GEMM bytes; tpu: "
+           "memory with ten ways to store params and AdamW's state; traffic: jaxmp's fp8 against Flax's, non-GEMM bytes; tpu: "
            "matmuls, the Llama-shaped layer and the demo step compiled for TPU v5e-v7. All of them compile for about half an hour on "
            "2 cores; progress goes to stderr.")
   parser.add_argument("--power-of-two", action="store_true",
                       help="jaxmp's delayed scaling with power_of_two=True (traffic table)")
+  parser.add_argument("--memory-runs", nargs="*", metavar="RUN",
+                      choices=[run.name for run in train_memory.RUNS],
+                      help="the memory workload's runs besides float32 (default: all)")
   parser.add_argument("--preset", choices=sorted(MATMUL_SIZE), default="gpu",
                       help="the workloads' sizes (smoke: tiny, to check the script runs)")
   args = parser.parse_args(argv)
@@ -755,7 +762,7 @@ def main(argv=None) -> None:
       precision_table(f"demo train step, examples/train_lm.py --preset {args.preset} (AdamW)",
                       demo_cases(args.preset), on_gpu)
     elif workload == "memory":
-      memory_table(args.preset)
+      memory_table(args.preset, args.memory_runs)
     elif workload == "llama":
       batch, context = LLAMA_TOKENS[args.preset]
       shape = "Llama-3-8B" if args.preset == "gpu" else "smoke-sized"

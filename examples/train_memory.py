@@ -11,6 +11,9 @@ params and AdamW's state stored in different ways:
   (c) pure bf16, nearest    bfloat16 params and moments, round-to-nearest writes
   (d) pure bf16, stochastic bfloat16 params and moments, stochastic rounding
   (e) pure bf16, Kahan      bfloat16 params and moments, Kahan-compensated writes
+  (a) / (b) with 8-bit Adam the moments stored as 8-bit codes plus a float32 scale per
+                            256 values (jaxmp.optim.quantized_moments): float32 params
+                            (no master), or the master as a full copy or remainder
 
 and prints validation loss against float32, bytes per parameter of params, master,
 optimizer state and gradients (``jaxmp.tools.memory_report``), the compiled step's
@@ -63,6 +66,19 @@ def master_remainders(schedule) -> optax.GradientTransformation:
   return jaxmp.optim.master_weights(bf16_adamw(schedule), remainders=True)
 
 
+def adamw_8bit(schedule) -> optax.GradientTransformation:
+  """The demo's clipped AdamW with its moments stored in 8 bits (math in float32)."""
+  return jaxmp.optim.quantized_moments(train_lm.adamw(schedule))
+
+
+def master_8bit(schedule) -> optax.GradientTransformation:
+  return jaxmp.optim.master_weights(adamw_8bit(schedule))
+
+
+def master_remainders_8bit(schedule) -> optax.GradientTransformation:
+  return jaxmp.optim.master_weights(adamw_8bit(schedule), remainders=True)
+
+
 def stochastic(schedule) -> optax.GradientTransformation:
   # Outside loss scaling, unlike the others: inside it, the random bits make XLA keep the
   # skip as a conditional with float32 update buffers (docs/guides/memory.md,
@@ -87,6 +103,9 @@ RUNS = (
     _run(NEAREST, BF16, bf16_adamw),
     _run("(d) pure bf16, stochastic", BF16, stochastic, loss_scale=None),
     _run("(e) pure bf16, Kahan", BF16, kahan),
+    _run("(a) mixed, 8-bit Adam", MIXED, adamw_8bit),
+    _run("(b) master + 8-bit Adam", BF16, master_8bit),
+    _run("(b) remainders, 8-bit Adam", BF16, master_remainders_8bit),
 )
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from jaxmp._src.dtypes import half_dtype
 from jaxmp._src.dynamic_loss_scale import DynamicLossScale
+from jaxmp._src.jax_compat import JaxVersionWarning
 from jaxmp._src.loss_scale import LossScale
 from jaxmp._src.loss_scale import NoOpLossScale
 from jaxmp._src.loss_scale import StaticLossScale
@@ -69,6 +70,7 @@ def __dir__() -> list[str]:
 
 __all__ = (
     "DynamicLossScale",
+    "JaxVersionWarning",
     "LossScale",
     "LossScalingState",
     "NoOpLossScale",

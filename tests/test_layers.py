@@ -52,9 +52,9 @@ class Layer:
 
 LAYERS = (
     Layer("core", ("_src/__init__.py", "_src/checks.py", "_src/dtypes.py",
-                   "_src/dynamic_loss_scale.py", "_src/loss_scale.py", "_src/loss_scaling.py",
-                   "_src/paths.py", "_src/policy.py", "_src/pytree.py", "_src/sharding.py",
-                   "_src/tree.py"), among=True),
+                   "_src/dynamic_loss_scale.py", "_src/jax_compat.py", "_src/loss_scale.py",
+                   "_src/loss_scaling.py", "_src/paths.py", "_src/policy.py", "_src/pytree.py",
+                   "_src/sharding.py", "_src/tree.py"), among=True),
     Layer("fp8 core, optim", ("_src/fp8/", "_src/optim/"), among=False),
     Layer("engine", ("_src/adapter.py", "_src/attention.py", "_src/engine.py",
                      "_src/float32_ops.py", "_src/nonfinite.py", "_src/rules.py",
@@ -320,6 +320,74 @@ def test_a_planted_framework_import_is_reported(tmp_path):
       f"function); only the adapters and above import a framework",
       f"jaxmp/_src/rules.py:{lines + 4}: jaxmp._src.rules (engine) looks flax.nnx up in "
       f"sys.modules; only the adapters and above know a framework"]
+
+
+JAX_COMPAT = "jaxmp._src.jax_compat"
+"""The one module that imports what JAX does not promise to keep between releases."""
+
+PRIVATE_JAX = ("jax._src", "jaxlib", "jax.experimental")
+"""Module prefixes only :data:`JAX_COMPAT` imports: JAX's private modules, jaxlib's
+bindings (Triton, MLIR), and experimental APIs, which have been renamed between the
+releases jaxmp supports (``jax.experimental.layout``'s ``DeviceLocalLayout``)."""
+
+STABLE_EXPERIMENTAL = ("jax.experimental.pallas", "jax.experimental.topologies")
+"""Experimental modules imported elsewhere: Pallas' public API (``pallas_call``,
+``BlockSpec``, ``pallas.triton.CompilerParams``) and deviceless topologies, the same at
+every release ``make test-min`` and ``make test`` run. A new experimental import goes
+through :data:`JAX_COMPAT` unless both runs show it there too."""
+
+
+def _is_private_jax(imported: str) -> bool:
+  inside = lambda name, prefix: name == prefix or name.startswith(prefix + ".")
+  return (any(inside(imported, prefix) for prefix in PRIVATE_JAX)
+          and not any(inside(imported, prefix) for prefix in STABLE_EXPERIMENTAL))
+
+
+def private_jax_imports(package: pathlib.Path) -> list[str]:
+  """Every import of a :data:`PRIVATE_JAX` module by a module other than :data:`JAX_COMPAT`."""
+  found = []
+  for name, path in modules(package).items():
+    if name == JAX_COMPAT:
+      continue
+    for node, lazy in _import_nodes(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+      elif node.level:
+        continue
+      else:  # ``from a import b``: module a.b, or name b of a (``from jax import _src``)
+        names = [f"{node.module}.{alias.name}" for alias in node.names]
+      for imported in dict.fromkeys(n for n in names if _is_private_jax(n)):
+        how = " (inside a function)" if lazy else ""
+        found.append(f"{path.relative_to(package.parent)}:{node.lineno}: {name} imports "
+                     f"{imported}{how}; only {JAX_COMPAT} imports JAX's private or moved "
+                     f"modules")
+        break
+  return sorted(found, key=lambda line: (line.split(":")[0], int(line.split(":")[1])))
+
+
+def test_only_jax_compat_imports_private_jax_modules():
+  problems = private_jax_imports(PACKAGE)
+  assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("code, imported", [
+    ("from jax._src import core", "jax._src.core"),
+    ("def _later():\n  import jaxlib.triton.dialect", "jaxlib.triton.dialect"),
+    ("from jax import _src", "jax._src"),
+    ("from jax.experimental.layout import Layout", "jax.experimental.layout.Layout"),
+    ("from jax.experimental import layout", "jax.experimental.layout"),
+])
+def test_a_planted_private_jax_import_is_reported(tmp_path, code, imported):
+  package = tmp_path / "jaxmp"
+  shutil.copytree(PACKAGE, package, ignore=shutil.ignore_patterns("__pycache__"))
+  assert private_jax_imports(package) == []
+  path = package / "_src" / "fp8" / "scaled_gemm.py"
+  line = len(path.read_text().splitlines()) + 1 + len(code.splitlines())
+  path.write_text(path.read_text() + "\n" + code + "\n")
+  how = " (inside a function)" if "def " in code else ""
+  assert private_jax_imports(package) == [
+      f"jaxmp/_src/fp8/scaled_gemm.py:{line}: jaxmp._src.fp8.scaled_gemm imports {imported}"
+      f"{how}; only jaxmp._src.jax_compat imports JAX's private or moved modules"]
 
 
 def test_the_imports_keep_the_contract():

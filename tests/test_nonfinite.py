@@ -250,6 +250,7 @@ def test_nnx_wrapper_has_a_row_per_module_and_public_method():
 # ---- off: exactly what jaxmp built before tracing existed --------------------------------
 
 
+@pytest.mark.golden
 @pytest.mark.parametrize("framework", sorted(nonfinite_golden.JAXPRS))
 def test_tracing_off_builds_the_jaxpr_of_jaxmp_before_tracing(framework):
   golden = nonfinite_golden.read(nonfinite_golden.golden_path(framework))

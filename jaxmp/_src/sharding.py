@@ -3,14 +3,15 @@
 Inside ``shard_map`` every value's type says over which mesh axes it varies from
 device to device. ``lax.cond`` needs both branches to vary over the same axes, and a
 custom VJP must hand back a cotangent varying over exactly the axes of its primal.
-These two helpers are the only place jaxmp reads or changes that type, and the only
-place that knows how the API moved across JAX releases (``manual_axis_type`` and
-``pcast`` from jax 0.9; ``vma`` and ``pvary`` before). Outside ``shard_map`` every
-set is empty and both are no-ops.
+These helpers are the only place jaxmp reads or changes that type (the abstract
+value's ``manual_axis_type`` and ``jax.lax.pcast``, named so from jax 0.9; jaxmp needs
+jax >= 0.10.2). Outside ``shard_map`` every set is empty and they are no-ops.
 
 Example:
   >>> from jaxmp._src import sharding
   >>> sharding.varying_axes(jnp.ones(2))
+  frozenset()
+  >>> sharding.varying_axes(jax.eval_shape(lambda: jnp.ones(2)))  # a ShapeDtypeStruct
   frozenset()
 """
 
@@ -24,10 +25,8 @@ import jax
 def varying_axes(x: Any) -> frozenset:
   """The ``shard_map`` mesh axes ``x`` (an array, tracer or ShapeDtypeStruct) varies over."""
   aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # jax >= 0.9
-  if manual is not None:
-    return frozenset(getattr(manual, "varying", ()))
-  return frozenset(getattr(aval, "vma", ()) or ())  # older jax
+  manual = aval.manual_axis_type  # None: a ShapeDtypeStruct that names no mesh axes
+  return frozenset() if manual is None else frozenset(manual.varying)
 
 
 def make_varying(x: jax.Array, axes: Any) -> jax.Array:
@@ -35,9 +34,7 @@ def make_varying(x: jax.Array, axes: Any) -> jax.Array:
   missing = tuple(sorted(frozenset(axes) - varying_axes(x), key=str))
   if not missing:
     return x
-  if hasattr(jax.lax, "pcast"):
-    return jax.lax.pcast(x, missing, to="varying")
-  return jax.lax.pvary(x, missing)  # jax < 0.9  # pyright: ignore[reportAttributeAccessIssue]
+  return jax.lax.pcast(x, missing, to="varying")
 
 
 def like_primal(ct: jax.Array, primal_axes: frozenset, reduce: Any) -> jax.Array:
@@ -49,7 +46,7 @@ def like_primal(ct: jax.Array, primal_axes: frozenset, reduce: Any) -> jax.Array
   axes: ``psum`` for the operand gradients, as JAX's own transpose of the implicit
   broadcast does for a plain ``dot_general``, and ``pmax`` for the fp8 state, whose
   new amaxes are maxima (the amax of the whole global batch). Axes the primal varies
-  over and the cotangent does not are added with ``pcast``.
+  over and the cotangent does not are added (:func:`make_varying`).
   """
   extra = tuple(sorted(varying_axes(ct) - primal_axes, key=str))
   if extra:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jaxmp import fp8
-from jaxmp._src.fp8 import chips
+from jaxmp._src import jax_compat
 from jaxmp._src.fp8 import support
 from jaxmp._src.tools import targets as audit_targets
 
@@ -147,7 +147,7 @@ def test_an_mx_function_traced_for_blackwell_still_runs_here_with_the_same_numbe
     (types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3",
                            compute_capability="9.0"), "NVIDIA H100 80GB HBM3", True, False),
     (types.SimpleNamespace(platform="gpu", device_kind="NVIDIA B200", compute_capability="10.0"),
-     "NVIDIA B200", True, chips._cudnn_version() in (None,) or chips._cudnn_version() >= 91000),
+     "NVIDIA B200", True, jax_compat.cudnn_version() in (None,) or jax_compat.cudnn_version() >= 91000),
     (types.SimpleNamespace(platform="gpu", device_kind="NVIDIA A100", compute_capability="8.0"),
      "NVIDIA A100", False, False),
     (types.SimpleNamespace(platform="tpu", device_kind="TPU7x"), "v7", True, False),

@@ -21,6 +21,10 @@ if any failed.
   Optax over bfloat16 params agrees only because it rounds that float32 sum to
   bfloat16, which hides a few float32 ulps (except where the sum lies near a bfloat16
   rounding boundary).
+* ``quantized_parity``: 8-bit moments (``quantized_moments``) alone and under master
+  weights (full and remainders), params sharded on their last dimension: codes sharded
+  like their param, scales (a block per 32 values of a row) along the same axis, and
+  every value bit for bit what one device gives.
 * ``fsdp_train_step``: a bfloat16-param MLP trained with master weights under
   ``jaxmp.loss_scaling``, FSDP-sharded, matches one device; a NaN in one device's
   data makes every device skip with masters and params untouched.
@@ -103,16 +107,22 @@ def _optimizer_run(tx, params, mesh=None):
   return state
 
 
+def _sharded_runs(optimizers, params, mesh):
+  """Each optimizer's run on 8 devices, after checking it equals one device's bit for bit."""
+  for name, make in optimizers.items():
+    tx = make()
+    single = _optimizer_run(tx, params)
+    sharded = _optimizer_run(tx, params, mesh)
+    tree_asserts.assert_trees_equal(jax.device_get(sharded), jax.device_get(single), what=name)
+    yield name, sharded
+
+
 def check_optimizer_parity() -> str:
   mesh = _mesh()
   params = {"w": jax.random.normal(jax.random.key(0), (16, 64)).astype(jnp.bfloat16),
             "b": jnp.zeros(64, jnp.bfloat16), "norm": jnp.ones(64, jnp.float32)}
   checked = []
-  for name, make in OPTIMIZERS.items():
-    tx = make()
-    single = _optimizer_run(tx, params)
-    sharded = _optimizer_run(tx, params, mesh)
-    tree_asserts.assert_trees_equal(jax.device_get(sharded), jax.device_get(single), what=name)
+  for name, sharded in _sharded_runs(OPTIMIZERS, params, mesh):
     n_sharded = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(sharded[1])[0]:
       if leaf.shape in ((16, 64), (64,)):
@@ -124,6 +134,38 @@ def check_optimizer_parity() -> str:
     assert n_sharded >= 6, f"{name}: only {n_sharded} param-shaped state leaves"
     checked.append(f"{name} ({n_sharded} sharded state leaves)")
   return "bit for bit as on one device: " + ", ".join(checked)
+
+
+def _quantized_adamw():
+  return jaxmp.optim.quantized_moments(_adamw(), block_size=32, min_size=0)
+
+
+QUANTIZED = {
+    "8-bit moments": _quantized_adamw,
+    "master, 8-bit moments": lambda: jaxmp.optim.master_weights(_quantized_adamw()),
+    "remainders, 8-bit moments": lambda: jaxmp.optim.master_weights(
+        _quantized_adamw(), remainders=True),
+}
+
+
+def check_quantized_parity() -> str:
+  mesh = _mesh()
+  params = {"w": jax.random.normal(jax.random.key(0), (16, 512)).astype(jnp.bfloat16),
+            "b": jnp.zeros(512, jnp.bfloat16)}
+  is_quantized = lambda x: isinstance(x, jaxmp.optim.QuantizedMoment)
+  checked = []
+  for name, sharded in _sharded_runs(QUANTIZED, params, mesh):
+    moments = [x for x in jax.tree.leaves(sharded[1], is_leaf=is_quantized) if is_quantized(x)]
+    assert len(moments) == 4, f"{name}: {len(moments)} quantized moments"
+    for moment in moments:
+      codes, scale = moment
+      assert codes.dtype == jnp.uint8 and scale.shape[-1] == 16, (name, scale.shape)
+      for leaf, per_device in ((codes, 512 // DEVICES), (scale, 16 // DEVICES)):
+        assert leaf.sharding.spec[-1] == AXIS, f"{name}: {leaf.shape} {leaf.sharding.spec}"
+        assert {s.data.shape[-1] for s in leaf.addressable_shards} == {per_device}
+    checked.append(name)
+  return ("codes and scales sharded like their param, bit for bit as on one device: "
+          + ", ".join(checked))
 
 
 def _clipped_adamw():
@@ -215,6 +257,7 @@ def check_fsdp_train_step() -> str:
 CHECKS = {
     "optimizer_parity": check_optimizer_parity,
     "clipped_parity": check_clipped_parity,
+    "quantized_parity": check_quantized_parity,
     "fsdp_train_step": check_fsdp_train_step,
 }
 

@@ -20,6 +20,9 @@ OPTIMIZERS = {
     "master remainders": jaxmp.optim.master_weights(_adamw(), remainders=True),
     "stochastic rounding": jaxmp.optim.stochastic_rounding(_adamw(), jax.random.key(3)),
     "kahan": jaxmp.optim.kahan_summation(_adamw()),
+    # 8-bit moments (blocks of 64, no size threshold: the small test params' too).
+    "master 8-bit moments": jaxmp.optim.master_weights(jaxmp.optim.quantized_moments(
+        optax.adamw(3e-3, weight_decay=0.1), block_size=64, min_size=0)),
 }
 
 

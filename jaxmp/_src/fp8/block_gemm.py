@@ -50,7 +50,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any
 
 import jax
@@ -59,6 +58,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src import jax_compat
 from jaxmp._src.fp8 import grouped
 
 BLOCK = 128
@@ -111,22 +111,15 @@ def supports(recipe: Any) -> bool:
   return recipe.block_size == BLOCK and not recipe.power_of_two and available()
 
 
-@functools.cache
 def available() -> bool:
   """Whether this JAX has what the kernel's dot is built from (private Pallas modules).
 
-  Checked once: Pallas' Triton lowering rules, and Triton's ``tt.dot`` builder taking
-  ``max_num_imprecise_acc``. Where a JAX release moves them, ``BlockScaling`` keeps the
-  dequantized GEMM (and says so in its fallback warning) rather than failing.
+  Pallas' Triton lowering rules, and Triton's ``tt.dot`` builder taking
+  ``max_num_imprecise_acc`` (:func:`jaxmp._src.jax_compat.pallas_triton`, checked once).
+  Where a JAX release moves them, ``BlockScaling`` keeps the dequantized GEMM (and says
+  so in its fallback warning) rather than failing.
   """
-  try:
-    from jax._src.pallas.triton import lowering as triton_lowering  # pylint: disable=g-import-not-at-top
-    from jaxlib.triton import dialect as tt  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return False
-  return (callable(getattr(triton_lowering, "register_lowering", None))
-          and callable(getattr(triton_lowering, "_zeros", None))
-          and "max_num_imprecise_acc" in inspect.signature(tt.dot).parameters)
+  return jax_compat.pallas_triton() is not None
 
 
 @functools.cache
@@ -136,9 +129,9 @@ def _fp8_dot_primitive() -> jax.extend.core.Primitive:
   Built and registered with Pallas' Triton lowering once, on first use.
   """
   # Private modules: Pallas has no public way to set a dot's max_num_imprecise_acc.
-  from jax._src.pallas.triton import lowering as triton_lowering  # pylint: disable=g-import-not-at-top
-  from jaxlib.mlir import ir  # pylint: disable=g-import-not-at-top
-  from jaxlib.triton import dialect as tt  # pylint: disable=g-import-not-at-top
+  internals = jax_compat.pallas_triton()
+  assert internals is not None  # only built where available() (supports) said so
+  triton_lowering, tt, ir = internals
 
   primitive = jax.extend.core.Primitive("jaxmp_fp8_block_dot")
   primitive.def_abstract_eval(

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxmp._src import dtypes as dtypes_lib
+from jaxmp._src import jax_compat
 
 FP16_MIN_COMPUTE_CAPABILITY = (7, 0)
 """Volta: float16 tensor cores."""
@@ -229,14 +230,6 @@ def chip_of(device_kind: str) -> Chip | None:
   return None
 
 
-def _cudnn_version() -> int | None:
-  try:
-    from jax._src.lib import cuda_versions  # pylint: disable=g-import-not-at-top
-    return int(cuda_versions.cudnn_get_version()) if cuda_versions else None
-  except Exception:  # pylint: disable=broad-except
-    return None  # unknown: no claim either way
-
-
 def target_for_device(device: Any) -> Target:
   """The :class:`Target` of a ``jax.Device`` (duck-typed on ``platform``, ``device_kind``).
 
@@ -256,7 +249,7 @@ def target_for_device(device: Any) -> Target:
   capability = dtypes_lib.gpu_compute_capability(device, "jaxmp.fp8")
   if capability is None:  # ROCm: not described here, so no claim is made
     return Target(kind, "gpu", None, False, kind)
-  return gpu_target(kind, kind, capability, _cudnn_version())
+  return gpu_target(kind, kind, capability, jax_compat.cudnn_version())
 
 
 @dataclasses.dataclass(frozen=True)

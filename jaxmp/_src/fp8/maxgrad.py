@@ -39,16 +39,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src import jax_compat
+
 
 def _define_max_float32() -> Any:
   """Builds the ``max_float32`` extended dtype from JAX's extended-dtype protocol.
 
   The protocol (``jax._src.dtypes.ExtendedDType`` and the ``_rules`` it points to)
-  is not public API. Flax's ``fp8_ops.fm32`` relies on the same protocol, so it is
-  kept working across JAX releases, but its hooks have been renamed before
-  (``convert_to``/``convert_from`` became ``allow_conversion``). Every use of
-  ``jax._src`` in jaxmp lives in this function; if JAX changes the protocol, this
-  is the one place that fails, with an error that says so.
+  is not public API (reached through :func:`~jaxmp._src.jax_compat.extended_dtypes`).
+  Flax's ``fp8_ops.fm32`` relies on the same protocol, so it is kept working across
+  JAX releases, but its hooks have been renamed before (``convert_to``/``convert_from``
+  became ``allow_conversion``). If JAX changes the protocol, this is the one place
+  that fails, with an error that says so: no fallback, since adding repeated
+  cotangents in its place would give wrong scales silently.
 
   Returns:
     The dtype object.
@@ -56,18 +59,13 @@ def _define_max_float32() -> Any:
   Raises:
     ImportError: if this JAX no longer has the internals the dtype needs.
   """
-  try:
-    from jax._src import ad_util
-    from jax._src import core as jax_core
-    from jax._src import dtypes as jax_dtypes
-    from jax._src import earray
-    from jax._src.interpreters import pxla
-    extended_base = jax_dtypes.ExtendedDType
-  except (ImportError, AttributeError) as e:
+  internals = jax_compat.extended_dtypes()
+  if internals is None:
     raise ImportError(
         "jaxmp.fp8 needs JAX's extended-dtype protocol (jax._src.dtypes.ExtendedDType) "
-        f"to take the max of repeated fp8 state cotangents, and jax {jax.__version__} "
-        "does not provide it; please report this with your JAX version.") from e
+        f"to take the max of repeated fp8 state cotangents, and {jax_compat.jax_version()} "
+        "does not provide it; please report this with your JAX version.")
+  extended_base, jax_core, ad_util, earray, pxla = internals
 
   f32 = np.dtype(np.float32)
 
@@ -142,7 +140,7 @@ def _define_max_float32() -> Any:
     _rules = MaxFloat32Rules
     # JAX's ExtendedDType declares ``type`` an abstract property; its own extended
     # dtypes (PRNG keys) define it as a class attribute, as here.
-    type = max_float32_scalar  # pyright: ignore[reportAssignmentType]
+    type = max_float32_scalar
     name = "max_float32"
     itemsize = 4
 

@@ -32,14 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src import jax_compat
 from jaxmp._src.fp8 import grouped
 from jaxmp._src.fp8 import quantize as q
-
-try:  # JAX 0.7's names (earlier, DeviceLocalLayout); absent, XLA keeps its choice
-  from jax.experimental.layout import Layout as _Layout
-  from jax.experimental.layout import with_layout_constraint as _with_layout_constraint
-except ImportError:  # pragma: no cover
-  _Layout = _with_layout_constraint = None
 
 F32 = np.dtype(np.float32)
 BF16 = np.dtype(jnp.bfloat16)
@@ -87,13 +82,6 @@ benchmarks/RESULTS.md, "On a real H100"). A bfloat16 GEMM of the same fp8 values
 the same computation: every fp8 value is a bfloat16 value and every product of two is
 exact in float32, so only the speed of a GEMM this small is given up.
 """
-
-
-def _row_major(x: jax.Array) -> jax.Array:
-  constrain, layout = _with_layout_constraint, _Layout
-  if constrain is None or layout is None:  # a JAX without layout constraints: XLA chooses
-    return x
-  return constrain(x, layout(tuple(range(x.ndim))))
 
 
 def in_own_layout_on_gpus(k_major_fp8: bool, *operands: jax.Array, own_kernel: bool = False
@@ -145,7 +133,8 @@ def in_own_layout_on_gpus(k_major_fp8: bool, *operands: jax.Array, own_kernel: b
   """
   if not k_major_fp8:
     return operands
-  on_cuda = (lambda x: jax.lax.optimization_barrier(_row_major(x))) if own_kernel else _row_major
+  row_major = jax_compat.row_major  # without JAX's layout API: XLA's choice, and a warning
+  on_cuda = (lambda x: jax.lax.optimization_barrier(row_major(x))) if own_kernel else row_major
   return tuple(jax.lax.platform_dependent(x, cuda=on_cuda, default=lambda x: x)
                for x in operands)
 

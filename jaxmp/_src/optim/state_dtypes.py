@@ -37,7 +37,7 @@ RMSProp's ``nu``, Adagrad's ``sum_of_squares``, Adafactor's ``v_row``/``v_col``/
 SM3's ``mu``, ...), whether a plain dtype or a function chose it; keep those in
 bfloat16 and store the first moments in float16 if you like. A custom optimizer's
 squares are not recognised: keep them out of float16 yourself. Block-scaled 8-bit
-states are not offered.
+states: ``jaxmp.optim.quantized_moments``.
 
 Example:
   >>> import optax
@@ -145,7 +145,7 @@ def _float_leaf(x: Any) -> bool:
   return hasattr(x, "dtype") and dtypes_lib.is_float_dtype(x.dtype)
 
 
-def _squared_leaves(natural: Any) -> dict[str, str]:
+def squared_leaves(natural: Any) -> dict[str, str]:
   """The paths of the leaves holding squares (:data:`SQUARED_FIELDS`), each to its field."""
 
   def holds_squares(x):
@@ -169,7 +169,7 @@ def _storage(choose: DTypeChoice, natural: Any) -> Any:
   Raises:
     ValueError: for float16 chosen for a leaf that holds squares.
   """
-  squared = _squared_leaves(natural)
+  squared = squared_leaves(natural)
 
   def one(path, leaf):
     if not _float_leaf(leaf):
@@ -240,20 +240,20 @@ def state_dtypes(inner: optax.GradientTransformation,
     return jax.eval_shape(inner.init, params32)
 
   def init_fn(params):
-    params32 = _upcast(params)
+    params32 = upcast(params)
     return _cast(inner.init(params32), _storage(choose, natural_state(params32)))
 
   def update_fn(updates, state, params=None, **extra_args):
-    params32 = None if params is None else _upcast(params)
-    natural = natural_state(params32 if params is not None else _upcast(updates))
+    params32 = None if params is None else upcast(params)
+    natural = natural_state(params32 if params is not None else upcast(updates))
     state = _cast(state, _natural_dtypes(natural))
-    updates, state = inner.update(_upcast(updates), state, params32, **extra_args)
+    updates, state = inner.update(upcast(updates), state, params32, **extra_args)
     return updates, _cast(state, _storage(choose, natural))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _upcast(tree: Any) -> Any:
+def upcast(tree: Any) -> Any:
   """16-bit float leaves as float32 (exact); wider floats and the rest unchanged."""
   return jax.tree_util.tree_map(
       lambda x: x.astype(base.ARITHMETIC)
@@ -264,5 +264,7 @@ __all__ = (
     "DTypeChoice",
     "SQUARED_FIELDS",
     "STORAGE_DTYPES",
+    "squared_leaves",
     "state_dtypes",
+    "upcast",
 )

@@ -5,8 +5,8 @@
 * params: the params tree;
 * master: the float32 masters (or 16-bit remainders) a ``jaxmp.optim.master_weights``
   state holds, found anywhere in the optimizer state;
-* optimizer state: the rest of the optimizer state (moments, Kahan compensation,
-  keys, counters, loss scale);
+* optimizer state: the rest of the optimizer state (moments, 8-bit moments' codes and
+  scales, Kahan compensation, keys, counters, loss scale);
 * gradients: the gradients tree if given, else one cotangent per param in the
   param's dtype (what ``jax.grad`` returns);
 
