@@ -61,17 +61,13 @@ from jaxmp._src import dtypes as dtypes_lib
 from jaxmp._src import dynamic_loss_scale
 from jaxmp._src import loss_scale as loss_scale_lib
 from jaxmp._src import policy as policy_lib
+from jaxmp._src.fp8 import chips as chips_lib
 from jaxmp._src.fp8 import recipes as recipes_lib
 
-BF16_MIN_COMPUTE_CAPABILITY = dtypes_lib.BF16_MIN_COMPUTE_CAPABILITY  # Ampere
-FP16_MIN_COMPUTE_CAPABILITY = (7, 0)   # Volta: float16 tensor cores
-FP8_MIN_COMPUTE_CAPABILITY = (8, 9)    # Ada, Hopper: fp8 tensor cores
-
-# Estimated cycles of a 4096^3 matmul with fp8 (E4M3) operands over the same matmul in
-# bfloat16, by each TPU's cost model (compiled deviceless with libtpu 0.0.42 for jax
-# 0.10.2: `benchmarks/gpu_report.py --workloads tpu`), by `device_kind`. Below 1 is
-# faster; only v7 has fp8 matrix units.
-TPU_FP8_CYCLES = {"TPU v5 lite": 1.01, "TPU v5": 1.01, "TPU v6 lite": 1.09, "TPU7x": 0.48}
+# The chip table's thresholds (jaxmp._src.fp8.chips, where each is stated once).
+BF16_MIN_COMPUTE_CAPABILITY = chips_lib.BF16_MIN_COMPUTE_CAPABILITY
+FP16_MIN_COMPUTE_CAPABILITY = chips_lib.FP16_MIN_COMPUTE_CAPABILITY
+FP8_MIN_COMPUTE_CAPABILITY = chips_lib.FP8_MIN_COMPUTE_CAPABILITY
 
 
 # Whole train steps compiled deviceless for TPU v7, by libtpu's cost model (estimates,
@@ -85,7 +81,9 @@ TPU_V7_FP8_STEPS = (
 
 
 def _tpu_fp8_fast(device_kind: str) -> bool:
-  return TPU_FP8_CYCLES.get(device_kind, 1.0) < 0.75
+  """Whether the chip table says this TPU's matrix units run fp8 faster than bfloat16."""
+  chip = chips_lib.chip_of(device_kind)
+  return chip is not None and bool(chip.target.fp8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +126,8 @@ def device_capabilities(device: Any = None) -> DeviceCapabilities:
   Rules: TPUs compute bfloat16 natively (their matrix units are bfloat16), not float16;
   fp8 only on v7 (``device_kind`` "TPU7x"), whose matrix units run fp8 at about twice
   the bfloat16 rate; v5e, v5p and v6e accept fp8 operands but run them at the
-  bfloat16 rate (TPU cost model, ``TPU_FP8_CYCLES``). CUDA GPUs compute float16 on tensor cores
+  bfloat16 rate (TPU cost model, the chip table's ``fp8_matmul_cycles``:
+  :data:`jaxmp._src.fp8.chips.CHIPS`). CUDA GPUs compute float16 on tensor cores
   from compute capability 7.0, bfloat16 from 8.0 and fp8 from 8.9. ROCm GPUs (no
   compute capability) are taken to compute bfloat16 and float16, as
   :func:`jaxmp.half_dtype` does, with fp8 unknown (``False``). CPUs and other

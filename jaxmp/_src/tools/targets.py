@@ -8,13 +8,15 @@ with ``libtpu`` (``jax[tpu]``) the same works for TPU generations by topology na
 Nothing here runs on a device: it only says what to compile for and, for the
 roofline estimate, how fast the chip is on paper.
 
-GPU peaks are dense (no 2:4 sparsity) tensor-core rates from NVIDIA's datasheets
-(H100 SXM5: "NVIDIA H100 Tensor Core GPU" datasheet; A100 SXM4 80GB: "NVIDIA A100
-Tensor Core GPU" datasheet; B200: "NVIDIA DGX B200" datasheet, per GPU, the sparse
-figures halved). Memory bandwidth is the one in the target description, which is
-what XLA's own cost model assumes (within 5% of the datasheets). The GPU target
-descriptions are XLA's ``xla/tools/hlo_opt/gpu_specs`` files, plus the CUDA and cuDNN
-versions the fp8 GEMM rewrite checks for.
+Every fact about a chip (its compute capability, peak rates and their source, memory
+bandwidth, XLA's description of it, its TPU topology) is stated once, in the chip
+table :data:`jaxmp._src.fp8.chips.CHIPS`; this module turns them into what a
+deviceless compile needs: the GpuTargetConfigProto text (XLA's
+``xla/tools/hlo_opt/gpu_specs`` fields, plus the CUDA and cuDNN versions the fp8 GEMM
+rewrite checks for) and the compile-only device. GPU peaks are dense (no 2:4
+sparsity) tensor-core rates from NVIDIA's datasheets; memory bandwidth is the one in
+the target description, which is what XLA's own cost model assumes (within 5% of the
+datasheets).
 
 Example:
   >>> from jaxmp._src.tools import targets
@@ -36,6 +38,8 @@ from typing import Any
 
 import jax
 
+from jaxmp._src.fp8 import chips as chips_lib
+
 _GPU_INFO_COMMON = """\
   threads_per_block_limit: 1024
   threads_per_warp: 32
@@ -52,6 +56,7 @@ _GPU_INFO_COMMON = """\
 def _target_config(device_info: str, capability: tuple[int, int], name: str) -> str:
   """A GpuTargetConfigProto in text form: XLA's gpu_specs fields plus versions."""
   major, minor = capability
+  cudnn = chips_lib.DEVICELESS_CUDNN
   return (f"gpu_device_info {{\n{_GPU_INFO_COMMON}{device_info}"
           f"  cuda_compute_capability {{ major: {major} minor: {minor} }}\n}}\n"
           # The fp8 cuBLASLt rewrite needs CUDA >= 12; cuDNN 9 for fused attention,
@@ -59,7 +64,7 @@ def _target_config(device_info: str, capability: tuple[int, int], name: str) -> 
           # 0.10.2 accepts cuDNN 9.8 and later; pip installs the newest 9.x).
           "runtime_version { major: 12 minor: 8 patch: 0 }\n"
           "platform_name: \"CUDA\"\n"
-          "dnn_version_info { major: 9 minor: 10 }\n"
+          f"dnn_version_info {{ major: {cudnn // 10000} minor: {cudnn // 100 % 100} }}\n"
           f"device_description_str: \"{name}\"\n")
 
 
@@ -86,60 +91,26 @@ class GpuSpec:
   source: str
 
 
-GPU_TARGETS: Mapping[str, GpuSpec] = {
-    "h100": GpuSpec(
-        "h100", "NVIDIA H100 80GB HBM3",
-        _target_config("""\
-  shared_memory_per_core: 233472
-  core_count: 132
-  fpus_per_core: 128
-  memory_bandwidth: 3352320000000
-  l2_cache_size: 52428800
-  clock_rate_ghz: 1.98
-  device_memory_size: 84978434048
-  shared_memory_per_block_optin: 232448
-""", (9, 0), "NVIDIA H100 80GB HBM3"),
-        {"fp8": 1978.9, "bf16": 989.4, "tf32": 494.7, "f32": 66.9, "f64": 66.9, "int8": 1978.9},
-        3.35232e12, "NVIDIA H100 Tensor Core GPU datasheet, SXM5, dense"),
-    "a100": GpuSpec(
-        "a100", "NVIDIA A100-SXM4-80GB",
-        _target_config("""\
-  shared_memory_per_core: 167936
-  core_count: 108
-  fpus_per_core: 64
-  memory_bandwidth: 2039040000000
-  l2_cache_size: 41943040
-  clock_rate_ghz: 1.41
-  device_memory_size: 85100068864
-  shared_memory_per_block_optin: 166912
-""", (8, 0), "NVIDIA A100-SXM4-80GB"),
-        # No fp8 tensor cores: XLA turns fp8 GEMMs into float16 ones on sm_80.
-        {"bf16": 312.0, "tf32": 156.0, "f32": 19.5, "f64": 19.5, "int8": 624.0},
-        2.03904e12, "NVIDIA A100 Tensor Core GPU datasheet, SXM4 80GB, dense"),
-    "b200": GpuSpec(
-        "b200", "NVIDIA B200",
-        _target_config("""\
-  shared_memory_per_core: 233472
-  core_count: 148
-  fpus_per_core: 128
-  memory_bandwidth: 7672320000000
-  l2_cache_size: 132644864
-  clock_rate_ghz: 1.965
-  device_memory_size: 191514673152
-  shared_memory_per_block_optin: 232448
-""", (10, 0), "NVIDIA B200"),
-        {"fp8": 4500.0, "bf16": 2250.0, "tf32": 1100.0, "f32": 75.0, "f64": 37.0, "int8": 4500.0},
-        7.67232e12, "NVIDIA DGX B200 datasheet, per GPU, sparse figures halved"),
-}
+def _gpu_spec(name: str, chip: chips_lib.Chip) -> GpuSpec:
+  assert chip.gpu_device_info and chip.compute_capability and chip.peak_tflops
+  assert chip.hbm_bytes_per_second is not None  # a compile target has its speeds
+  kind = chip.device_kinds[0]
+  return GpuSpec(name, kind, _target_config(chip.gpu_device_info, chip.compute_capability, kind),
+                 chip.peak_tflops, chip.hbm_bytes_per_second, chip.source)
 
-# Single-chip topologies. "tpu7x" is v7 (Ironwood), whose chip is two devices
-# (TensorCores); the audit compiles for one of them.
+
+GPU_TARGETS: Mapping[str, GpuSpec] = {
+    name: _gpu_spec(name, chip) for name, chip in chips_lib.CHIPS.items()
+    if chip.gpu_device_info is not None}
+"""The GPUs jaxmp compiles for without them (the chips with XLA's description)."""
+
 # JAX's CUDA plugins, either of which compiles for a GPU target without the GPU.
 CUDA_PLUGINS = ("cuda12", "cuda13")
 
 TPU_TARGETS: Mapping[str, str] = {
-    "v5e": "v5e:1x1", "v5p": "v5p:1x1x1", "v6e": "v6e:1x1", "v7": "tpu7x:1x1x1",
-}
+    name: chip.tpu_topology for name, chip in chips_lib.CHIPS.items()
+    if chip.tpu_topology is not None}
+"""The TPUs jaxmp compiles for without them, with their single-chip topologies."""
 
 TARGETS = tuple(GPU_TARGETS) + tuple(TPU_TARGETS)
 
