@@ -62,6 +62,9 @@ nitpick_ignore_regex = [
     # The engine's per-call hook protocol in the signature of MixedPrecision.trace's
     # ``hooks``: an internal extension point (docs/ARCHITECTURE.md describes it), not API.
     ("py:class", r"jaxmp\._src\.engine\.CallHook"),
+    # The per-tensor op's entry in the fp8 ops table (RecipeOps.per_tensor): the built-in
+    # DelayedScaling and CurrentScaling fill it; a registered recipe runs per GEMM.
+    ("py:class", r"jaxmp\._src\.fp8\.ops\.PerTensorOps"),
 ]
 
 

@@ -72,7 +72,7 @@ class _Config(NamedTuple):
   lhs_varying: frozenset = frozenset()
   rhs_varying: frozenset = frozenset()
   state_varying: tuple | None = None
-  # Whether the quantized operands are written row-major on CUDA (support.Target).
+  # Whether the quantized operands are written row-major on CUDA (chips.Target).
   k_major_fp8: bool = False
 
 

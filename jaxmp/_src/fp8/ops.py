@@ -95,7 +95,7 @@ class OperandOps:
     grouping: ``grouping(recipe, role)``: which elements share a scale.
     element_format: ``element_format(recipe, role)``: the narrow dtype of the elements.
     quantize: ``quantize(x, recipe, role)``; ``None`` scales each group by its own amax
-      (:func:`~jaxmp._src.fp8.grouped.scales`, with the recipe's ``margin`` and
+      (``jaxmp._src.fp8.grouped.scales``, with the recipe's ``margin`` and
       ``power_of_two``) in ``element_format``.
     quantize_swapped: ``quantize_swapped(x, recipe, role)``: the operand with its rows
       and contracted dimension swapped (as a backward GEMM reads it); ``None`` swaps,
@@ -140,7 +140,7 @@ class RecipeOps:
   Attributes:
     narrow: what its GEMMs multiply, ``"fp8"`` or ``"int8"`` (for messages).
     lowering: ``lowering(recipe, target) -> Lowering``: what one of its GEMMs runs as
-      on a chip (:mod:`~jaxmp._src.fp8.chips`), for the fallback warning and the docs.
+      on a chip (``jaxmp._src.fp8.chips``), for the fallback warning and the docs.
     operand: how it prepares an operand (a recipe one GEMM or operand may use).
     gemm: ``gemm(a, b, recipe, call: GemmCall)``: the product of two of its quantized
       operands, ``(B, P', Q')`` before the padding is sliced off.

@@ -110,7 +110,7 @@ class Recipe:
 
   A recipe is configuration only: a frozen, hashable dataclass whose constructor checks
   its fields. What the fp8 core does with it (how it quantizes, multiplies, lowers and
-  keeps state) is the recipe type's entry in :mod:`jaxmp._src.fp8.ops`.
+  keeps state) is the recipe type's entry in the fp8 ops table, ``jaxmp._src.fp8.ops``.
   """
 
   __slots__ = ()

@@ -71,11 +71,11 @@ _OVERRIDE: contextvars.ContextVar = contextvars.ContextVar("jaxmp_fp8_target", d
 
 
 class CompileTarget:
-  """What :func:`compile_target` returns: the named chip while it is entered (``with``).
+  """What :func:`~jaxmp.fp8.compile_target` returns: the chip, while entered (``with``).
 
   Entering sets the override (clearing JAX's caches where it changes the target, see
-  :func:`compile_target`) and yields the :class:`Target`; leaving restores the previous
-  one. It may be entered again, nested too. One that is dropped without ever being
+  :func:`~jaxmp.fp8.compile_target`) and yields the :class:`~jaxmp.fp8.Target`; leaving
+  restores the previous one. It may be entered again, nested too. One that is dropped without ever being
   entered warns (``RuntimeWarning``), as a coroutine never awaited does: called as a
   plain function, ``compile_target`` changes nothing.
   """
@@ -129,8 +129,8 @@ def compile_target(name: str) -> CompileTarget:
     name: one of ``TARGETS`` (case-insensitive).
 
   Returns:
-    A :class:`CompileTarget`, a context manager whose ``with`` yields the
-    :class:`~jaxmp._src.fp8.support.Target`.
+    A :class:`~jaxmp._src.fp8.support.CompileTarget`, a context manager whose ``with`` yields the
+    :class:`~jaxmp.fp8.Target`.
 
   Raises:
     TypeError: if ``name`` is not a string.

@@ -398,7 +398,7 @@ class MixedPrecision(engine.Wrapper):
         wrapper: drop its collection, :data:`NONFINITE_COLLECTION`).
       TypeError: where a module writes a value it computed in place into
         floating-point state of another dtype that jaxmp does not read as a cache
-        (a collection other than :data:`CACHE_COLLECTION`): lax's error, with the
+        (a collection other than ``"cache"``): lax's error, with the
         state and the fix named.
     """
     probe = None

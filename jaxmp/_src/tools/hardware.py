@@ -127,7 +127,7 @@ def device_capabilities(device: Any = None) -> DeviceCapabilities:
   fp8 only on v7 (``device_kind`` "TPU7x"), whose matrix units run fp8 at about twice
   the bfloat16 rate; v5e, v5p and v6e accept fp8 operands but run them at the
   bfloat16 rate (TPU cost model, the chip table's ``fp8_matmul_cycles``:
-  :data:`jaxmp._src.fp8.chips.CHIPS`). CUDA GPUs compute float16 on tensor cores
+  ``jaxmp._src.fp8.chips.CHIPS``). CUDA GPUs compute float16 on tensor cores
   from compute capability 7.0, bfloat16 from 8.0 and fp8 from 8.9. ROCm GPUs (no
   compute capability) are taken to compute bfloat16 and float16, as
   :func:`jaxmp.half_dtype` does, with fp8 unknown (``False``). CPUs and other
