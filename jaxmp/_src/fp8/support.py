@@ -75,9 +75,9 @@ class CompileTarget:
 
   Entering sets the override (clearing JAX's caches where it changes the target, see
   :func:`~jaxmp.fp8.compile_target`) and yields the :class:`~jaxmp.fp8.Target`; leaving
-  restores the previous one. It may be entered again, nested too. One that is dropped without ever being
-  entered warns (``RuntimeWarning``), as a coroutine never awaited does: called as a
-  plain function, ``compile_target`` changes nothing.
+  restores the previous one. It may be entered again, nested too. One that is dropped
+  without ever being entered warns (``RuntimeWarning``), as a coroutine never awaited
+  does: called as a plain function, ``compile_target`` changes nothing.
   """
 
   def __init__(self, name: str, target: Target):
