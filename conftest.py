@@ -20,5 +20,17 @@ def _doctest_names(doctest_namespace):
   doctest_namespace.update(jax=jax, jnp=jnp, np=np, jaxmp=jaxmp)
 
 
+@pytest.fixture(autouse=True)
+def _cpu_arithmetic(request):
+  """A test marked ``cpu_arithmetic`` checks XLA:CPU's exact arithmetic: where another
+  backend is the default (a GPU), it computes on the CPU device, which every JAX
+  install has (arrays it did not place on a device follow it)."""
+  if request.node.get_closest_marker("cpu_arithmetic") is None or jax.default_backend() == "cpu":
+    yield
+    return
+  with jax.default_device(jax.devices("cpu")[0]):
+    yield
+
+
 def pytest_report_header():
   return f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')!r} (tests/xla_flags.py)"
