@@ -80,6 +80,19 @@ def test_the_warning_names_the_gemms_that_fall_back_and_what_runs():
           "dequantized operands (MXFP8 GEMMs need a Blackwell GPU with cuDNN >= 9.10)") in message
 
 
+def test_fp8_ops_are_traced_for_the_device_jax_computes_on_by_default(monkeypatch):
+  # On a machine with a GPU, a step run under `with jax.default_device(cpu):` runs on the
+  # CPU: traced for the GPU it would carry the GPU's kernels and layouts to the CPU.
+  real = jax.devices
+  h100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3",
+                               compute_capability="9.0")
+  monkeypatch.setattr(jax, "devices", lambda backend=None: [h100] if backend is None
+                      else real(backend))
+  assert fp8.current_target().block_fp8
+  with jax.default_device(real("cpu")[0]):
+    assert fp8.current_target().name == "cpu"
+
+
 def test_compile_target_overrides_and_restores():
   with fp8.compile_target("B200") as target:
     assert fp8.current_target() is target and target.mx

@@ -34,7 +34,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import jax
+from jaxmp._src import dtypes
 
 _GPU_INFO_COMMON = """\
   threads_per_block_limit: 1024
@@ -208,7 +208,7 @@ def compile_device(target: str) -> Any:
         topology_name=TPU_TARGETS[target], platform="tpu", chip_config_name="default",
         chips_per_host_bounds=(1, 1, 1), num_slices=1, wrap=(False, False, False))
   else:
-    local = jax.devices()[0]
+    local = dtypes.default_device()
     if local.platform == "gpu" and gpu_spec_for(local.device_kind) is GPU_TARGETS[target]:
       # The target is the GPU here: compile for it, with the versions it really has.
       return local
