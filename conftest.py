@@ -21,11 +21,12 @@ def _doctest_names(doctest_namespace):
 
 
 @pytest.fixture(autouse=True)
-def _cpu_arithmetic(request):
-  """A test marked ``cpu_arithmetic`` checks XLA:CPU's exact arithmetic: where another
-  backend is the default (a GPU), it computes on the CPU device, which every JAX
-  install has (arrays it did not place on a device follow it)."""
-  if request.node.get_closest_marker("cpu_arithmetic") is None or jax.default_backend() == "cpu":
+def _on_cpu(request):
+  """A test marked ``on_cpu`` checks XLA:CPU's exact arithmetic or what XLA:CPU compiles:
+  where another backend is the default (a GPU), it computes on the CPU device, which
+  every JAX install has (arrays not placed on a device follow it, and jaxmp traces for
+  it: ``jaxmp._src.dtypes.default_device``)."""
+  if request.node.get_closest_marker("on_cpu") is None or jax.default_backend() == "cpu":
     yield
     return
   with jax.default_device(jax.devices("cpu")[0]):

@@ -194,8 +194,8 @@ def _adjust(loss_scale: loss_scale_lib.LossScale, finite: jax.Array,
 
 
 def _raise_skip_cap(reached, count, scale, *, cap):
-  # A host callback; under vmap both branches of the cond run, once per member, so look
-  # again.
+  # A host callback; under vmap both branches of the cond run (for every member), so
+  # look again.
   if np.any(reached):
     raise FloatingPointError(
         f"loss_scaling: {int(np.max(count))} consecutive steps skipped for non-finite "
@@ -217,7 +217,10 @@ def _checked_skip_count(count: jax.Array, scale: jax.Array, cap: int) -> jax.Arr
 
   def check():
     jax.debug.callback(functools.partial(_raise_skip_cap, cap=cap), reached, count, scale)
-    return count
+    # count itself here (count >= cap), but computed in the branch: a branch returning
+    # its operand would be forwarded around the cond (by JAX, or XLA), leaving the cond
+    # with no output again.
+    return jnp.maximum(count, cap)
   # Only the branch taken runs: a finite step pays one scalar compare and no callback.
   return jax.lax.cond(reached, check, lambda: count)
 

@@ -42,6 +42,7 @@ ALL = [fp8.DelayedScaling(4), fp8.CurrentScaling(), fp8.RowwiseScaling(), fp8.Bl
        fp8.MXScaling(), fp8.GemmRecipes(fp8.MXScaling(), None, fp8.BlockScaling())]
 
 
+@pytest.mark.on_cpu  # checks the target traced for on this CPU (fp8.current_target)
 def test_the_cpu_emulates_every_recipe_without_warning():
   assert fp8.current_target().name == "cpu"
   for recipe in ALL:
@@ -93,6 +94,7 @@ def test_fp8_ops_are_traced_for_the_device_jax_computes_on_by_default(monkeypatc
     assert fp8.current_target().name == "cpu"
 
 
+@pytest.mark.on_cpu  # checks the target traced for on this CPU (fp8.current_target)
 def test_compile_target_overrides_and_restores():
   with fp8.compile_target("B200") as target:
     assert fp8.current_target() is target and target.mx
@@ -102,6 +104,7 @@ def test_compile_target_overrides_and_restores():
   assert fp8.current_target().name == "cpu"
 
 
+@pytest.mark.on_cpu  # checks the target traced for on this CPU (fp8.current_target)
 def test_compile_target_called_without_with_warns_that_it_changed_nothing():
   # Called as a function, it would name no target, silently: fp8 ops still trace for
   # the local device. Like a coroutine never awaited, it says so when dropped.
@@ -128,6 +131,7 @@ def test_compile_target_called_without_with_warns_that_it_changed_nothing():
     fp8.compile_target("h300")
 
 
+@pytest.mark.on_cpu  # checks the target traced for on this CPU (fp8.current_target)
 def test_a_function_traced_before_is_traced_again_for_the_named_target_and_after_it():
   # JAX caches a function's trace by the function and its argument types; the target is
   # not among them. Traced here first, the block-scaled GEMM came back as this CPU's
