@@ -33,5 +33,18 @@ def _on_cpu(request):
     yield
 
 
+@pytest.fixture(autouse=True)
+def _highest_precision(request):
+  """A test marked ``highest_precision`` compares two float32 formulations of one
+  computation (Flax's attention and jaxmp's, say) at about 1e-6: its float32 GEMMs run
+  at full precision, which is XLA:CPU's default and not a GPU's (TF32 operands, about
+  1e-3 off: tests/backends.py)."""
+  if request.node.get_closest_marker("highest_precision") is None:
+    yield
+    return
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
 def pytest_report_header():
   return f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')!r} (tests/xla_flags.py)"
