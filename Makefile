@@ -9,6 +9,8 @@
 # (.ci/lower_bounds.py reads them from pyproject.toml, the one place they are written).
 # `make gpu-report` estimates H100 (and TPU) performance without the hardware: it builds
 # .venv-cuda beside .venv (jax[cuda12,tpu] at .venv's jax version, 6.5 GB) on first use.
+# `make gpu-session` is the prepared run on a machine with a GPU (9 minutes: the GPU's
+# tests, the measured tables, the kernel benchmarks; CONTRIBUTING.md).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -23,7 +25,7 @@ MIN_VENV  ?= .venv-min
 MIN_PY    := $(MIN_VENV)/bin/python
 MIN_STAMP := $(MIN_VENV)/.installed
 
-.PHONY: test test-fast test-min golden lint demo env gpu-report clean
+.PHONY: test test-fast test-min golden lint demo env gpu-report gpu-session test-gpu-arithmetic clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -100,6 +102,19 @@ $(CUDA_STAMP): pyproject.toml $(STAMP)
 
 gpu-report: $(CUDA_STAMP)
 	$(CUDA_PY) benchmarks/gpu_report.py
+
+# On a machine with a GPU: benchmarks/gpu_session.sh with .venv's Python if there is one
+# (a project checkout with jax[cuda]), else python3 (a GPU machine's own image, which
+# has no internet to build .venv from). Results: benchmarks/results/gpu-session-*.
+gpu-session:
+	JAXMP_PYTHON=$(if $(wildcard $(PY)),$(PY),python3) benchmarks/gpu_session.sh
+
+# The GPU session's tests on this CPU, with float32 rounded as GPUs round it
+# (tests/gpu_arithmetic.py: FMA, division in two roundings, TF32 GEMMs): a test that
+# fails here and not in `make test` assumes the CPU's arithmetic.
+test-gpu-arithmetic: $(STAMP)
+	$(JAX_CACHE) $(PY) -m pytest -p tests.gpu_arithmetic -m "not slow" -n auto --dist loadfile \
+		$$($(PY) benchmarks/gpu_session.py --list-tests)
 
 clean:
 	rm -rf $(VENV) $(MIN_VENV) .pytest_cache .jax_cache build *.egg-info docs/_build

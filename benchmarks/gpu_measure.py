@@ -32,8 +32,11 @@ functions) on the local GPU and prints what it **measured**:
   .trace.json.gz``.
 
 Run on a machine with a GPU: ``python benchmarks/gpu_measure.py`` (every workload)
-or ``--workloads llama,memory``, ``--variants "bf16;fp8 per-tensor"`` for some rows only; ``--preset smoke`` runs tiny shapes (on a CPU too: a
-check that the script runs; its figures mean nothing). Output is Markdown on stdout,
+or ``--workloads llama,memory``, ``--variants "bf16;fp8 per-tensor"`` for some rows
+(or memory runs) only; ``--preset smoke`` runs tiny shapes (on a CPU too: a check that
+the script runs; its figures mean nothing). The demo's table also has float16 without
+loss scaling, the baseline of loss scaling's cost (``benchmarks/gpu_session.py`` runs
+both). Output is Markdown on stdout,
 progress on stderr; ``--json PATH`` also writes every figure.
 
 Compile time on the chip: XLA autotunes each new GEMM shape; the first fp8 variant of
@@ -62,8 +65,9 @@ import jax
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-import gpu_report  # noqa: E402
+import gpu_report  # noqa: E402  (it puts examples/ on the path)
 import timing  # noqa: E402
+import train_lm  # noqa: E402
 
 import jaxmp  # noqa: E402
 from jaxmp._src.tools import audit as audit_lib  # noqa: E402
@@ -336,11 +340,14 @@ def memory_run(name: str, preset: str, lean: bool = False) -> dict:
           "xla_peak_bytes": memory.peak_bytes if memory else None}
 
 
-def memory_table(preset: str, results: dict) -> None:
-  """Every ``memory`` run in its own process; prints measured and XLA peaks."""
-  names = list(gpu_report.memory_cases(preset))
+def memory_table(preset: str, results: dict, names: list[str] | None = None) -> None:
+  """Each ``memory`` run (every one, or ``names``) in its own process, then the
+  :data:`LEAN_RUNS` among them again without the dot merger; prints measured and XLA
+  peaks."""
+  names = list(gpu_report.memory_cases(preset)) if names is None else names
   rows = {}
-  for name, lean in [(n, False) for n in names] + [(n, True) for n in LEAN_RUNS]:
+  lean_runs = [n for n in LEAN_RUNS if n in names]
+  for name, lean in [(n, False) for n in names] + [(n, True) for n in lean_runs]:
     start = time.perf_counter()
     row = LEAN_ROW.format(name) if lean else name
     out = subprocess.run([sys.executable, __file__, "--memory-run", name, "--preset", preset,
@@ -396,9 +403,19 @@ def check_variants(names: str | None, cases: dict[str, dict[str, gpu_report.Case
   return wanted
 
 
-# The timed workloads' cases, by workload (building them compiles and runs nothing).
+def demo_cases(preset: str) -> dict[str, gpu_report.Case]:
+  """``gpu_report``'s demo cases and float16 without loss scaling, the baseline of loss
+  scaling's cost on the step (``"fp16 + loss scaling"`` against it)."""
+  runs = {r.name: r for r in train_lm.RUNS}
+  fused = train_lm.PRESETS[preset].get("fused_attention", False)
+  return {**gpu_report.demo_cases(preset), "fp16, no loss scaling": gpu_report._demo_case(
+      runs["float16, no loss scaling"], preset, fused)}
+
+
+# Each workload's cases, by workload (building them compiles and runs nothing); the
+# memory workload's run in processes of their own, by name.
 _CASES = {"llama": gpu_report.llama_cases, "attention": gpu_report.attention_cases,
-          "demo": gpu_report.demo_cases}
+          "demo": demo_cases, "memory": gpu_report.memory_cases}
 
 
 def main(argv=None) -> None:
@@ -441,7 +458,7 @@ def main(argv=None) -> None:
     cases = cases_of.get(workload, {})
     if wanted is not None:
       cases = {n: cases[n] for n in wanted if n in cases}  # in the order asked
-      if not cases and workload != "memory":
+      if not cases:
         continue
     gpu_report.progress(f"workload {workload}")
     if workload == "llama":
@@ -454,7 +471,7 @@ def main(argv=None) -> None:
                  results, baselines=("cuDNN, causal mask tensor",), profile=args.profile,
                  rounds=ROUNDS[args.preset])
     elif workload == "memory":
-      memory_table(args.preset, results)
+      memory_table(args.preset, results, list(cases))
     else:
       time_table(f"demo train step, examples/train_lm.py --preset {args.preset} (AdamW)",
                  cases, results, profile=args.profile,

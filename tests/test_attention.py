@@ -36,6 +36,7 @@ def _same_computation(f, g, *args):
   return str(jax.make_jaxpr(f)(*args)) == str(jax.make_jaxpr(g)(*args))
 
 
+@pytest.mark.highest_precision
 @pytest.mark.parametrize("policy, atol", [(F32, 1e-6), (BF16, 2e-2)])
 def test_linen_fused_attention_matches_flaxs_own(policy, atol):
   plain, variables = _linen(policy, False)
@@ -102,6 +103,7 @@ def test_no_fused_kernel_no_warning_without_cudnn():
 CAUSAL = jaxmp.Rule(nn.MultiHeadDotProductAttention, causal_attention=True)
 
 
+@pytest.mark.highest_precision
 def test_causal_attention_attends_causally_and_reads_no_mask():
   # Declared causal: whatever mask the layer is handed (here one that masks nothing),
   # it computes Flax's own attention under the causal mask.
@@ -150,6 +152,7 @@ def _declared_and_plain(**declared):
   return model, plain, plain.init(jax.random.key(0), X)
 
 
+@pytest.mark.highest_precision
 @pytest.mark.parametrize("window", [1, 3, 6])
 def test_attention_window_attends_to_a_sliding_band(window):
   model, plain, variables = _declared_and_plain(causal_attention=True,
@@ -293,6 +296,7 @@ def test_every_form_of_a_right_padding_mask_passes_its_check():
                                   causal, window)
 
 
+@pytest.mark.highest_precision
 @pytest.mark.parametrize("causal", [False, True])
 def test_padded_attention_is_the_masked_attention_on_every_real_token(causal):
   # Declared padded: the mask is read for each sequence's lengths only; every real
@@ -350,6 +354,7 @@ def test_padded_attention_refuses_a_mask_it_can_read_that_is_not_right_padding(c
   assert not np.allclose(run(model)[real_left], run(plain)[real_left], atol=1e-3)
 
 
+@pytest.mark.highest_precision
 def test_padded_attention_refuses_a_causal_mask_unless_declared_causal():
   # Without causal_attention the padding mode is not causal: a causal padding mask is
   # refused, naming the fix; declared causal too, the padding alone is enough.
@@ -579,6 +584,7 @@ def _cross(call):
   return lambda module, q, kv: call(module.__call__, q, kv)
 
 
+@pytest.mark.highest_precision
 def test_linen_causal_rule_still_makes_self_attention_causal():
   # Self-attention however the layer is told so: no key input, or the query itself.
   model, plain, variables = _declared_and_plain(causal_attention=True)
@@ -591,6 +597,7 @@ def test_linen_causal_rule_still_makes_self_attention_causal():
                                  expected, atol=1e-6)
 
 
+@pytest.mark.highest_precision
 def test_linen_layer_called_both_ways_is_causal_only_as_self_attention():
   class Decoder(nn.Module):  # one layer, shared: self-attention, then over a context
     @nn.compact
@@ -689,6 +696,7 @@ def test_causal_rule_on_published_wmt_decoder_leaves_its_cross_attention_alone()
                                atol=2e-5)
 
 
+@pytest.mark.highest_precision
 def test_a_lifted_layer_is_self_attention_called_with_its_query_alone():
   # nn.remat hands the layer each argument as a value of its own, so layer(x, x) of a
   # lifted layer class reads as cross-attention (and says how to write it); layer(x)

@@ -1,8 +1,11 @@
 """dtype names, parsing, float formats and half_dtype."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 import pytest
 
 import jaxmp
@@ -52,6 +55,29 @@ def test_half_dtype_on_this_backend_follows_jaxmps_rule():
     expected = jnp.bfloat16 if capability is None or capability >= (8, 0) else jnp.float16
   assert jaxmp.half_dtype() == np.dtype(expected)
   assert jaxmp.tools.parse_dtype("half") == jaxmp.half_dtype()
+
+
+H100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3",
+                             compute_capability="9.0")
+
+
+def _default_backend_is(device, monkeypatch):
+  """``jax.devices()`` returns ``device`` (a machine whose default backend is a GPU);
+  ``jax.devices("cpu")`` the real CPU."""
+  real = jax.devices
+  monkeypatch.setattr(jax, "devices", lambda backend=None: [device] if backend is None
+                      else real(backend))
+
+
+def test_half_dtype_answers_for_the_device_jax_computes_on_by_default(monkeypatch):
+  # On a machine with a GPU, `with jax.default_device(cpu):` computes on the CPU.
+  _default_backend_is(H100, monkeypatch)
+  assert jaxmp.half_dtype() == jnp.bfloat16
+  with jax.default_device(jax.devices("cpu")[0]):
+    assert jaxmp.half_dtype() == jnp.float16
+    assert dtypes.default_device() is jax.devices("cpu")[0]
+  with jax.default_device("cpu"):
+    assert dtypes.default_device().platform == "cpu"
 
 
 class _FakeDevice:

@@ -903,6 +903,24 @@ def test_the_nth_consecutive_skip_raises(jit):
     jax.block_until_ready(update(_acc_poison(_acc_grads(0)), state, params))
 
 
+def test_the_cap_check_produces_the_count_the_state_returns():
+  # Outside jit each primitive is its own computation. On a GPU, where dispatch is
+  # asynchronous, the callback's error fails the computation it runs in, and a
+  # computation with no output reported it nowhere but at jax.effects_barrier (an H100
+  # run: the error did not reach the caller outside jit). The count the state returns
+  # comes out of the cond that runs the check, so reading the state raises the error.
+  tx = _capped(3)
+  params = _acc_params()
+  state = tx.init(params)
+  closed = jax.make_jaxpr(tx.update)(_acc_grads(0), state, params)
+  _, new_state = jax.tree_util.tree_unflatten(
+      jax.tree_util.tree_structure(jax.eval_shape(tx.update, _acc_grads(0), state, params)),
+      closed.jaxpr.outvars)
+  producer = next(e for e in closed.jaxpr.eqns if new_state.consecutive_skips in e.outvars)
+  assert producer.primitive.name == "cond"
+  assert "callback" in str(producer)
+
+
 def test_without_a_cap_the_step_has_no_callback_and_with_one_it_is_behind_a_cond():
   params = _acc_params()
   grads = _acc_grads(0)

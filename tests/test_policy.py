@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jaxmp
+from jaxmp._src import dtypes
 
 KEYS = {"param_dtype": ("p", "params"), "compute_dtype": ("c", "compute"),
         "output_dtype": ("o", "output")}
@@ -103,7 +104,7 @@ class _FakeDevice:
 ], ids=["cpu", "gpu-7.0", "gpu-8.0", "tpu"])
 @pytest.mark.parametrize("spec,is_half", HALF_SPECS)
 def test_half_follows_the_devices_half_dtype(monkeypatch, device, half, spec, is_half):
-  monkeypatch.setattr(jax, "local_devices", lambda *args, **kwargs: [device])
+  monkeypatch.setattr(dtypes, "default_device", lambda: device)
   assert jaxmp.half_dtype() == np.dtype(half)
   assert jaxmp.get_policy(spec) == _expected(np.dtype(half), is_half)
 

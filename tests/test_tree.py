@@ -174,6 +174,7 @@ def test_all_finite_refuses_leaves_that_are_not_numbers(bad):
     jaxmp.all_finite(bad)
 
 
+@pytest.mark.on_cpu  # checks the CPU's form of the finite check (GPUs: the next test)
 def test_all_finite_common_path_has_no_large_temporaries():
   # float32 and bfloat16 leaves (the CPU backend widens float16 before reducing it).
   tree = {"a": jnp.ones((256, 256)), "b": jnp.ones((64,), jnp.bfloat16),

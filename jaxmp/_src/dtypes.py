@@ -59,8 +59,30 @@ FP8_DTYPES: frozenset[np.dtype] = frozenset(FP8_DTYPE_ALIASES.values())
 BF16_MIN_COMPUTE_CAPABILITY = (8, 0)   # CUDA Ampere: bfloat16 tensor cores
 
 
+def default_device() -> jax.Device:
+  """The device JAX computes on when nothing else says: ``jax.default_device``'s.
+
+  The device (or the first device of the platform) that ``with jax.default_device(...)``
+  or the ``jax_default_device`` option names, else the default backend's first device.
+  What jaxmp decides per chip at trace time (the fp8 target, the half dtype, the chip
+  ``audit`` describes) follows it, so that a step run under ``with
+  jax.default_device(jax.devices("cpu")[0]):`` on a machine with a GPU is traced for
+  the CPU it runs on.
+
+  Example:
+    >>> from jaxmp._src import dtypes
+    >>> with jax.default_device(jax.devices("cpu")[0]):
+    ...   dtypes.default_device().platform
+    'cpu'
+  """
+  chosen = jax.config.jax_default_device
+  if chosen is None:
+    return jax.devices()[0]
+  return jax.devices(chosen)[0] if isinstance(chosen, str) else chosen
+
+
 def check_device(device: Any, where: str) -> Any:
-  """``device``, or the first local device for ``None``; duck-typed on ``platform``.
+  """``device``, or :func:`default_device` for ``None``; duck-typed on ``platform``.
 
   Any object with a ``platform`` string is accepted, so that descriptions of devices
   other than a local ``jax.Device`` (a remote one, a test double) work too.
@@ -70,7 +92,7 @@ def check_device(device: Any, where: str) -> Any:
       ``where`` and the descriptions accepted.
   """
   if device is None:
-    return jax.local_devices()[0]
+    return default_device()
   if not isinstance(getattr(device, "platform", None), str):
     raise TypeError(
         f"{where}: device must be a jax.Device (e.g. jax.devices()[0]), a description of one "

@@ -194,7 +194,8 @@ def _adjust(loss_scale: loss_scale_lib.LossScale, finite: jax.Array,
 
 
 def _raise_skip_cap(reached, count, scale, *, cap):
-  # A host callback; under vmap both branches of the cond run, so look again.
+  # A host callback; under vmap both branches of the cond run (for every member), so
+  # look again.
   if np.any(reached):
     raise FloatingPointError(
         f"loss_scaling: {int(np.max(count))} consecutive steps skipped for non-finite "
@@ -204,15 +205,24 @@ def _raise_skip_cap(reached, count, scale, *, cap):
         f"module), or raise max_consecutive_skips if this is expected.")
 
 
-def _check_skip_cap(count: jax.Array, scale: jax.Array, cap: int) -> None:
-  """Raises (from a host callback, inside ``jit`` too) when ``count`` reaches ``cap``."""
+def _checked_skip_count(count: jax.Array, scale: jax.Array, cap: int) -> jax.Array:
+  """``count``, out of a ``lax.cond`` whose branch taken when it reaches ``cap`` raises.
+
+  The host callback's error fails the computation that runs it. Outside ``jit`` the
+  cond is a computation of its own, and on a GPU, where dispatch is asynchronous, one
+  with no output reported its error nowhere but at ``jax.effects_barrier``: the count
+  the state returns comes out of this cond, so reading the state raises the error.
+  """
   reached = count >= cap
+
+  def check():
+    jax.debug.callback(functools.partial(_raise_skip_cap, cap=cap), reached, count, scale)
+    # count itself here (count >= cap), but computed in the branch: a branch returning
+    # its operand would be forwarded around the cond (by JAX, or XLA), leaving the cond
+    # with no output again.
+    return jnp.maximum(count, cap)
   # Only the branch taken runs: a finite step pays one scalar compare and no callback.
-  jax.lax.cond(
-      reached,
-      lambda: jax.debug.callback(functools.partial(_raise_skip_cap, cap=cap),
-                                 reached, count, scale),
-      lambda: None)
+  return jax.lax.cond(reached, check, lambda: count)
 
 
 class _DynamicByDefault:
@@ -263,8 +273,9 @@ def loss_scaling(
       The gradients themselves are not reduced; average them first as usual.
     max_consecutive_skips: ``None`` (no limit), or the number of consecutive skipped
       updates at which ``update`` raises (a ``FloatingPointError`` from a host
-      callback; under ``jit`` it reaches the caller as a ``jax.errors.JaxRuntimeError``
-      quoting it) instead of training nothing, optax's ``max_consecutive_errors`` idea.
+      callback, which reaches the caller as a ``jax.errors.JaxRuntimeError`` quoting it
+      when the returned state is read, with or without ``jit``) instead of training
+      nothing, optax's ``max_consecutive_errors`` idea.
       A finite update resets the count (``LossScalingState.consecutive_skips``). The
       callback sits in a ``lax.cond`` branch taken only then: other steps pay one scalar
       comparison.
@@ -354,7 +365,8 @@ def loss_scaling(
         consecutive_skips=consecutive_skips,
     )
     if max_consecutive_skips is not None:
-      _check_skip_cap(consecutive_skips, new_state.loss_scale.loss_scale, max_consecutive_skips)
+      new_state = new_state._replace(consecutive_skips=_checked_skip_count(
+          consecutive_skips, new_state.loss_scale.loss_scale, max_consecutive_skips))
     return new_updates, new_state
 
   # optax types a state as an ArrayTree, which has no room for a loss scale (a

@@ -17,6 +17,7 @@ from flax import nnx
 import jaxmp
 from jaxmp import fp8
 from jaxmp._src.fp8 import int8
+from tests import backends
 from tests.fp8 import reference
 from tests.published import models as registry
 
@@ -82,27 +83,39 @@ def test_row_amax_is_the_largest_magnitude_and_inf_for_any_nan(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_quantizing_swapped_is_swapping_then_quantizing_bit_for_bit(dtype):
+@pytest.mark.parametrize("device", backends.DEVICES)
+def test_quantizing_swapped_is_swapping_then_quantizing_bit_for_bit(dtype, device):
   # The backward GEMMs' operands are quantized in their forward layout and the codes
   # swapped (int8.quantize_swapped): codes and scales must be those of the reference
-  # applied to the swapped operand, non-finite columns included.
+  # applied to the swapped operand, non-finite columns included. On a GPU the scales
+  # divide within an ulp of IEEE, and a few codes land one away (tests/backends.py).
   x = np.array(_random(12, (2, 6, 40)), np.float32)
   x[0, 1, 3] = np.nan
   x[1, 4, 7] = np.inf
   x[0, :, 9] = 0.0
   x = np.asarray(jnp.asarray(x, dtype))
-  got = int8.quantize_swapped(jnp.asarray(x))
+  with backends.on(device):
+    got = int8.quantize_swapped(jnp.asarray(x))
   assert got.data.shape == (2, 40, 6) and got.scale.shape == (2, 40, 1)
   for b in range(2):
     finite = np.isfinite(x[b].astype(np.float32)).all(axis=0)  # the reference's columns
     codes, scale = reference.int8_quantize_rows(x[b].astype(np.float32).T[finite])
-    np.testing.assert_array_equal(np.asarray(got.data[b])[finite], codes)
-    np.testing.assert_array_equal(np.asarray(got.scale[b, :, 0])[finite], scale)
+    got_codes, got_scale = np.asarray(got.data[b])[finite], np.asarray(got.scale[b, :, 0])[finite]
+    if backends.exact(device):
+      np.testing.assert_array_equal(got_codes, codes)
+      np.testing.assert_array_equal(got_scale, scale)
+      continue
+    assert backends.max_ulps(got_scale, scale) <= backends.DIVISION_ULPS
+    off = np.abs(got_codes.astype(np.int32) - codes)
+    assert off.max(initial=0) <= 1 and np.mean(off > 0) <= backends.CODES_OFF_BY_ONE_STEP
   # A column holding inf or NaN: scale inf, every code 0 (its products are NaN).
   assert (np.asarray(got.data[0, 3]) == 0).all() and (np.asarray(got.data[1, 7]) == 0).all()
   assert np.isinf(np.asarray(got.scale[[0, 1], [3, 7], 0])).all()
 
 
+# The int8 GEMM's exact formula, under IEEE division; on a GPU its scales are an ulp off
+# (the quantization test above checks them there).
+@pytest.mark.on_cpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_forward_is_the_int32_gemm_rescaled_exactly(dtype):
   x, w = _random(1, (6, 40), dtype), _random(2, (40, 5), dtype)
@@ -111,6 +124,7 @@ def test_forward_is_the_int32_gemm_rescaled_exactly(dtype):
   np.testing.assert_array_equal(np.asarray(got), want)
 
 
+@pytest.mark.on_cpu  # exact under IEEE division, as the test above
 def test_each_gradient_gemm_is_an_int8_gemm_per_channel_exactly():
   x, w, g = _random(3, (6, 40)), _random(4, (40, 5)), _random(5, (6, 5))
   _, vjp = jax.vjp(lambda x, w: fp8.fp8_dot_general(x, w, DIMS, recipe=INT8), x, w)

@@ -42,6 +42,7 @@ ALL = [fp8.DelayedScaling(4), fp8.CurrentScaling(), fp8.RowwiseScaling(), fp8.Bl
        fp8.MXScaling(), fp8.GemmRecipes(fp8.MXScaling(), None, fp8.BlockScaling())]
 
 
+@pytest.mark.on_cpu  # checks the target traced for on this CPU (fp8.current_target)
 def test_the_cpu_emulates_every_recipe_without_warning():
   assert fp8.current_target().name == "cpu"
   for recipe in ALL:
@@ -80,6 +81,20 @@ def test_the_warning_names_the_gemms_that_fall_back_and_what_runs():
           "dequantized operands (MXFP8 GEMMs need a Blackwell GPU with cuDNN >= 9.10)") in message
 
 
+def test_fp8_ops_are_traced_for_the_device_jax_computes_on_by_default(monkeypatch):
+  # On a machine with a GPU, a step run under `with jax.default_device(cpu):` runs on the
+  # CPU: traced for the GPU it would carry the GPU's kernels and layouts to the CPU.
+  real = jax.devices
+  h100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3",
+                               compute_capability="9.0")
+  monkeypatch.setattr(jax, "devices", lambda backend=None: [h100] if backend is None
+                      else real(backend))
+  assert fp8.current_target().block_fp8
+  with jax.default_device(real("cpu")[0]):
+    assert fp8.current_target().name == "cpu"
+
+
+@pytest.mark.on_cpu  # checks the target traced for on this CPU (fp8.current_target)
 def test_compile_target_overrides_and_restores():
   with fp8.compile_target("B200") as target:
     assert fp8.current_target() is target and target.mx
@@ -89,6 +104,7 @@ def test_compile_target_overrides_and_restores():
   assert fp8.current_target().name == "cpu"
 
 
+@pytest.mark.on_cpu  # checks the target traced for on this CPU (fp8.current_target)
 def test_compile_target_called_without_with_warns_that_it_changed_nothing():
   # Called as a function, it would name no target, silently: fp8 ops still trace for
   # the local device. Like a coroutine never awaited, it says so when dropped.
@@ -115,6 +131,7 @@ def test_compile_target_called_without_with_warns_that_it_changed_nothing():
     fp8.compile_target("h300")
 
 
+@pytest.mark.on_cpu  # checks the target traced for on this CPU (fp8.current_target)
 def test_a_function_traced_before_is_traced_again_for_the_named_target_and_after_it():
   # JAX caches a function's trace by the function and its argument types; the target is
   # not among them. Traced here first, the block-scaled GEMM came back as this CPU's

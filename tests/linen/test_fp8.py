@@ -97,6 +97,10 @@ def _train(dg_cls, dtype=jnp.float32, ranges=(1.0, 10.0, 3.0, 0.5, 100.0)):
   return results
 
 
+# Flax's formula bit for bit, as XLA:CPU computes both. On CUDA jaxmp multiplies a short
+# contraction (here the kernel gradient's, 8) as bfloat16 where Flax runs an fp8 GEMM
+# (which returned NaN on an H100: benchmarks/RESULTS.md), by design.
+@pytest.mark.on_cpu
 def test_float32_matches_flax_fp8_dense_bit_for_bit():
   ours, flax = _train(DG), _train(FLAX_DG)
   for a, b in zip(ours, flax):

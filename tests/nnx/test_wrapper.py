@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import jaxmp
+from tests import backends
 
 BF16 = "params=float32,compute=bfloat16,output=float32"
 
@@ -640,12 +641,25 @@ def twin_models(seed=0):
   return params, model, ids
 
 
+@pytest.mark.parametrize("device", backends.DEVICES)
 @pytest.mark.parametrize("rules", [
     BF16,
     jaxmp.PolicyRules("params=float32,compute=float16,output=float32", [
         jaxmp.Rule("head", "float32"), jaxmp.Rule(r"attn(/.*)?", "bf16")]),
 ])
-def test_linen_and_nnx_give_identical_outputs_and_gradients(rules):
+def test_linen_and_nnx_give_identical_outputs_and_gradients(rules, device):
+  # The two adapters trace the same operations (their jaxprs differ only in where the
+  # parameters are cast), so XLA:CPU computes them bit for bit alike. On a GPU the two
+  # programs are fused differently and keep float32 inside fusions where they round to
+  # 16 bits: about 1e-3 relative apart on an H100 (tests/backends.py).
+  with backends.on(device):
+    _linen_and_nnx_agree(rules, backends.exact(device))
+
+
+def _linen_and_nnx_agree(rules, exact):
+  same = np.testing.assert_array_equal if exact else (
+      lambda a, b, err_msg="": backends.assert_close_to_largest(a, b, backends.BF16_PROGRAMS_RTOL,
+                                                                err_msg))
   params, model, ids = twin_models()
   linen = jaxmp.linen.mixed_precision(LinenBlock(), rules)
   wrapped = jaxmp.nnx.mixed_precision(model, rules)
@@ -662,11 +676,11 @@ def test_linen_and_nnx_give_identical_outputs_and_gradients(rules):
   out_linen, g_linen = linen_step(params)
   out_nnx, g_nnx = nnx_step(wrapped)
   assert out_nnx.dtype == out_linen.dtype
-  np.testing.assert_array_equal(out_nnx, out_linen)
+  same(out_nnx, out_linen)
   flat = nnx.to_flat_state(g_nnx)
   assert len(flat) == len(jax.tree.leaves(g_linen)) == 19
   for path, grad in flat:
-    np.testing.assert_array_equal(grad[...], _at(g_linen, path), err_msg=str(path))
+    same(grad[...], _at(g_linen, path), err_msg=str(path))
 
 
 # ---- summary ---------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from flax import nnx
 
 import jaxmp
 from jaxmp._src.optim import base
+from tests import backends
 
 STEPS = 40
 
@@ -50,8 +51,26 @@ def _step(tx):
   return step
 
 
+def _assert_within_ulps(a, b, ulps, what):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    found = backends.max_ulps(x, y)
+    assert found <= ulps, f"{what}: {found} float32 ulps apart"
+
+
+@pytest.mark.parametrize("device", backends.DEVICES)
 @pytest.mark.parametrize("remainders", [False, True])
-def test_the_master_follows_the_float32_trajectory_bit_for_bit(remainders):
+def test_the_master_follows_the_float32_trajectory_bit_for_bit(remainders, device):
+  # Bit for bit where both programs round alike (XLA:CPU without FMA). On a GPU, XLA
+  # contracts multiply-adds per program and divides within an ulp, so the two runs may
+  # part by an ulp a step. UNMEASURED bound: an ulp per step (tests/backends.py).
+  exact = backends.exact(device)
+  with backends.on(device):
+    _follow_the_float32_trajectory(remainders, exact)
+
+
+def _follow_the_float32_trajectory(remainders, exact):
+  same = (lambda a, b, what: _assert_bitwise(a, b, what)) if exact else (
+      lambda a, b, what: _assert_within_ulps(a, b, STEPS, what))
   params = _params()
   reference = jax.tree.map(lambda p: p.astype(jnp.float32), params)  # the same start
   ref_tx, tx = _optimizer(), jaxmp.optim.master_weights(_optimizer(), remainders=remainders)
@@ -64,14 +83,14 @@ def test_the_master_follows_the_float32_trajectory_bit_for_bit(remainders):
     reference, ref_state = ref_step(reference, ref_state, grads)
     params, state = step(params, state, grads)
     masters = jaxmp.optim.master_params(state, params)
-    _assert_bitwise(masters, reference, f"master at step {i}")
+    same(masters, reference, f"master at step {i}")
     # optax.apply_updates landed every param exactly on its rounded master.
     rounded = (jax.tree.map(lambda m: jaxmp.optim.split_remainder(m)[0], masters) if remainders
                else jax.tree.map(lambda m: m.astype(jnp.bfloat16), masters))
     _assert_bitwise(params, rounded, f"params at step {i}")
     moved += sum(int(jnp.sum(a != b)) for a, b in zip(jax.tree.leaves(params),
                                                       jax.tree.leaves(before)))
-  _assert_bitwise(state.inner_state, ref_state, "Adam's state")
+  same(state.inner_state, ref_state, "Adam's state")
   assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(params))
   assert moved > 0  # the bfloat16 params did move
 

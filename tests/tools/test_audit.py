@@ -18,6 +18,7 @@ from jaxmp._src.tools import targets
 DENSE = (((1,), (0,)), ((), ()))
 
 
+@pytest.mark.on_cpu  # checks what XLA:CPU compiles (audit of the local device)
 def test_bf16_matmul_reports_bf16_operands_and_exact_flops():
   x = jnp.ones((64, 128), jnp.bfloat16)
   w = jnp.ones((128, 32), jnp.bfloat16)

@@ -54,6 +54,7 @@ from typing import Any
 
 import jax
 
+from jaxmp._src import dtypes
 from jaxmp._src.fp8 import chips
 from jaxmp._src.fp8 import ops
 
@@ -148,9 +149,10 @@ def compile_target(name: str) -> CompileTarget:
 
 def current_target() -> Target:
   """The chip fp8 ops are being traced for: the :func:`compile_target` override, or the
-  first device of JAX's default backend."""
+  device JAX computes on by default (``jax.default_device``'s, else the default
+  backend's first)."""
   override = _OVERRIDE.get()
-  return override if override is not None else target_for_device(jax.devices()[0])
+  return override if override is not None else target_for_device(dtypes.default_device())
 
 
 def lowering(recipe: Any, target: Target) -> Lowering:

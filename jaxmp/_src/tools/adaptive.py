@@ -71,6 +71,7 @@ import numpy as np
 
 from jaxmp._src import adapter as adapter_lib
 from jaxmp._src import checks
+from jaxmp._src import dtypes
 from jaxmp._src import paths as paths_lib
 from jaxmp._src import policy as policy_lib
 from jaxmp._src import rules as rules_lib
@@ -540,7 +541,7 @@ class PrecisionController:
     self.auto_apply = checks.flag(auto_apply, "auto_apply", where=where)
     # Decided once, from a device every host sees as the same.
     self.bfloat16 = hardware.device_capabilities(
-        jax.devices()[0] if device is None else device).supports_bf16
+        dtypes.default_device() if device is None else device).supports_bf16
     self.monitor = monitor
     self._rules = wrapper.rules
     self._modules: dict[str, type] = {}

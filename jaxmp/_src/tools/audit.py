@@ -53,6 +53,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxmp._src import dtypes as dtypes_lib
 from jaxmp._src.fp8 import dot_general as fp8_dot_general
 from jaxmp._src.fp8 import state as fp8_state
 from jaxmp._src.fp8 import support as fp8_support
@@ -698,7 +699,7 @@ def audit(fn: Callable[..., Any], *args: Any, target: str | None = None,
   jitted = fn if hasattr(fn, "trace") else jax.jit(fn)
   spec, tpu_seconds = None, None
   if target is None:
-    device = jax.devices()[0]
+    device = dtypes_lib.default_device()
     platform, name, kind = device.platform, device.platform, device.device_kind
     if platform == "gpu":
       spec = targets_lib.gpu_spec_for(kind)

@@ -33,7 +33,6 @@ import warnings
 from typing import Any
 from typing import NamedTuple
 
-import jax
 import numpy as np
 
 from jaxmp._src import adapter as adapter_lib
@@ -136,10 +135,10 @@ def _sub_jaxprs(value: Any):
 
 def lowering_platform() -> str:
   """The platform ``lax.platform_dependent`` picks a branch for on JAX's default backend."""
-  platform = jax.default_backend()
-  if platform == "gpu":
-    return "rocm" if "rocm" in jax.devices()[0].client.platform_version.lower() else "cuda"
-  return platform
+  device = dtypes_lib.default_device()
+  if device.platform == "gpu":
+    return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
+  return device.platform
 
 
 def sub_jaxprs_that_run(eqn: Any, platform: str):

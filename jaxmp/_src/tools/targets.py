@@ -36,7 +36,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import jax
+from jaxmp._src import dtypes
 
 from jaxmp._src.fp8 import chips as chips_lib
 
@@ -183,7 +183,7 @@ def compile_device(target: str) -> Any:
         topology_name=TPU_TARGETS[target], platform="tpu", chip_config_name="default",
         chips_per_host_bounds=(1, 1, 1), num_slices=1, wrap=(False, False, False))
   else:
-    local = jax.devices()[0]
+    local = dtypes.default_device()
     if local.platform == "gpu" and gpu_spec_for(local.device_kind) is GPU_TARGETS[target]:
       # The target is the GPU here: compile for it, with the versions it really has.
       return local
