@@ -59,7 +59,7 @@ FP8_DTYPES: frozenset[np.dtype] = frozenset(FP8_DTYPE_ALIASES.values())
 BF16_MIN_COMPUTE_CAPABILITY = (8, 0)   # CUDA Ampere: bfloat16 tensor cores
 
 
-def default_device() -> jax.Device:
+def default_device() -> jax.Device:  # pyright: ignore[reportInvalidTypeForm]
   """The device JAX computes on when nothing else says: ``jax.default_device``'s.
 
   The device (or the first device of the platform) that ``with jax.default_device(...)``
@@ -75,7 +75,9 @@ def default_device() -> jax.Device:
     ...   dtypes.default_device().platform
     'cpu'
   """
-  chosen = jax.config.jax_default_device
+  # The documented way to read an option that has a context manager; JAX's Config
+  # declares its options at run time, where pyright does not see them.
+  chosen = jax.config.jax_default_device  # pyright: ignore[reportAttributeAccessIssue]
   if chosen is None:
     return jax.devices()[0]
   return jax.devices(chosen)[0] if isinstance(chosen, str) else chosen

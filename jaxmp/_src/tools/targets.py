@@ -36,8 +36,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from jaxmp._src import dtypes
+import jax
 
+from jaxmp._src import dtypes
 from jaxmp._src.fp8 import chips as chips_lib
 
 _GPU_INFO_COMMON = """\
