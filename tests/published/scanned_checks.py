@@ -16,7 +16,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top
 import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top
 from flax import nnx  # noqa: E402  pylint: disable=g-import-not-at-top
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxmp  # noqa: E402  pylint: disable=g-import-not-at-top
 from tests import eight_devices  # noqa: E402  pylint: disable=g-import-not-at-top
