@@ -111,10 +111,10 @@ def mse(y, target):
   return jnp.mean(jnp.square(y.astype(jnp.float32) - target))
 
 
-def linen_state(wrapped, variables, tx=None) -> jaxmp.linen.TrainState:
+def linen_state(wrapped, variables, learning_rate=1e-2) -> jaxmp.linen.TrainState:
   return jaxmp.linen.TrainState.create(
       apply_fn=wrapped.apply, variables=variables,
-      tx=tx or jaxmp.loss_scaling(optax.adam(1e-2)))
+      tx=jaxmp.loss_scaling(optax.adam(learning_rate)))
 
 
 def linen_step(name: str):
@@ -157,8 +157,8 @@ def unrolled_nnx(model: nnx_scan_mlp.MLP) -> UnrolledNnxMLP:
   return UnrolledNnxMLP(blocks)
 
 
-def nnx_optimizer(wrapped) -> nnx.Optimizer:
-  return nnx.Optimizer(wrapped, jaxmp.loss_scaling(optax.adam(1e-2)), wrt=nnx.Param)
+def nnx_optimizer(wrapped, learning_rate=1e-2) -> nnx.Optimizer:
+  return nnx.Optimizer(wrapped, jaxmp.loss_scaling(optax.adam(learning_rate)), wrt=nnx.Param)
 
 
 @nnx.jit
