@@ -79,6 +79,7 @@ if not (os.path.exists("/dev/nvidiactl") or os.environ.get("JAX_PLATFORMS")):
   os.environ["JAX_PLATFORMS"] = "cpu"
 
 import flax.linen as nn  # pylint: disable=g-import-not-at-top
+from flax import nnx  # pylint: disable=g-import-not-at-top
 import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 import optax  # pylint: disable=g-import-not-at-top
@@ -329,6 +330,50 @@ def llama_cases(preset_name: str = "gpu", layers: int = 1) -> dict[str, Case]:
       "fp8 block 1x128/128x128 + causal attention": compared(
           jaxmp_case(rules(causal, fp8_rule(fp8.BlockScaling()))), **precision(causal_bf16)),
       "Flax fp8": Case(flax_step, flax_make, **precision("bf16")),
+  }
+
+
+def _nnx_train_case(make_model, rules, x_shape, lr: float = 1e-3) -> Case:
+  """An NNX model wrapped in ``rules``: a jaxmp value_and_grad + apply_gradients step
+  (SGD) on the split state, so that it compiles like the linen cases."""
+  graphdefs = []
+
+  def make():
+    wrapped = jaxmp.nnx.mixed_precision(make_model(), rules)
+    graphdef, state = nnx.split((wrapped, nnx.Optimizer(wrapped, optax.sgd(lr), wrt=nnx.Param)))
+    graphdefs[:] = [graphdef]
+    return state, jax.random.normal(jax.random.key(1), x_shape)
+
+  def step(state, x):
+    wrapped, optimizer = nnx.merge(graphdefs[0], state)
+    loss, grads = jaxmp.nnx.value_and_grad(lambda m: _square_loss(m(x)))(wrapped)
+    jaxmp.nnx.apply_gradients(optimizer, wrapped, grads)
+    return nnx.state((wrapped, optimizer)), loss
+
+  return Case(step, make)
+
+
+def llama_scan_cases(preset_name: str = "gpu", layers: int = 2) -> dict[str, Case]:
+  """``layers`` Llama-3-8B-shaped layers scanned (linen ``nn.scan``, NNX ``nnx.vmap`` +
+  ``nnx.scan``), train step (SGD), bf16 and jaxmp fp8 per-tensor (delayed scaling: one
+  amax history per layer, stacked on the layer axis) by rule on the unchanged model.
+  :func:`llama_cases` with ``layers`` gives the same layers unrolled."""
+  config = llama_layer.LLAMA3_8B if preset_name == "gpu" else llama_layer.SMOKE
+  batch, context = LLAMA_TOKENS[preset_name]
+  x_shape = (batch, context, config.d_model)
+  bf16 = "params=float32,compute=bfloat16,output=float32"
+  delayed = fp8.DelayedScaling()
+  linen_rules = lambda *r: jaxmp.PolicyRules(bf16, list(r))
+  linen = lambda rules: _wrapped_train_case(llama_layer.ScannedStack(config, layers), rules,
+                                            x_shape, optax.sgd(1e-3))
+  nnx_model = lambda: llama_layer.NnxScannedStack(config, layers, nnx.Rngs(0))
+  nnx_rules = lambda *r: jaxmp.PolicyRules(bf16, list(r))
+  return {
+      "bf16, nn.scan": linen(linen_rules()),
+      "fp8 per-tensor, nn.scan": linen(linen_rules(jaxmp.Rule(nn.DenseGeneral, fp8=delayed))),
+      "bf16, nnx.scan": _nnx_train_case(nnx_model, nnx_rules(), x_shape),
+      "fp8 per-tensor, nnx.scan": _nnx_train_case(
+          nnx_model, nnx_rules(jaxmp.Rule(nnx.LinearGeneral, fp8=delayed)), x_shape),
   }
 
 
@@ -841,6 +886,9 @@ def main(argv=None) -> None:
                       "train step (SGD)", llama_cases(args.preset), on_gpu)
       precision_table(f"llama: {LLAMA_STACK} {shape} decoder layers, batch {batch} x context "
                       f"{context}, train step (SGD)", llama_cases(args.preset, LLAMA_STACK), on_gpu)
+      precision_table(f"llama: the same {LLAMA_STACK} layers scanned (linen nn.scan; NNX "
+                      f"nnx.vmap + nnx.scan), batch {batch} x context {context}, train step "
+                      "(SGD)", llama_scan_cases(args.preset, LLAMA_STACK), on_gpu)
     else:  # dense, block
       preset = bench_fp8.PRESETS[args.preset]
       size = ("x".join(map(str, preset["dense"])) if workload == "dense" else

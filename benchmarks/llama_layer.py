@@ -8,6 +8,12 @@ projection (fp8 rules match it; Flax's fp8 goes in through ``dot_general_cls``) 
 ``PolicyRules(fused_attention=True)`` and ``Rule(causal_attention=True)`` replace. The
 key/value heads are repeated to the query heads before attention (grouped-query
 attention as Flax's attention function takes it).
+
+Stacks of layers come three ways: :class:`Stack` (a Python loop: unrolled),
+:class:`ScannedStack` (linen's large-model form: the layer in ``nn.scan``, params
+stacked along a layer axis, listing only ``params``) and :class:`NnxScannedStack` (NNX's:
+layers built by ``nnx.vmap``, run by ``nnx.scan``; :class:`NnxDecoderLayer` is the same
+layer with ``nnx.LinearGeneral`` projections).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any, Callable
 
 import flax.linen as nn
 import jax.numpy as jnp
+from flax import nnx
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,3 +105,78 @@ class Stack(nn.Module):
     for i in range(self.layers):
       x = DecoderLayer(self.config, self.dtype, self.dot_general_cls, name=f"layer_{i}")(x)
     return x
+
+
+class _ScanBody(nn.Module):
+  """One decoder layer as ``nn.scan``'s body: the carry in, ``(carry, None)`` out."""
+  config: Config
+  dtype: Any = None
+  dot_general_cls: Any = None
+
+  @nn.compact
+  def __call__(self, x, _):
+    return DecoderLayer(self.config, self.dtype, self.dot_general_cls, name="layer")(x), None
+
+
+class ScannedStack(nn.Module):
+  """``layers`` decoder layers in one ``nn.scan``: the params stacked on a layer axis."""
+  config: Config
+  layers: int
+  dtype: Any = None
+  dot_general_cls: Any = None
+
+  @nn.compact
+  def __call__(self, x):
+    scan = nn.scan(_ScanBody, variable_axes={"params": 0}, split_rngs={"params": True},
+                   length=self.layers)
+    return scan(self.config, self.dtype, self.dot_general_cls, name="layers")(x, None)[0]
+
+
+def _grouped_attention(q, k, v, config: Config, dtype: Any) -> jnp.ndarray:
+  """Causal grouped-query attention: key/value heads repeated to the query heads."""
+  k, v = (jnp.repeat(t, config.heads // config.kv_heads, axis=2) for t in (k, v))
+  mask = nn.make_causal_mask(jnp.ones(q.shape[:2], jnp.int32))
+  return nnx.dot_product_attention(q, k, v, mask=mask, dtype=dtype)
+
+
+class NnxDecoderLayer(nnx.Module):
+  """:class:`DecoderLayer` in NNX: ``nnx.LinearGeneral`` projections, ``nnx.RMSNorm``."""
+
+  def __init__(self, config: Config, rngs: nnx.Rngs, dtype: Any = None):
+    c = config
+    dense = lambda features, **kw: nnx.LinearGeneral(
+        kw.pop("in_features", c.d_model), features, use_bias=False, dtype=dtype, rngs=rngs, **kw)
+    self.config, self.dtype = config, dtype
+    self.attn_norm = nnx.RMSNorm(c.d_model, dtype=dtype, rngs=rngs)
+    self.q = dense((c.heads, c.head_dim))
+    self.k = dense((c.kv_heads, c.head_dim))
+    self.v = dense((c.kv_heads, c.head_dim))
+    self.o = dense(c.d_model, in_features=(c.heads, c.head_dim), axis=(-2, -1))
+    self.ffn_norm = nnx.RMSNorm(c.d_model, dtype=dtype, rngs=rngs)
+    self.gate, self.up = dense(c.ffn), dense(c.ffn)
+    self.down = dense(c.d_model, in_features=c.ffn)
+
+  def __call__(self, x):
+    c = self.config
+    h = self.attn_norm(x)
+    q, k = rotary(self.q(h), c.rope_theta), rotary(self.k(h), c.rope_theta)
+    x = x + self.o(_grouped_attention(q, k, self.v(h), c, self.dtype))
+    h = self.ffn_norm(x)
+    return x + self.down(nnx.silu(self.gate(h)) * self.up(h))
+
+
+class NnxScannedStack(nnx.Module):
+  """``layers`` :class:`NnxDecoderLayer` built by ``nnx.vmap`` and run by ``nnx.scan``."""
+
+  def __init__(self, config: Config, layers: int, rngs: nnx.Rngs, dtype: Any = None):
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+      return NnxDecoderLayer(config, rngs, dtype)
+    self.layers = make(rngs)
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(x, layer):
+      return layer(x)
+    return body(x, self.layers)

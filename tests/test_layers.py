@@ -54,7 +54,7 @@ LAYERS = (
     Layer("core", ("_src/__init__.py", "_src/checks.py", "_src/dtypes.py",
                    "_src/dynamic_loss_scale.py", "_src/jax_compat.py", "_src/loss_scale.py",
                    "_src/loss_scaling.py", "_src/paths.py", "_src/policy.py", "_src/pytree.py",
-                   "_src/sharding.py", "_src/tree.py"), among=True),
+                   "_src/sharding.py", "_src/swaps.py", "_src/tree.py"), among=True),
     Layer("fp8 core, optim", ("_src/fp8/", "_src/optim/"), among=False),
     Layer("engine", ("_src/adapter.py", "_src/attention.py", "_src/engine.py",
                      "_src/float32_ops.py", "_src/nonfinite.py", "_src/rules.py",

@@ -91,6 +91,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src import swaps
 from jaxmp._src import tree as tree_lib
 
 DEFAULT: tuple[str, ...] = ("softmax", "log_softmax", "logsumexp")
@@ -125,9 +126,6 @@ class _State(threading.local):
 
 
 _STATE = _State()
-_LOCK = threading.Lock()
-_installed: list[tuple[Any, str, Any]] = []  # (module, attribute, original) while active
-_depth = 0
 
 
 def check(ops: Any, where: str) -> frozenset:
@@ -220,7 +218,8 @@ def _plain_axis(args: tuple, kwargs: dict) -> Any:
   return None
 
 
-def _install() -> None:
+def _replacements() -> list[tuple[Any, str, Callable[..., Any]]]:
+  found = []
   for op, (module_names, keep_dtype) in _TARGETS.items():
     replacements: dict[int, Callable[..., Any]] = {}  # one wrapper per original function
     for name in module_names:
@@ -229,31 +228,16 @@ def _install() -> None:
       if original is None:
         continue
       wrapper = replacements.setdefault(id(original), _in_float32(op, original, keep_dtype))
-      _installed.append((module, op, original))
-      setattr(module, op, wrapper)
+      found.append((module, op, wrapper))
+  return found
 
 
-def _uninstall() -> None:
-  while _installed:
-    module, op, original = _installed.pop()
-    setattr(module, op, original)
+_SWAP = swaps.Swap(_replacements)
 
 
-@contextlib.contextmanager
-def installed() -> Iterator[None]:
+def installed() -> contextlib.AbstractContextManager[None]:
   """Puts the float32 wrappers in place for the duration (nested entries count)."""
-  global _depth
-  with _LOCK:
-    if _depth == 0:
-      _install()
-    _depth += 1
-  try:
-    yield
-  finally:
-    with _LOCK:
-      _depth -= 1
-      if _depth == 0:
-        _uninstall()
+  return _SWAP.installed()
 
 
 __all__ = ("DEFAULT", "INTERCEPTABLE", "UNINTERCEPTABLE", "check", "installed", "module_ops")

@@ -371,33 +371,53 @@ def test_an_fp8_einsum_in_a_trained_module_is_refused_without_its_state(module):
   assert float(grads[OWG]["Fp8Einsum_0"]["input_amax_history"][0]) > 0
 
 
-MISSING_STATE = (r"fp8 state of the layer at 'ScanCell_0/Dense_0' .* variable_broadcast="
-                 r"\['params', '_overwrite_with_gradient'\].*CurrentScaling\(\)")
+MISSING_STATE = (r"fp8 state of the layer at 'ScanCell_0/Dense_0' .* lifted scan, which does not "
+                 r"pass .* variable_broadcast=\['params', '_overwrite_with_gradient'\].*"
+                 r"mixed_precision with an fp8 rule does this for you.*CurrentScaling\(\)")
 
 
-def test_a_scan_that_does_not_pass_the_fp8_state_on_is_refused_by_name():
-  # nn.scan passes on only the collections it lists; jaxmp cannot reach the lifted
-  # scan's arguments (nn.RNN's it can: see tests/linen/test_injection.py), so a layer
-  # inside could neither create nor read its state: a jaxmp error says what works.
-  class RNN(nn.Module):
-    recipe: fp8.Recipe = RECIPE
+class _SharedWeightsRNN(nn.Module):
+  """A published-style scan over shared weights that lists only the params."""
+  recipe: fp8.Recipe = RECIPE
 
-    @nn.compact
-    def __call__(self, c):
-      layer = functools.partial(Cell, recipe=self.recipe)
-      scan = nn.scan(layer, variable_broadcast="params", split_rngs={"params": False},
-                     length=3)
-      return scan()(c, None)[1]
+  @nn.compact
+  def __call__(self, c):
+    layer = functools.partial(Cell, recipe=self.recipe)
+    scan = nn.scan(layer, variable_broadcast="params", split_rngs={"params": False}, length=3)
+    return scan()(c, None)[1]
 
+
+def test_a_scan_that_does_not_pass_the_fp8_state_on_is_refused_by_name_outside_jaxmp():
+  # A plain Flax model with the user's own fp8 layers: nn.scan passes on only the
+  # collections it lists, so a layer inside can neither create nor read its state.
   c0 = jnp.array([[4.0, 4.0]])
   with pytest.raises(ValueError, match=MISSING_STATE):
-    RNN().init(jax.random.key(0), c0)
-  wrapped = jaxmp.linen.mixed_precision(RNN(), jaxmp.PolicyRules(
+    _SharedWeightsRNN().init(jax.random.key(0), c0)
+  # What the message offers works: a stateless recipe, or the model wrapped by jaxmp,
+  # which passes the state where the params go (broadcast: one state for the steps).
+  assert _SharedWeightsRNN(fp8.CurrentScaling()).init(jax.random.key(0), c0).keys() == {
+      "params"}
+  wrapped = jaxmp.linen.mixed_precision(_SharedWeightsRNN(), jaxmp.PolicyRules(
       "float32", [jaxmp.Rule(nn.Dense, fp8=RECIPE)]))
-  with pytest.raises(ValueError, match=MISSING_STATE):
-    wrapped.init(jax.random.key(0), c0)
-  # What the message offers works: a stateless recipe, or the collection listed.
-  assert RNN(fp8.CurrentScaling()).init(jax.random.key(0), c0).keys() == {"params"}
+  state = wrapped.init(jax.random.key(0), c0)[OWG]["ScanCell_0"]["Dense_0"]["Fp8DotGeneral_0"]
+  assert jax.tree_util.tree_map(jnp.shape, state) == STATE_SHAPES
+
+
+def test_a_lifted_transform_jaxmp_does_not_carry_through_is_refused_by_name():
+  # nn.map_variables hands the variables it maps to a function of the user's; one that
+  # passes the params alone keeps the state from the layer even under jaxmp.
+  class Mapped(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      dense = nn.map_variables(nn.Dense, "params", lambda p: p, init=True, variables="params")
+      return dense(2)(x)
+
+  wrapped = jaxmp.linen.mixed_precision(Mapped(), jaxmp.PolicyRules(
+      "float32", [jaxmp.Rule(nn.Dense, fp8=RECIPE)]))
+  with pytest.raises(ValueError, match=r"layer at 'Map_variablesDense_0' .* lifted "
+                     r"map_variables; jaxmp passes the state through .*scan.* must list "
+                     r"'_overwrite_with_gradient' itself"):
+    wrapped.init(jax.random.key(0), jnp.ones((1, 3)))
 
 
 def test_apply_without_the_fp8_state_is_refused_by_name():

@@ -287,7 +287,7 @@ def test_for_grad_puts_the_float32_values_back():
   assert wrapped.fp8["hidden"].input_scale[...].dtype == jnp.float32
 
 
-def test_scan_stack_shares_one_state_taking_the_max_over_layers():
+def test_a_scanned_stack_gives_each_layer_its_own_state():
 
   class Block(nnx.Module):
 
@@ -318,7 +318,10 @@ def test_scan_stack_shares_one_state_taking_the_max_over_layers():
   assert list(wrapped.fp8) == ["blocks/linear"]
   _, grads = jaxmp.nnx.value_and_grad(lambda m, x: jnp.sum(m(x) ** 2))(wrapped, jnp.ones((2, 4)))
   history = grads.fp8["fp8"]["blocks/linear"]["kernel_amax_history"][...]
-  assert float(history[0]) == float(jnp.max(jnp.abs(kernels)))  # max over the 3 layers
+  # One history per layer, each from its own layer's kernel: not the max over the stack.
+  assert history.shape == (3, 4)
+  np.testing.assert_array_equal(history[:, 0], jnp.max(jnp.abs(kernels), axis=(1, 2)))
+  assert len(set(np.asarray(history[:, 0]).tolist())) == 3
 
 
 # ---- the same model in linen and NNX, one training step --------------------------------------
@@ -432,3 +435,87 @@ def test_evaluation_input_gradients_and_state_gradients_are_not_refused():
   grads = nnx.grad(_mse, argnums=nnx.DiffState(0, nnx.Any(nnx.Param, jaxmp.nnx.Fp8State)))(
       wrapped, x, y)
   assert len(nnx.filter_state(grads, jaxmp.nnx.Fp8State))
+
+
+# ---- stacks: nnx.vmap-built layers under nnx.scan, nnx.remat, nnx.vmap ----------------------
+
+
+class _Layer(nnx.Module):
+
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(4, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return nnx.relu(self.linear(x)) + x
+
+
+def _stack(n=3):
+  @nnx.split_rngs(splits=n)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(rngs):
+    return _Layer(rngs)
+  return make(nnx.Rngs(0))
+
+
+class _RematScan(nnx.Module):
+
+  def __init__(self):
+    self.layers = _stack()
+
+  def __call__(self, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    @nnx.remat
+    def body(x, layer):
+      return layer(x)
+    return body(x, self.layers)
+
+
+class _Ensemble(nnx.Module):  # the stack run side by side: nnx.vmap in the forward too
+
+  def __init__(self):
+    self.layers = _stack()
+
+  def __call__(self, x):
+    return nnx.vmap(lambda layer, x: layer(x), in_axes=(0, None))(self.layers, x)
+
+
+class _Broadcast(nnx.Module):  # a StateAxes that slices the params but not the rest
+
+  def __init__(self):
+    self.layers = _stack()
+
+  def __call__(self, x):
+    axes = nnx.StateAxes({nnx.Param: 0, ...: None})
+    @nnx.scan(in_axes=(nnx.Carry, axes), out_axes=nnx.Carry)
+    def body(x, layer):
+      return layer(x)
+    return body(x, self.layers)
+
+
+def _sequential():  # nnx.Sequential of plain layers and a stack that scans itself
+  return nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(1)), _RematScan(),
+                        nnx.Linear(4, 4, rngs=nnx.Rngs(2)))
+
+
+@pytest.mark.parametrize("model", [_RematScan, _Ensemble, _sequential],
+                         ids=["scan_of_remat", "vmap", "sequential_holding_a_stack"])
+def test_a_stack_gets_one_state_per_layer_from_its_own_kernel(model):
+  wrapped = _wrap(model())
+  (path,) = [p for p in wrapped.fp8 if p.endswith("layers/linear")]
+  loss = lambda m, x: jnp.sum(m(x) ** 2)
+  _, grads = jaxmp.nnx.value_and_grad(loss)(wrapped, jnp.ones((2, 4)))
+  history = grads.fp8["fp8"][path]["kernel_amax_history"][...]
+  (kernel,) = [v[...] for p, v in nnx.to_flat_state(nnx.state(wrapped.model, nnx.Param))
+               if p[-1] == "kernel" and len(v[...].shape) == 3]
+  assert history.shape == (3, 4)
+  np.testing.assert_array_equal(history[:, 0], jnp.max(jnp.abs(kernel), axis=(1, 2)))
+  for other in set(wrapped.fp8) - {path}:  # the Sequential's plain layers: one state each
+    assert grads.fp8["fp8"][other]["kernel_amax_history"][...].shape == (4,)
+
+
+def test_a_transform_that_broadcasts_the_state_is_refused_by_name():
+  wrapped = _wrap(_Broadcast())
+  with pytest.raises(ValueError, match=r"layer at 'layers/linear' reads its delayed-scaling "
+                     r"variable 'input_scale' with shape \(3, 1\), the state of a stack of 3 "
+                     r"layers.*StateAxes that gives jaxmp\.nnx\.Fp8State the nnx\.Param axis"):
+    wrapped(jnp.ones((2, 4)))

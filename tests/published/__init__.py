@@ -30,6 +30,24 @@ in ``flax_gemma`` ``from jaxtyping import Array`` -> ``from jax import Array``
                                                             model cells, lines 26-28,
                                                             49-230); __call__ calls
                                                             self.embed
+  flax_scan_layers/{linen,nnx}_scan_mlp.py
+                              docs_nnx/migrating/linen_to_nnx.rst
+                                                            the linen/NNX scanned MLP pair
+                                                            ("Scan over layers", lines
+                                                            540-565 and 571-598, dedented,
+                                                            with import lines added): nn.scan
+                                                            listing only params; nnx.vmap +
+                                                            nnx.split_rngs + nnx.scan
+                                                            (test_scanned_fp8.py)
+  flax_pjit/mlp.py            docs/guides/parallel_training/flax_on_pjit.md
+                                                            linen MLP of DotReluDot with
+                                                            nn.with_partitioning, nn.scan
+                                                            with metadata_params and a
+                                                            use_scan switch (the import
+                                                            cells, mesh_sharding without the
+                                                            lines building the 8-device
+                                                            mesh, which the tests set, and
+                                                            the model cells)
   flax_autoencoder/{linen,nnx}_autoencoder.py
                               docs_nnx/migrating/linen_to_nnx.rst
                                                             the linen/NNX AutoEncoder

@@ -5,7 +5,7 @@ pipeline, copied verbatim: an encoder ``nn.RNN(nn.LSTMCell)`` and a decoder
 ``nn.RNN(DecoderLSTMCell)``, neither of which lists the fp8 collection in its scan.
 ``Rule(nn.Dense, fp8=DelayedScaling())`` puts every LSTM gate (and the decoder's
 logits layer) in fp8; jaxmp passes their state through the RNNs' scans
-(``jaxmp._src.linen.injection.scan_fields``). The config is the published one
+(``jaxmp._src.linen.lifted``: the state goes where the params go). The config is the published one
 (``configs/default.py``, ``train.py``: Adam at 0.003, numbers of up to 3 digits, no
 teacher forcing) with the hidden size and batch shrunk from 512 and 128.
 """

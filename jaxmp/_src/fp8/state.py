@@ -63,6 +63,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxmp._src import dtypes
+from jaxmp._src import paths
 from jaxmp._src import tree as tree_lib
 from jaxmp._src.fp8 import delayed
 from jaxmp._src.fp8 import maxgrad
@@ -114,8 +115,8 @@ def initial_state(recipe: recipes_lib.Recipe) -> Any:
   return scaling.init_state(recipe)
 
 
-def read_state(recipe: recipes_lib.Recipe, read: Callable[[str, Callable[[], jax.Array]], Any]
-               ) -> DelayedScalingState | None:
+def read_state(recipe: recipes_lib.Recipe, read: Callable[[str, Callable[[], jax.Array]], Any],
+               *, layer: str = "", stacked_hint: str = "") -> DelayedScalingState | None:
   """An fp8 op's state, each variable read through its framework; ``None`` without state.
 
   The one place that says which variables an fp8 op keeps and what they start as, for
@@ -125,12 +126,24 @@ def read_state(recipe: recipes_lib.Recipe, read: Callable[[str, Callable[[], jax
   (:func:`init_state`'s), for a framework that creates the variable on first use (linen);
   one whose variables exist already (NNX) ignores it.
 
+  An op computes one layer, so it reads one layer's state: the state of a stack of
+  layers (scanned or vmapped: each leaf with leading layer axes, see :func:`merge`)
+  reaches it one layer at a time, sliced by the transform that runs the stack. State
+  read whole, with its layer axes, means the stack runs where nothing slices it (a
+  hand-written ``jax.lax.scan`` that passes the params but not the state): refused,
+  never quantized with another layer's scales.
+
   Args:
     recipe: the op's fp8 recipe.
     read: ``read(name, initial) -> value``.
+    layer: the path of the layer the op computes, for the refusal.
+    stacked_hint: how to hand this layer its own state, for the refusal.
 
   Returns:
     The :class:`DelayedScalingState` read, or ``None`` for a recipe without state.
+
+  Raises:
+    ValueError: if a variable read does not have the shape of one layer's.
 
   Example:
     >>> from jaxmp._src.fp8 import state
@@ -143,9 +156,28 @@ def read_state(recipe: recipes_lib.Recipe, read: Callable[[str, Callable[[], jax
   state_type = ops.state_type(recipe)
   if state_type is None:
     return None
-  return state_type(*(
+  state = state_type(*(
       read(name, lambda name=name: getattr(initial_state(recipe), name))
       for name in state_type._fields))
+  _refuse_stacked(state, jax.eval_shape(lambda: initial_state(recipe)), layer, stacked_hint)
+  return state
+
+
+def _refuse_stacked(state: Any, one_layer: Any, layer: str, hint: str) -> None:
+  """Refuses state that is not one layer's, naming the layer and how to slice it."""
+  for name, value, expected in zip(state._fields, state, one_layer):
+    shape = tuple(np.shape(value))
+    if shape == expected.shape:
+      continue
+    layers = shape[:len(shape) - len(expected.shape)]
+    what = (f"the state of a stack of {'x'.join(map(str, layers))} layers"
+            if len(shape) > len(expected.shape) and shape[len(layers):] == expected.shape
+            else "not one layer's state")
+    raise ValueError(
+        f"fp8: the layer at {layer or paths.ROOT!r} reads its delayed-scaling variable "
+        f"{name!r} with shape {shape}, {what}: one layer's is {expected.shape}. A stack's "
+        f"state reaches each layer sliced, by the transform that runs the stack with the "
+        f"layer's params. {hint}".strip())
 
 
 def for_grad(state: T) -> T:
@@ -343,7 +375,10 @@ def merge(old_state: T, state_cotangent: T, grads_finite: ArrayLike = True) -> T
   information, the old value otherwise. A cotangent carries no information when it
   is not finite, has a negative entry, or is all zero: what an unused or
   ``stop_gradient``-ed layer (a symbolic-zero cotangent: 0, or ``-inf`` under
-  :func:`for_grad`) gets.
+  :func:`for_grad`) gets. The state of a stack of layers (``nn.scan``, ``nnx.vmap``:
+  leaves with leading layer axes, ``(layers, 1)`` scales and ``(layers, length)``
+  histories) is decided layer by layer: a layer whose row carries no information
+  keeps its own old row while the others move on.
 
   Args:
     old_state: the state the step read.
@@ -368,6 +403,10 @@ def merge(old_state: T, state_cotangent: T, grads_finite: ArrayLike = True) -> T
     Array([0.5], dtype=float32)
     >>> fp8.state.merge(old, ct, grads_finite=jnp.array(False)).input_scale
     Array([1.], dtype=float32)
+    >>> stack = {"scale": jnp.ones((2, 1))}   # two scanned layers; the second got nothing
+    >>> fp8.state.merge(stack, {"scale": jnp.array([[0.5], [-jnp.inf]])})["scale"]
+    Array([[0.5],
+           [1. ]], dtype=float32)
   """
   ok_step = _check_predicate(grads_finite)
   state_cotangent = from_grad(state_cotangent)
@@ -383,7 +422,7 @@ def merge(old_state: T, state_cotangent: T, grads_finite: ArrayLike = True) -> T
   # decided alone, so every decision is the leaf-by-leaf one.
   take: list[Any] = [None] * len(leaves)
   new: list[Any] = [pair.cotangent for pair in leaves]
-  for group in _group(leaves, lambda pair: pair.old.shape):
+  for shape, group in _group(leaves, lambda pair: pair.old.shape).items():
     for start in range(0, len(group), _LEAVES_PER_REDUCTION):
       members = group[start:start + _LEAVES_PER_REDUCTION]
       dtype = jnp.result_type(F32, *(leaves[i].cotangent.dtype for i in members))
@@ -398,7 +437,7 @@ def merge(old_state: T, state_cotangent: T, grads_finite: ArrayLike = True) -> T
         stacked = jax.lax.optimization_barrier(stacked)
         for row, i in enumerate(members):
           new[i] = stacked[row].reshape(leaves[i].old.shape)
-      decided = ok_step & _informative(stacked)
+      decided = ok_step & _informative(_layer_rows(stacked, shape))
       for row, i in enumerate(members):
         take[i] = decided[row]
   # The selects leaf by leaf: each is elementwise in its old leaf, so a step whose
@@ -419,12 +458,25 @@ def merge(old_state: T, state_cotangent: T, grads_finite: ArrayLike = True) -> T
 _LEAVES_PER_REDUCTION = 32
 
 
-def _group(items: list, key: Callable[[Any], Hashable]) -> list[list[int]]:
+def _group(items: list, key: Callable[[Any], Hashable]) -> dict[Any, list[int]]:
   """The indices of ``items``, grouped by ``key`` (groups and members in order)."""
   groups: dict[Hashable, list[int]] = {}
   for i, item in enumerate(items):
     groups.setdefault(key(item), []).append(i)
-  return list(groups.values())
+  return groups
+
+
+def _layer_rows(stacked: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """``stacked`` leaves of ``shape``, one row per layer: ``[leaves, (layers...,) elements]``.
+
+  A leaf with more than one axis is the state of a stack of layers (``nn.scan``,
+  ``nnx.vmap``): its leading axes are the layers, its last one the layer's own scale or
+  history. :func:`_informative` reduces the last axis, so each layer is decided alone
+  and broadcast back over its row (a trailing axis of one).
+  """
+  if len(shape) <= 1:
+    return stacked
+  return stacked.reshape(stacked.shape[0], *shape[:-1], 1, shape[-1])
 
 
 class _Pair(NamedTuple):

@@ -35,14 +35,30 @@ from typing import Any
 import flax.linen as nn
 import jax
 
+from jaxmp._src import paths
 from jaxmp._src.fp8 import dot_general as dot_general_lib
 from jaxmp._src.fp8 import ops
 from jaxmp._src.fp8 import recipes as recipes_lib
 from jaxmp._src.fp8 import state as state_lib
+from jaxmp._src.linen import lifted
 
 _TRAIN_HINT = ("Train linen fp8 models with jaxmp.linen.value_and_grad and "
                "jaxmp.linen.apply_gradients (or jaxmp.linen.TrainState), or differentiate the "
                "whole variables dict as Flax's TrainState does, not the params alone.")
+
+
+def _layer_path(module: nn.Module) -> str:
+  """The path of the layer that owns the fp8 op ``module`` (its parent)."""
+  return "/".join(module.path[:-1]) or paths.ROOT
+
+
+def _lifted_transforms(module: nn.Module) -> list[str]:
+  """The Flax lifted transforms ``module`` runs inside, outermost first, by their names.
+
+  Flax names each scope a lifted transform makes ``name(module)`` in its debug path.
+  """
+  return [part.split("(", 1)[0] for part in module.scope.debug_path
+          if isinstance(part, str) and part.endswith(")") and "(" in part]
 
 
 def _check_state_reachable(module: nn.Module) -> None:
@@ -50,16 +66,41 @@ def _check_state_reachable(module: nn.Module) -> None:
   owg = state_lib.OVERWRITE_WITH_GRADIENT
   if module.is_mutable_collection(owg) or module.has_variable(owg, "input_scale"):
     return
-  path = "/".join(module.path[:-1]) or "<root>"  # the layer that owns this fp8 op
+  transforms = _lifted_transforms(module)
   raise ValueError(
-      f"fp8: the delayed-scaling fp8 state of the layer at {path!r} (collection {owg!r}) "
-      f"is not in the variables it can see. Either apply got variables without it: pass "
-      f"everything model.init returned (jaxmp.linen.TrainState.variables), not the params "
-      f"alone; or the layer runs inside a lifted nn.scan that does not pass the collection "
-      f"on: list it there, variable_broadcast=['params', {owg!r}] for weights shared by "
-      f"the steps (one state, recording the max over the steps; jaxmp.linen."
-      f"mixed_precision does this for nn.RNN), or variable_axes={{'params': 0, {owg!r}: 0}} "
-      f"for a stack of layers; or use a recipe without state, jaxmp.fp8.CurrentScaling().")
+      f"fp8: the delayed-scaling fp8 state of the layer at {_layer_path(module)!r} "
+      f"(collection {owg!r}) is not in the variables it can see. "
+      f"{_where_it_is_lost(transforms)} Or use a recipe without state, "
+      f"jaxmp.fp8.CurrentScaling().")
+
+
+def _where_it_is_lost(transforms: list[str]) -> str:
+  """Why a layer cannot see its fp8 state, and the fix, from where it runs."""
+  owg = state_lib.OVERWRITE_WITH_GRADIENT
+  if transforms and lifted.active():
+    return (f"It runs inside Flax's lifted {' > '.join(transforms)}; jaxmp passes the state "
+            f"through {', '.join(sorted(lifted.CARRYING))} wherever the params go, and a "
+            f"transform that hands its variables to a function (map_variables) or "
+            f"differentiates them (vjp, jvp, custom_vjp) without passing the state must "
+            f"list {owg!r} itself.")
+  if transforms:
+    return (f"It runs inside Flax's lifted {' > '.join(transforms)}, which does not pass the "
+            f"collection on: list it there, variable_broadcast=['params', {owg!r}] for "
+            f"weights shared by the steps (one state, recording the max over the steps), "
+            f"or variable_axes={{'params': 0, {owg!r}: 0}} for a stack of layers (one state "
+            f"per layer); jaxmp.linen.mixed_precision with an fp8 rule does this for you.")
+  return (f"Pass apply everything model.init returned (jaxmp.linen.TrainState.variables), "
+          f"not the params alone; where you run the layers yourself (a jax.lax.scan around "
+          f"apply over stacked params), scan their fp8 state with them, each step's "
+          f"variables {{'params': params_i, {owg!r}: state_i}} sliced from the stacks, or "
+          f"scan inside the model with nn.scan, which jaxmp.linen.mixed_precision carries.")
+
+
+_STACKED_HINT = (
+    "Run the stack with nn.scan or nn.vmap inside the model (jaxmp slices the state with "
+    "the params), or, where you scan the layers yourself around apply, slice the state "
+    f"with the params: each step's variables {{'params': params_i, "
+    f"{state_lib.OVERWRITE_WITH_GRADIENT!r}: state_i}}.")
 
 
 def _read_state(module: nn.Module, recipe: recipes_lib.Recipe
@@ -68,7 +109,8 @@ def _read_state(module: nn.Module, recipe: recipes_lib.Recipe
   if ops.state_type(recipe) is not None:
     _check_state_reachable(module)
   return state_lib.read_state(recipe, lambda name, initial: module.variable(
-      state_lib.OVERWRITE_WITH_GRADIENT, name, initial).value)
+      state_lib.OVERWRITE_WITH_GRADIENT, name, initial).value,
+      layer=_layer_path(module), stacked_hint=_STACKED_HINT)
 
 
 def _guarded(module: nn.Module, rhs: jax.Array,

@@ -14,7 +14,8 @@ rule carries an fp8 recipe. What "fp8" means depends on the layer:
   :class:`~jaxmp.linen.Fp8Einsum` (``Fp8Einsum_0``).
 
 Any other layer has no matmul jaxmp can put in fp8; :func:`supports_fp8` says which.
-``nn.RNN`` passes the fp8 state on to its cell's layers (:func:`scan_fields`).
+Flax's lifted transforms (``nn.scan``, ``nn.RNN``'s scan, ``nn.vmap``, ``nn.remat``...)
+pass the fp8 state on wherever they pass the params (``jaxmp._src.linen.lifted``).
 A layer the user already gave a custom dot_general is not overridden: that is an error.
 """
 
@@ -28,12 +29,10 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
-from flax.core import scope as flax_scope
 from flax.linen import module as linen_module
 
 from jaxmp._src import adapter as adapter_lib
 from jaxmp._src.fp8 import recipes as recipes_lib
-from jaxmp._src.fp8 import state as state_lib
 from jaxmp._src.linen import fp8 as fp8_linen
 
 _MISSING = object()
@@ -126,37 +125,6 @@ def _fp8_einsum_call(module: nn.Einsum, recipe: recipes_lib.Recipe, inputs,
   return y
 
 
-def scan_fields(module: nn.Module) -> dict[str, Any]:
-  """The fields that pass the fp8 state through ``module``'s lifted scan, while it runs.
-
-  ``nn.RNN`` runs its cell in a lifted ``nn.scan`` that passes on only the collections
-  its ``variable_broadcast`` (``"params"`` by default), ``variable_carry`` and
-  ``variable_axes`` list; fp8 layers inside the cell (an LSTM's gates) could then
-  neither create nor read their delayed-scaling state. Where none of them lists the
-  fp8 collection, it is added to ``variable_broadcast`` for the call: the cell's
-  weights are shared by the time steps, and so is each layer's state, as for a layer
-  called several times. Every step quantizes with the scales of the old history, and
-  the new history is the old one rolled once with the max of the steps' amaxes (under
-  :func:`jaxmp.fp8.state.for_grad`, as :func:`jaxmp.linen.value_and_grad` reads it).
-  An ``nn.scan`` keeps its arguments where jaxmp cannot reach them: a layer inside one
-  that does not list the collection is refused by name when it reads its state.
-
-  Args:
-    module: the bound module being called.
-
-  Returns:
-    ``{"variable_broadcast": ...}`` for an ``nn.RNN`` that does not list the fp8
-    collection, else ``{}``.
-  """
-  if not isinstance(module, nn.RNN):
-    return {}
-  listed = (module.variable_broadcast, module.variable_carry, *module.variable_axes)
-  if any(flax_scope.in_filter(f, state_lib.OVERWRITE_WITH_GRADIENT) for f in listed):
-    return {}
-  return {"variable_broadcast": flax_scope.union_filters(
-      module.variable_broadcast, state_lib.OVERWRITE_WITH_GRADIENT)}
-
-
 def fp8_call(module: nn.Module, recipe: recipes_lib.Recipe,
              next_fun: Callable[..., Any]) -> Callable[..., Any]:
   """``next_fun`` (the layer's method) made to compute its matmuls in fp8.
@@ -192,6 +160,5 @@ __all__ = (
     "FP8_MODULE_TYPES",
     "fp8_call",
     "instance_attribute",
-    "scan_fields",
     "supports_fp8",
 )

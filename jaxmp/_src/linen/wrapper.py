@@ -9,8 +9,9 @@ module call by its path and class and:
    inputs such as token ids, bools, PRNG keys and non-array arguments are untouched);
 2. hands the module its own params in its compute dtype (the float32 master copies
    stay where they are, so gradients come back in the param dtype);
-3. swaps the dot_general of matmul layers whose rule has an fp8 recipe (and passes
-   their fp8 state through ``nn.RNN``'s scan);
+3. swaps the dot_general of matmul layers whose rule has an fp8 recipe, and passes
+   their fp8 state through Flax's lifted transforms (``nn.scan``, ``nn.vmap``,
+   ``nn.remat``, ``nn.RNN``...) wherever the params go (``jaxmp._src.linen.lifted``);
 4. casts the output to the caller's compute dtype (an override is local), to the
    dtype the rule names, or, for the outermost call, to the default output dtype.
 
@@ -61,6 +62,7 @@ from jaxmp._src import rules as rules_lib
 from jaxmp._src import tree as tree_lib
 from jaxmp._src.fp8 import state as fp8_state_lib
 from jaxmp._src.linen import injection
+from jaxmp._src.linen import lifted
 
 CallRecord = engine.CallRecord
 
@@ -133,9 +135,9 @@ def _caches_in(module: nn.Module, dtype: np.dtype, call: engine.Call) -> context
 
 
 def _field_values(module: nn.Module, precision, call: engine.Call) -> dict[str, Any]:
-  """The fields set while the module runs: ``dtype``, ``attention_fn``, nn.RNN's scan fields."""
+  """The fields set while the module runs: ``dtype`` and ``attention_fn``."""
   fields = getattr(module, "__dataclass_fields__", {})
-  chosen = injection.scan_fields(module)
+  chosen = {}
   if "dtype" in fields:
     chosen["dtype"] = call.dtype_field(module.dtype, precision)
   if "attention_fn" in fields:
@@ -312,7 +314,8 @@ class MixedPrecision(engine.Wrapper):
     (``jaxmp._src.engine.CallHook``).
     """
     interceptor = _Interceptor(self.rules, annotate, hooks)
-    with nn.intercept_methods(interceptor), interceptor.call:
+    with (nn.intercept_methods(interceptor), interceptor.call,
+          lifted.fp8_state_follows_params()):
       out = fun()
     self._warn_unused(interceptor.records, interceptor.call.attention_rules_reached)
     self._module_types.update((r.path, r.module_type) for r in interceptor.records)

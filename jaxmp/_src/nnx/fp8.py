@@ -38,7 +38,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -72,14 +71,25 @@ def register_collection_name() -> None:
     nnx.register_variable_name(state_lib.OVERWRITE_WITH_GRADIENT, Fp8State)
 
 
-def _init_variables(module: nnx.Module, recipe: recipes_lib.Recipe) -> None:
+def _init_variables(module: nnx.Module, recipe: recipes_lib.Recipe,
+                    layers: tuple[int, ...] = (), layer_sharding: tuple | None = None) -> None:
+  """Creates the op's state: one layer's, or a stack's (leading ``layers`` axes).
+
+  ``layer_sharding``: the names the kernel's layer axes are sharded by (its
+  ``out_sharding`` metadata, which ``nnx.vmap(transform_metadata=...)`` writes), given
+  to the stacked state's layer axes so that ``nnx.get_partition_spec`` shards it as
+  the kernel is sharded along the stack.
+  """
   state = state_lib.initial_state(recipe)
   if state is None:
     return
   register_collection_name()
+  metadata = {} if layer_sharding is None else {"out_sharding": (*layer_sharding, None)}
   for name, value in state._asdict().items():
     # A fresh array per variable: one buffer in two variables cannot be donated.
-    setattr(module, name, Fp8State(jnp.array(value)))
+    stacked = jnp.array(jnp.broadcast_to(value, (*layers, *value.shape))) if layers else (
+        jnp.array(value))
+    setattr(module, name, Fp8State(stacked, **metadata))
 
 
 _TRAIN_HINT = ("Train NNX fp8 models with jaxmp.nnx.value_and_grad (it differentiates the "
@@ -87,10 +97,19 @@ _TRAIN_HINT = ("Train NNX fp8 models with jaxmp.nnx.value_and_grad (it different
                "merges the new fp8 state), not a plain nnx.grad + optimizer.update.")
 
 
+_STACKED_HINT = (
+    "Give the state the params' axes: an nnx.scan or nnx.vmap over the whole layer (its "
+    "default axes, or a StateAxes that gives jaxmp.nnx.Fp8State the nnx.Param axis), or, "
+    "where you scan the layers yourself with jax.lax.scan, split the stack with "
+    "nnx.split(stack, nnx.Any(nnx.Param, jaxmp.nnx.Fp8State), ...) and scan both.")
+
+
 def _read_state(module: Fp8Module) -> state_lib.DelayedScalingState | None:
   """The op's state from its variables, which ``_init_variables`` created (fp8 core's rule)."""
   return state_lib.read_state(module.recipe,
-                              lambda name, _: getattr(module, name).get_value())
+                              lambda name, _: getattr(module, name).get_value(),
+                              layer=vars(module).get("layer_path", ""),
+                              stacked_hint=_STACKED_HINT)
 
 
 def _guarded(rhs: jax.Array, state: state_lib.DelayedScalingState | None) -> jax.Array:
@@ -257,27 +276,61 @@ def fp8_layers(path: str, module: nnx.Module) -> list[tuple[str, nnx.Module]]:
   return layers
 
 
-def new_fp8_module(layer: nnx.Module, recipe: recipes_lib.Recipe) -> Fp8Module:
-  """A fresh :class:`Fp8Einsum` for an ``nnx.Einsum``, else a :class:`Fp8DotGeneral`."""
+def _one_layer_kernel_ndim(layer: nnx.Module) -> int:
+  """The number of axes one layer's kernel has, from the layer's own configuration."""
   if isinstance(layer, nnx.Einsum):
-    return Fp8Einsum(recipe)
-  return Fp8DotGeneral(recipe)
+    return len(layer.kernel_shape)
+  if isinstance(layer, nnx.LinearGeneral):
+    return len(layer.batch_axis) + len(layer.in_features) + len(layer.out_features)
+  return 2  # nnx.Linear: (in_features, out_features)
 
 
-def _call_module(module, *args, **kwargs):
-  return module(*args, **kwargs)
+def layer_axes(layer: nnx.Module) -> tuple[int, ...]:
+  """The stack a layer is: its kernel's axes before one layer's (``()`` for one layer).
+
+  A stack of layers built by ``nnx.vmap`` (and applied by ``nnx.scan`` or ``nnx.vmap``)
+  is one module whose variables carry the layer axes first: a ``(layers, in, out)``
+  kernel on an ``nnx.Linear(in, out)``.
+  """
+  shape = jnp.shape(layer.kernel.get_value())
+  return tuple(shape[:len(shape) - _one_layer_kernel_ndim(layer)])
+
+
+def _layer_sharding(layer: nnx.Module, layers: tuple[int, ...]) -> tuple | None:
+  """The names the kernel's layer axes are sharded by, if its metadata has them."""
+  names = layer.kernel.get_metadata("out_sharding", None)
+  if not layers or not isinstance(names, (tuple, list)) or len(names) < len(layers):
+    return None
+  return tuple(names[:len(layers)])
+
+
+def new_fp8_module(layer: nnx.Module, recipe: recipes_lib.Recipe, path: str = ""
+                   ) -> Fp8Module:
+  """A fresh :class:`Fp8Einsum` for an ``nnx.Einsum``, else a :class:`Fp8DotGeneral`.
+
+  For a stack of layers (:func:`layer_axes`) the state is stacked the same way, one
+  scale and history per layer, so that the transform that runs the stack slices each
+  layer its own; ``path`` (the layer's) names it in messages.
+  """
+  fp8_module = Fp8Einsum(recipe) if isinstance(layer, nnx.Einsum) else Fp8DotGeneral(recipe)
+  layers = layer_axes(layer)
+  if layers:
+    _init_variables(fp8_module, fp8_module.recipe, layers, _layer_sharding(layer, layers))
+  fp8_module.layer_path = path
+  return fp8_module
 
 
 def install(layer: nnx.Module, fp8_module: Fp8Module) -> None:
-  """Makes ``layer`` compute its product with ``fp8_module``.
+  """Makes ``layer`` compute its product with ``fp8_module``, held as its child.
 
   Only for a private copy of a layer (``jaxmp.nnx.mixed_precision`` runs each call on
-  one): the attribute is written past NNX's checks and is not restored.
+  one): nothing is restored. As a child, the module's state is part of the layer's:
+  an NNX transform inside the model that splits the layer (``nnx.scan`` or
+  ``nnx.vmap`` over a stack, ``nnx.remat``) handles it as it handles the layer's
+  params, so a stack's state reaches each layer sliced.
   """
   attribute = "einsum_op" if isinstance(layer, nnx.Einsum) else "dot_general"
-  # A plain callable rather than the module itself: the attribute stays static, so an
-  # NNX transform inside the model that splits the layer leaves the state where it is.
-  object.__setattr__(layer, attribute, functools.partial(_call_module, fp8_module))
+  setattr(layer, attribute, nnx.data(fp8_module))
 
 
 @contextlib.contextmanager
@@ -329,6 +382,7 @@ __all__ = (
     "fp8_layers",
     "for_grad",
     "install",
+    "layer_axes",
     "new_fp8_module",
     "supports_fp8",
 )

@@ -56,11 +56,15 @@ every update, skipped ones included; the inner Optax state (Adam's ``count``, an
 its bias correction and any schedule) does not advance on a step
 :func:`jaxmp.loss_scaling` skips, so read the number of applied steps from there.
 
+fp8 layers of a stack (a module built by ``nnx.vmap``, applied by ``nnx.scan`` or
+``nnx.vmap``) get stacked fp8 state, one scale and history per layer with the layer
+axes first (sharded as the kernel's layer axes are, where its metadata names them),
+held by the layer's copy as its child for the call: the transform that slices the
+layer's params slices its state, so each layer quantizes with its own scales.
+
 What it cannot do: a module called directly through its class's unbound function
 (``nnx.remat(Block.__call__)(block, x)``) runs unwrapped itself (its children are
-still wrapped); variables in NNX's ``ref``/``hijax`` modes are not supported; fp8
-layers inside ``nnx.scan``/``nnx.vmap`` stacks share one fp8 state per path (the max
-over the stack).
+still wrapped); variables in NNX's ``ref``/``hijax`` modes are not supported.
 
 Example:
   >>> from flax import nnx
@@ -441,7 +445,7 @@ class MixedPrecision(nnx.Module, engine.Wrapper):
     graphdef, state = nnx.split(graph)
     originals = dict(nnx.to_flat_state(state))
     copy = nnx.merge(graphdef, state, copy=True)
-    self._prepare(copy[0], call)
+    self._prepare(copy[0], call, nnx.merge(*nnx.split(self.fp8), copy=True))
     before = {path: _Snapshot(v.get_raw_value())
               for path, v in nnx.to_flat_state(nnx.state(copy))}
     substitutes = {id(node): twin for node, twin in zip(nodes, copy[1])}
@@ -461,8 +465,10 @@ class MixedPrecision(nnx.Module, engine.Wrapper):
     _write_back(graph, originals, copy, before)
     return out, call.records
 
-  def _prepare(self, model: nnx.Module, call: engine.Call) -> None:
-    """Casts the copy's params and caches, installs fp8, swaps in the intercepting classes."""
+  def _prepare(self, model: nnx.Module, call: engine.Call,
+               fp8_modules: nnx.Dict[fp8_nnx.Fp8Module]) -> None:
+    """Casts the copy's params and caches, installs (copies of) the fp8 modules, swaps in
+    the intercepting classes."""
     modules = _resolve(model, self.rules)
     for path, variable in _variables(model):
       dtype = _policy(path, modules, self.rules).compute_dtype
@@ -470,7 +476,7 @@ class MixedPrecision(nnx.Module, engine.Wrapper):
     for path, variable in _variables(model, nnx.Cache):
       dtype = _policy(path, modules, self.rules).compute_dtype
       variable.set_raw_value(call.read_cache(variable.get_raw_value(), dtype))
-    fp8_modules = dict(self.fp8.items())
+    fp8_modules = dict(fp8_modules.items())
     for r in modules.values():
       precision = r.precision
       if r.path in fp8_modules:
@@ -535,6 +541,8 @@ def _write_back(graph: Any, originals: dict, copy: Any, before: dict) -> None:
   """Writes the variables the call changed in ``copy`` back to ``graph``'s own."""
   new = []
   for path, variable in nnx.to_flat_state(nnx.state(copy)):
+    if isinstance(variable, fp8_nnx.Fp8State):
+      continue  # the ops never write it: its next value is its gradient
     value = variable.get_raw_value()
     if path not in before:
       new.append((path, variable))
@@ -629,7 +637,8 @@ def _fp8_modules(modules: dict[tuple, _Resolved],
         continue
       kept = existing.get(layer_path)
       fp8_modules[layer_path] = (kept if kept is not None and kept.recipe == r.precision.fp8
-                                 else fp8_nnx.new_fp8_module(layer, r.precision.fp8))
+                                 else fp8_nnx.new_fp8_module(layer, r.precision.fp8,
+                                                             layer_path))
   return fp8_modules
 
 
