@@ -57,7 +57,8 @@ def _lifted_transforms(module: nn.Module) -> list[str]:
 
   Flax names each scope a lifted transform makes ``name(module)`` in its debug path.
   """
-  return [part.split("(", 1)[0] for part in module.scope.debug_path
+  debug_path = module.scope.debug_path if module.scope is not None else ()
+  return [part.split("(", 1)[0] for part in debug_path
           if isinstance(part, str) and part.endswith(")") and "(" in part]
 
 

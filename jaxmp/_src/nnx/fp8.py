@@ -84,7 +84,8 @@ def _init_variables(module: nnx.Module, recipe: recipes_lib.Recipe,
   if state is None:
     return
   register_collection_name()
-  metadata = {} if layer_sharding is None else {"out_sharding": (*layer_sharding, None)}
+  metadata: dict[str, Any] = (
+      {} if layer_sharding is None else {"out_sharding": (*layer_sharding, None)})
   for name, value in state._asdict().items():
     # A fresh array per variable: one buffer in two variables cannot be donated.
     stacked = jnp.array(jnp.broadcast_to(value, (*layers, *value.shape))) if layers else (
@@ -108,7 +109,7 @@ def _read_state(module: Fp8Module) -> state_lib.DelayedScalingState | None:
   """The op's state from its variables, which ``_init_variables`` created (fp8 core's rule)."""
   return state_lib.read_state(module.recipe,
                               lambda name, _: getattr(module, name).get_value(),
-                              layer=vars(module).get("layer_path", ""),
+                              layer=module.layer_path,
                               stacked_hint=_STACKED_HINT)
 
 
@@ -145,6 +146,10 @@ class Fp8DotGeneral(nnx.Module):
     >>> op.input_amax_history.shape
     (4,)
   """
+
+  # The path of the layer that holds it, for messages; new_fp8_module sets it for the
+  # layers a rule makes fp8, and an instance the user passes keeps "" (no path known).
+  layer_path: str = ""
 
   def __init__(self, recipe: recipes_lib.Recipe = recipes_lib.DelayedScaling()):
     self.recipe = ops.check(recipe, "Fp8DotGeneral")
@@ -185,6 +190,10 @@ class Fp8Einsum(nnx.Module):
     >>> op("btd,dh->bth", jnp.ones((2, 3, 4)), jnp.ones((4, 5))).shape
     (2, 3, 5)
   """
+
+  # The path of the layer that holds it, for messages; new_fp8_module sets it for the
+  # layers a rule makes fp8, and an instance the user passes keeps "" (no path known).
+  layer_path: str = ""
 
   def __init__(self, recipe: recipes_lib.Recipe = recipes_lib.DelayedScaling()):
     self.recipe = ops.check(recipe, "Fp8Einsum")
@@ -285,6 +294,12 @@ def _one_layer_kernel_ndim(layer: nnx.Module) -> int:
   return 2  # nnx.Linear: (in_features, out_features)
 
 
+def _kernel(layer: nnx.Module) -> nnx.Variable:
+  """The ``kernel`` variable of an fp8 layer (a Linear, LinearGeneral or Einsum)."""
+  # nnx.Module declares no kernel; the layers fp8_layers selects all have one.
+  return layer.kernel  # pyright: ignore[reportAttributeAccessIssue]
+
+
 def layer_axes(layer: nnx.Module) -> tuple[int, ...]:
   """The stack a layer is: its kernel's axes before one layer's (``()`` for one layer).
 
@@ -292,13 +307,13 @@ def layer_axes(layer: nnx.Module) -> tuple[int, ...]:
   is one module whose variables carry the layer axes first: a ``(layers, in, out)``
   kernel on an ``nnx.Linear(in, out)``.
   """
-  shape = jnp.shape(layer.kernel.get_value())
+  shape = jnp.shape(_kernel(layer).get_value())
   return tuple(shape[:len(shape) - _one_layer_kernel_ndim(layer)])
 
 
 def _layer_sharding(layer: nnx.Module, layers: tuple[int, ...]) -> tuple | None:
   """The names the kernel's layer axes are sharded by, if its metadata has them."""
-  names = layer.kernel.get_metadata("out_sharding", None)
+  names = _kernel(layer).get_metadata("out_sharding", None)
   if not layers or not isinstance(names, (tuple, list)) or len(names) < len(layers):
     return None
   return tuple(names[:len(layers)])

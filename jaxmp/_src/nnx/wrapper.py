@@ -476,12 +476,12 @@ class MixedPrecision(nnx.Module, engine.Wrapper):
     for path, variable in _variables(model, nnx.Cache):
       dtype = _policy(path, modules, self.rules).compute_dtype
       variable.set_raw_value(call.read_cache(variable.get_raw_value(), dtype))
-    fp8_modules = dict(fp8_modules.items())
+    by_path = dict(fp8_modules.items())
     for r in modules.values():
       precision = r.precision
-      if r.path in fp8_modules:
-        fp8_nnx.install(r.module, fp8_modules[r.path])
-        precision = dataclasses.replace(precision, fp8=fp8_modules[r.path].recipe)
+      if r.path in by_path:
+        fp8_nnx.install(r.module, by_path[r.path])
+        precision = dataclasses.replace(precision, fp8=by_path[r.path].recipe)
       _set_fields(r.module, precision, call)
       module_type = _ORIGINAL.get(type(r.module), type(r.module))
       object.__setattr__(r.module, "__class__", _intercepting_class(module_type))
