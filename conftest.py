@@ -14,6 +14,11 @@ import pytest  # noqa: E402
 
 import jaxmp  # noqa: E402
 
+# A pytest plugin, loaded only by `-p tests.gpu_arithmetic`: importing it changes how
+# XLA:CPU lowers float32 division and GEMMs for the rest of the process, so the
+# --doctest-modules collection must not import it beside the other tests.
+collect_ignore = ["tests/gpu_arithmetic.py"]
+
 
 @pytest.fixture(autouse=True)
 def _doctest_names(doctest_namespace):

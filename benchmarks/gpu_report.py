@@ -363,17 +363,20 @@ def llama_scan_cases(preset_name: str = "gpu", layers: int = 2) -> dict[str, Cas
   x_shape = (batch, context, config.d_model)
   bf16 = "params=float32,compute=bfloat16,output=float32"
   delayed = fp8.DelayedScaling()
-  linen_rules = lambda *r: jaxmp.PolicyRules(bf16, list(r))
-  linen = lambda rules: _wrapped_train_case(llama_layer.ScannedStack(config, layers), rules,
+  rules = lambda *r: jaxmp.PolicyRules(bf16, list(r))
+  linen = lambda r: _wrapped_train_case(llama_layer.ScannedStack(config, layers), r,
                                             x_shape, optax.sgd(1e-3))
   nnx_model = lambda: llama_layer.NnxScannedStack(config, layers, nnx.Rngs(0))
-  nnx_rules = lambda *r: jaxmp.PolicyRules(bf16, list(r))
+  fp8_against = lambda of: dict(against=of, differs="precision")
   return {
-      "bf16, nn.scan": linen(linen_rules()),
-      "fp8 per-tensor, nn.scan": linen(linen_rules(jaxmp.Rule(nn.DenseGeneral, fp8=delayed))),
-      "bf16, nnx.scan": _nnx_train_case(nnx_model, nnx_rules(), x_shape),
-      "fp8 per-tensor, nnx.scan": _nnx_train_case(
-          nnx_model, nnx_rules(jaxmp.Rule(nnx.LinearGeneral, fp8=delayed)), x_shape),
+      "bf16, nn.scan": linen(rules()),
+      "fp8 per-tensor, nn.scan": compared(
+          linen(rules(jaxmp.Rule(nn.DenseGeneral, fp8=delayed))),
+          **fp8_against("bf16, nn.scan")),
+      "bf16, nnx.scan": _nnx_train_case(nnx_model, rules(), x_shape),
+      "fp8 per-tensor, nnx.scan": compared(_nnx_train_case(
+          nnx_model, rules(jaxmp.Rule(nnx.LinearGeneral, fp8=delayed)), x_shape),
+          **fp8_against("bf16, nnx.scan")),
   }
 
 

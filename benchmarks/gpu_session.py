@@ -192,9 +192,10 @@ def run_stage(stage: Stage, budget: float, log) -> dict[str, Any]:
   return record
 
 
-# pytest's last line: "=== 3 failed, 1700 passed in 12.3s ===" or "1712 tests collected in 9s".
-_PYTEST_SUMMARY = re.compile(r"^=*\s*(?:\d+ \w+(?:, )?)+ in [\d.]+s.*$|^\d+ tests? collected.*$",
-                             re.M)
+# pytest's last line: "=== 3 failed, 1700 passed in 12.3s ===", "1712 tests collected in
+# 9s" or, with tests deselected, "1710/1712 tests collected (2 deselected) in 9s".
+_PYTEST_SUMMARY = re.compile(r"^=*\s*(?:\d+ \w+(?:, )?)+ in [\d.]+s.*$"
+                             r"|^\d+(?:/\d+)? tests? collected.*$", re.M)
 
 
 _SEPARATOR = re.compile(r"^\|(\s*:?-+:?\s*\|)+\s*$")

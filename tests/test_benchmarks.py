@@ -184,6 +184,33 @@ def test_gpu_report_lists_its_workloads_and_refuses_an_unknown_one_before_compil
 
 
 @pytest.mark.slow
+def test_gpu_report_s_scanned_llama_stacks_train_with_every_projection_in_fp8():
+  import jax  # pylint: disable=g-import-not-at-top
+  import gpu_report  # pylint: disable=g-import-not-at-top
+  from tests.published import matmuls  # pylint: disable=g-import-not-at-top
+
+  cases = gpu_report.llama_scan_cases("smoke")
+  counts = {}
+  for name, case in cases.items():
+    args = case.make()
+    counts[name] = dict(matmuls.count_matmuls(jax.make_jaxpr(case.fn)(*args)))
+    _, loss = jax.jit(case.fn)(*args)
+    assert math.isfinite(float(loss)), (name, loss)
+  # The scan body holds one layer: its 7 projections' 21 GEMMs (forward e4m3 x e4m3, the
+  # two gradients with the e5m2 output gradient) are fp8 by the rule, on the unchanged
+  # stack; attention's score and weighted-sum GEMMs stay in the compute dtype.
+  fp8_gemms = {"float8_e4m3fn": 7, "mixed:float8_e4m3fn,float8_e5m2": 14}
+  assert counts["bf16, nn.scan"] == {"bfloat16": 27}, counts
+  assert counts["fp8 per-tensor, nn.scan"] == {**fp8_gemms, "bfloat16": 6}, counts
+  # NNX's attention multiplies two of its GEMMs' bfloat16 operands with a float32 one.
+  nnx_attention = {"mixed:bfloat16,float32": 2}
+  assert counts["bf16, nnx.scan"] == {"bfloat16": 25, **nnx_attention}, counts
+  assert counts["fp8 per-tensor, nnx.scan"] == {**fp8_gemms, "bfloat16": 4, **nnx_attention}, counts
+  assert cases["fp8 per-tensor, nn.scan"].against == "bf16, nn.scan"
+  assert cases["fp8 per-tensor, nnx.scan"].against == "bf16, nnx.scan"
+
+
+@pytest.mark.slow
 @NEEDS_CUDA_PLUGIN
 def test_gpu_report_compiles_every_workload_for_an_h100():
   workloads = ["traffic", "dense", "block", "demo", "llama", "memory"] + (

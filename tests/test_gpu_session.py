@@ -89,9 +89,11 @@ def test_the_test_stage_records_each_outcome_as_the_tests_finish(tmp_path):
   path = os.pathsep.join([str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])
   env = dict(os.environ, JAXMP_SESSION_TEST_LOG=str(log), PYTHONPATH=path)
   # Under pytest-xdist only the controller writes: each test is recorded once.
-  subprocess.run([sys.executable, "-m", "pytest", "-p", "gpu_session", "-p", "no:cacheprovider",
-                  "-n", "2", "-q", str(tmp_path / "test_sample.py")], cwd=tmp_path, env=env,
-                 capture_output=True, timeout=300, check=False)
+  run = subprocess.run([sys.executable, "-m", "pytest", "-p", "gpu_session", "-p",
+                        "no:cacheprovider", "-n", "2", "-q", str(tmp_path / "test_sample.py")],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+                       check=False)
+  assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]  # 1: a test failed
   outcomes = gpu_session.outcomes_of(log)
   assert outcomes["counts"] == {"passed": 1, "failed": 1, "skipped": 1}
   assert [f["test"] for f in outcomes["failures"]] == ["test_sample.py::test_fails"]
