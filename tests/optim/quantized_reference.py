@@ -106,6 +106,25 @@ def dequant_with_qmap(codes: np.ndarray, qmap: np.ndarray, scale: np.ndarray) ->
 QMAP = {True: create_dynamic_map(signed=True), False: create_dynamic_map(signed=False)}
 
 
+def thresholds(signed: bool) -> np.ndarray:
+  """For codes ``k = 1..255``: the smallest float32 whose code is ``k`` (``t[k - 1]``).
+
+  Found by bisection over the float32 values between neighbouring map values, with
+  :func:`quantize_8bit_with_qmap` itself deciding (its code never decreases as the
+  value grows: within an interval the rounding test switches once).
+  """
+  qmap = QMAP[signed]
+  ordered = lambda x: np.where(x.view(np.int32) >= 0, x.view(np.int32),
+                               -(x.view(np.int32) & 0x7FFFFFFF)).astype(np.int64)
+  as_float = lambda k: np.where(k >= 0, k, (-k) | 0x80000000).astype(np.uint32).view(F32)
+  low, high = ordered(qmap[:-1].copy()), ordered(qmap[1:].copy())  # codes k - 1 and k
+  while np.any(high - low > 1):
+    mid = (low + high) // 2
+    reaches = quantize_8bit_with_qmap(as_float(mid), qmap) == np.arange(1, 256)
+    high, low = np.where(reaches, mid, high), np.where(reaches, low, mid)
+  return as_float(high)
+
+
 def quantize(x: np.ndarray, signed: bool, block_size: int) -> tuple[np.ndarray, np.ndarray]:
   """torchao's ``OptimState8bit`` copy: scale, then codes. Returns (codes, flat scales)."""
   scaled, scale = scale_tensor(x, block_size)

@@ -126,10 +126,10 @@ def test_an_array_without_whole_blocks_is_refused():
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_the_code_steps_up_exactly_at_each_threshold(signed):
-  # jaxmp counts thresholds where torchao searches and rounds: the same code for every
-  # float32 if torchao's code steps up exactly there. Checked at each threshold and at
-  # the float32 just below it, in blocks whose scale is 1 (so the values are not moved).
-  thresholds = dynamic_map._THRESHOLDS[signed]
+  # Where torchao's code steps up (the smallest float32 of each code, found with the
+  # port) jaxmp's code does too: checked at each threshold and at the float32 just
+  # below it, in blocks whose scale is 1 (so the values are not moved).
+  thresholds = ref.thresholds(signed)
   below = np.nextafter(thresholds, F32(-np.inf))
   x = np.stack([np.r_[1.0, thresholds], np.r_[1.0, below]]).astype(F32)  # each block's max: 1
   ref_codes, ref_scale = ref.quantize(x, signed, BLOCK)
@@ -139,3 +139,36 @@ def test_the_code_steps_up_exactly_at_each_threshold(signed):
   np.testing.assert_array_equal(ref_codes[1, 1:], k - 1)  # just below: k - 1
   jax_codes, _ = dynamic_map.quantize(jnp.asarray(x), signed=signed, block_size=BLOCK)
   np.testing.assert_array_equal(np.asarray(jax_codes), ref_codes)
+
+
+def _in_blocks_of_scale_one(values):
+  """``values`` in rows of ``BLOCK``, each row led by 1.0 (so that its scale is 1)."""
+  rows = -(-values.size // (BLOCK - 1))
+  padded = np.zeros(rows * (BLOCK - 1), F32)
+  padded[:values.size] = values
+  return np.concatenate([np.ones((rows, 1), F32), padded.reshape(rows, BLOCK - 1)], axis=1)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_codes_across_every_interval_of_the_map(signed):
+  # jaxmp estimates a value's index within its decade and settles it by comparisons:
+  # checked against the port at 65 float32 spread evenly (by their bits) over each
+  # interval between neighbouring map values, and at their negations.
+  positive = np.union1d(ref.QMAP[True], ref.QMAP[False])
+  positive = positive[positive >= 0].astype(F32).view(np.uint32).astype(np.int64)
+  bits = np.linspace(positive[:-1], positive[1:], 65).astype(np.uint32).reshape(-1)
+  values = np.unique(bits).view(F32)
+  x = _in_blocks_of_scale_one(np.concatenate([values, -values]))
+  ref_codes, ref_scale = ref.quantize(x, signed, BLOCK)
+  assert np.all(ref_scale == 1.0)
+  codes, _ = dynamic_map.quantize(jnp.asarray(x), signed=signed, block_size=BLOCK)
+  np.testing.assert_array_equal(np.asarray(codes), ref_codes)
+
+
+@pytest.mark.parametrize("index_dtype", [jnp.int32, jnp.int16])
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_computed_map_values_are_the_table(signed, index_dtype):
+  codes = jnp.arange(256, dtype=jnp.uint8)
+  values = jax.jit(dynamic_map.map_values, static_argnames=("signed", "index_dtype"))(
+      codes, signed=signed, index_dtype=index_dtype)
+  np.testing.assert_array_equal(_bits(values), _bits(ref.QMAP[signed]))

@@ -60,8 +60,10 @@ from typing import Any
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.typing import DTypeLike
 
 from jaxmp._src import checks
 from jaxmp._src.optim import base
@@ -184,33 +186,37 @@ def _map_chosen(fn: Callable[..., Any], state: Any, maps: Any, *trees: Any) -> A
       for x, signed, *rest in zip(flat, treedef.flatten_up_to(maps), *others)])
 
 
+def _block_scales(state: Any, maps: Any, block_size: int) -> Any:
+  """The block scales of the inner state's chosen leaves (None elsewhere)."""
+  return _map_chosen(lambda x, signed: dynamic_map.block_scales(x, block_size), state, maps)
+
+
 def _quantize_state(state: Any, maps: Any, block_size: int) -> Any:
   """The inner state with its chosen leaves quantized."""
-  scales = _map_chosen(lambda x, signed: dynamic_map.block_scales(x, block_size), state, maps)
-  return _encode_state(state, maps, scales)
+  return _encode_state(state, maps, _block_scales(state, maps, block_size))
 
 
-def _encode_state(state: Any, maps: Any, scales: Any, coarse: Any = None,
-                  containers: list | None = None) -> Any:
-  """The inner state with its chosen leaves encoded with ``scales`` (and ``coarse`` codes,
-  if computed), each in the container it was stored in."""
+def _encode_state(state: Any, maps: Any, scales: Any, containers: list | None = None) -> Any:
+  """The inner state with its chosen leaves encoded with ``scales``, each in the
+  container it was stored in."""
   flat, treedef = jax.tree_util.tree_flatten(state)
-  coarse = [None] * len(flat) if coarse is None else treedef.flatten_up_to(coarse)
   containers = containers or [None] * len(flat)
   stored = []
-  for x, signed, scale, first, container in zip(
-      flat, treedef.flatten_up_to(maps), treedef.flatten_up_to(scales), coarse, containers):
+  for x, signed, scale, container in zip(
+      flat, treedef.flatten_up_to(maps), treedef.flatten_up_to(scales), containers):
     if signed is None:
       stored.append(x)
       continue
-    new = QuantizedMoment(dynamic_map.encode(x, scale, signed=signed, coarse=first), scale)
+    new = QuantizedMoment(dynamic_map.encode(x, scale, signed=signed), scale)
     stored.append(new if container is None else _stored_like(container, new))
   return treedef.unflatten(stored)
 
 
-def _dequantize_state(state: Any, maps: Any, natural: Any) -> tuple[Any, list]:
+def _dequantize_state(state: Any, maps: Any, natural: Any,
+                      index_dtype: DTypeLike = jnp.int32) -> tuple[Any, list]:
   """The stored state with its quantized leaves as float32, in the inner state's structure,
-  and the stored leaves (one per leaf of the inner state).
+  and the stored leaves (one per leaf of the inner state). ``index_dtype``: as
+  ``dynamic_map.map_values``'s.
 
   Raises:
     ValueError: if the state does not have the structure ``init`` gives it.
@@ -229,7 +235,8 @@ def _dequantize_state(state: Any, maps: Any, natural: Any) -> tuple[Any, list]:
       raise ValueError(f"{_WHERE}: the state has {type(x).__name__} where this optimizer "
                        f"stores {'a float32 leaf' if signed is None else 'a QuantizedMoment'}"
                        "; pass the state its init returned.")
-    values.append(x if parts is None else dynamic_map.dequantize(*parts, signed=signed))
+    values.append(x if parts is None else dynamic_map.dequantize(
+        *parts, signed=signed, index_dtype=index_dtype))
   return natural_def.unflatten(values), stored
 
 
@@ -303,28 +310,19 @@ def quantized_moments(inner: optax.GradientTransformation, *, block_size: int = 
     natural = natural_state(updates32 if params32 is None else params32)
     maps = _maps(quantize, natural, block_size, min_size)
 
-    def run(after):
-      """The inner update, computed after ``after`` (returned with it): XLA may not
-      merge the computations of two runs, whose stored states pass an optimization
-      barrier (the gradients and params do not: they would be written to memory)."""
-      stored, after = jax.lax.optimization_barrier((state, after))
-      inner_state, stored = _dequantize_state(stored, maps, natural)
-      updates, new = inner.update(updates32, inner_state, params32, **extra_args)
-      return updates, new, stored, after
-
-    # Three runs of the same update, each fused into one pass over the moments with
-    # what it feeds: the new moments' block scales; their codes to a multiple of 16;
-    # the full codes and the updates. A single run writes a float32 copy of each new
-    # moment to memory (a reduction and its consumers need it at once); these do not
-    # on their own, though inside loss scaling and under master weights XLA still
-    # keeps float32 buffers (docs/guides/memory.md).
-    _, new, _, _ = run(None)
-    scales = _map_chosen(lambda x, signed: dynamic_map.block_scales(x, block_size), new, maps)
-    _, new, _, scales = run(scales)
-    coarse = _map_chosen(lambda x, signed, scale: dynamic_map.coarse_codes(
-        x, scale, signed=signed), new, maps, scales)
-    updates, new, stored, (scales, coarse) = run((scales, coarse))
-    return updates, _encode_state(new, maps, scales, coarse, stored)
+    # Two passes over the moments, each running the inner update from the stored state:
+    # the first for the new moments' block scales (a reduction), the second for their
+    # codes and the updates. A single pass writes a float32 copy of each new moment to
+    # memory (the reduction and the codes need it at once). The first pass decodes in
+    # 16-bit integers, so that XLA does not merge the two passes' computations; every
+    # operation is elementwise, a reduction or a reshape, so that inside loss scaling
+    # the skip compiles to a select rather than a conditional (docs/guides/memory.md).
+    scales_pass, _ = _dequantize_state(state, maps, natural, index_dtype=jnp.int16)
+    _, new = inner.update(updates32, scales_pass, params32, **extra_args)
+    scales = _block_scales(new, maps, block_size)
+    inner_state, stored = _dequantize_state(state, maps, natural)
+    updates, new = inner.update(updates32, inner_state, params32, **extra_args)
+    return updates, _encode_state(new, maps, scales, stored)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
