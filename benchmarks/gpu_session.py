@@ -232,6 +232,15 @@ def _cells(line: str) -> list[str]:
 # ---- the test stage's per-test outcomes (a pytest plugin: -p gpu_session) --------------
 
 
+_XDIST_WORKER = {"this process": False}
+
+
+def pytest_configure(config):
+  # An xdist worker's config has workerinput. Not PYTEST_XDIST_WORKER: a pytest run from
+  # inside an xdist worker (this module's own test) inherits that variable.
+  _XDIST_WORKER["this process"] = hasattr(config, "workerinput")
+
+
 def pytest_runtest_logreport(report):
   """Appends the test's outcome to ``$JAXMP_SESSION_TEST_LOG`` as it finishes (a JSON line).
 
@@ -239,7 +248,7 @@ def pytest_runtest_logreport(report):
   pytest-xdist the controller receives every worker's reports: only it writes.
   """
   target = os.environ.get("JAXMP_SESSION_TEST_LOG")
-  if not target or os.environ.get("PYTEST_XDIST_WORKER"):
+  if not target or _XDIST_WORKER["this process"]:
     return
   if report.when != "call" and not (report.failed or report.skipped):
     return
