@@ -746,7 +746,10 @@ def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
     if decided and rule.fp8 is not None and not any(r.precision.fp8 for r in decided):
       problems.append(f"rule {index} ({rule.describe()}) has an "
                       f"{fp8_ops.narrow_type(rule.fp8)} recipe but matches no layer "
-                      f"fp8 applies to ({fp8_layer_names})")
+                      f"fp8 applies to ({fp8_layer_names}): it matches only "
+                      f"{_qualified_classes(decided)}, whose matmuls stay in the compute "
+                      f"dtype (fp8 reaches a matmul through those layers' own product "
+                      f"hooks, which a layer calling lax.dot_general itself lacks)")
     declared = [d for d, on in (("causal", rule.causal_attention),
                                 ("padded", rule.padded_attention)) if on]
     if (decided and declared and attention_rules_reached is not None
@@ -764,6 +767,13 @@ def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
     else:
       problems.append(f"rule {index} ({rule.describe()}) matches no module")
   return problems
+
+
+def _qualified_classes(records: Sequence[CallRecord]) -> str:
+  """The records' module classes by module and name: a model's own ``DenseGeneral``
+  reads apart from Flax's."""
+  return ", ".join(dict.fromkeys(f"{r.module_type.__module__}.{r.module_type.__qualname__}"
+                                 for r in records))
 
 
 def _uninterceptable_ops(who: str, ops: frozenset | None,

@@ -194,6 +194,29 @@ def test_fp8_rule_on_layer_without_matmul_warns():
   assert OWG not in variables
 
 
+class DenseGeneral(nn.Module):
+  """A layer of the user's own, named like Flax's, that calls lax.dot_general itself."""
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", nn.initializers.ones, (x.shape[-1], 2))
+    return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+def test_fp8_rule_on_a_namesake_of_flax_dense_general_names_both_classes():
+  # Before: "rule 0 (DenseGeneral) ... matches no layer fp8 applies to (Dense,
+  # DenseGeneral, ...)": the user's class and Flax's read alike (t5x and MaxText define
+  # their own DenseGeneral).
+  wrapped = jaxmp.linen.mixed_precision(DenseGeneral(), _rules(DenseGeneral))
+  with pytest.warns(UserWarning) as caught:
+    variables = wrapped.init(jax.random.key(0), jnp.ones((1, 3)))
+  message = " ".join(str(w.message) for w in caught)
+  assert (f"layer fp8 applies to (nn.Dense, nn.DenseGeneral, "
+          f"nn.MultiHeadDotProductAttention, nn.Einsum): it matches only "
+          f"{__name__}.DenseGeneral") in message, message
+  assert OWG not in variables
+
+
 def test_interceptor_leaves_attributes_as_they_were():
   dense = nn.Dense(2)
   wrapped = jaxmp.linen.mixed_precision(dense, _rules(nn.Dense))

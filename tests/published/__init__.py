@@ -69,6 +69,16 @@ builds and passes in (``test_caller_owned_cache.py``). Its one change is the imp
 line ``from jaxtyping import Array, ArrayLike`` -> ``from jax import Array`` and
 ``from jax.typing import ArrayLike``, marked ``# jaxmp: import path``.
 
+One linen model comes from t5x: ``t5x_scalable_t5/{layers,network}.py`` are verbatim
+copies of ``t5x/examples/scalable_t5/layers.py`` and ``network.py`` of
+https://github.com/google-research/t5x (the T5X Authors, Apache License 2.0, the same
+license text) at commit cc342d419ec3e3e9c4bf1df33c82330cafdc1e16: the T5.1.1
+encoder-decoder whose layers run in ``partitioning.scan_with_axes`` (``param_scan_axis=1``,
+``ScanIn``) over ``partitioning.remat``, with t5x's own ``DenseGeneral``, which calls
+``lax.dot_general`` itself (``test_t5x_scanned_fp8.py``). Its one change is the import
+line ``from t5x.examples.scalable_t5 import layers`` -> ``from . import layers``, marked
+``# jaxmp: import path``.
+
 ``models.py`` is the registry (tiny versions of the published configs, inputs, call
 flags, losses), ``matmuls.py`` counts matmuls in a jaxpr by dtype, and
 ``report_baseline.py`` prints the baseline (``python -m tests.published.report_baseline``).

@@ -12,19 +12,24 @@ from jaxmp._src.tools import summary
 MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")
 
 
-def iter_matmuls(jaxpr: Any) -> Iterator[tuple[str, tuple[np.dtype, ...]]]:
+def iter_matmuls(jaxpr: Any, only_in_scans: bool = False
+                 ) -> Iterator[tuple[str, tuple[np.dtype, ...]]]:
   """Yields (primitive name, operand dtypes) for every matmul equation, nested ones too.
 
   A scan or while body is counted once, however many iterations it runs; of a
-  ``lax.platform_dependent`` choice only the branch that runs here counts.
+  ``lax.platform_dependent`` choice only the branch that runs here counts. With
+  ``only_in_scans``, only the matmuls inside a scan's body (at any depth below it).
   """
-  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   platform = summary.lowering_platform()
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name in MATMUL_PRIMITIVES:
-      yield eqn.primitive.name, tuple(np.dtype(v.aval.dtype) for v in eqn.invars)
-    for sub in summary.sub_jaxprs_that_run(eqn, platform):
-      yield from iter_matmuls(sub)
+
+  def walk(jaxpr, inside):
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+      if eqn.primitive.name in MATMUL_PRIMITIVES and (inside or not only_in_scans):
+        yield eqn.primitive.name, tuple(np.dtype(v.aval.dtype) for v in eqn.invars)
+      for sub in summary.sub_jaxprs_that_run(eqn, platform):
+        yield from walk(sub, inside or eqn.primitive.name == "scan")
+
+  return walk(jaxpr, False)
 
 
 def classify(dtypes: tuple[np.dtype, ...]) -> str:
@@ -33,9 +38,11 @@ def classify(dtypes: tuple[np.dtype, ...]) -> str:
   return names[0] if len(names) == 1 else "mixed:" + ",".join(names)
 
 
-def count_matmuls(jaxpr: Any) -> collections.Counter:
-  """Counter of operand-dtype classes ('bfloat16', 'float32', 'mixed:...') over matmuls."""
-  return collections.Counter(classify(dtypes) for _, dtypes in iter_matmuls(jaxpr))
+def count_matmuls(jaxpr: Any, only_in_scans: bool = False) -> collections.Counter:
+  """Counter of operand-dtype classes ('bfloat16', 'float32', 'mixed:...') over matmuls
+  (with ``only_in_scans``, those inside a scan's body)."""
+  return collections.Counter(classify(dtypes)
+                             for _, dtypes in iter_matmuls(jaxpr, only_in_scans))
 
 
 def describe_matmuls(jaxpr: Any) -> list[str]:

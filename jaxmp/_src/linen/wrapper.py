@@ -266,7 +266,7 @@ def _cast_params_to_storage(params: Any, dtypes: dict[tuple[str, ...], np.dtype]
 
 
 def _fp8_layer_names() -> str:
-  return ", ".join(t.__name__ for t in injection.FP8_LAYER_TYPES)
+  return ", ".join(f"nn.{t.__name__}" for t in injection.FP8_LAYER_TYPES)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
