@@ -748,8 +748,9 @@ def unused_rules(rules: rules_lib.PolicyRules, records: Sequence[CallRecord],
                       f"{fp8_ops.narrow_type(rule.fp8)} recipe but matches no layer "
                       f"fp8 applies to ({fp8_layer_names}): it matches only "
                       f"{_qualified_classes(decided)}, whose matmuls stay in the compute "
-                      f"dtype (fp8 reaches a matmul through those layers' own product "
-                      f"hooks, which a layer calling lax.dot_general itself lacks)")
+                      f"dtype (fp8 replaces the product of the layers it applies to "
+                      f"through their own dot_general or einsum hook; a layer that calls "
+                      f"lax.dot_general itself has none)")
     declared = [d for d, on in (("causal", rule.causal_attention),
                                 ("padded", rule.padded_attention)) if on]
     if (decided and declared and attention_rules_reached is not None
