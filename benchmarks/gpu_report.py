@@ -356,8 +356,11 @@ def _nnx_train_case(make_model, rules, x_shape, lr: float = 1e-3) -> Case:
 def llama_scan_cases(preset_name: str = "gpu", layers: int = 2) -> dict[str, Case]:
   """``layers`` Llama-3-8B-shaped layers scanned (linen ``nn.scan``, NNX ``nnx.vmap`` +
   ``nnx.scan``), train step (SGD), bf16 and jaxmp fp8 per-tensor (delayed scaling: one
-  amax history per layer, stacked on the layer axis) by rule on the unchanged model.
-  :func:`llama_cases` with ``layers`` gives the same layers unrolled."""
+  amax history per layer, stacked on the layer axis) by rule on the unchanged model;
+  the linen stack also with ``Rule(causal_attention=True)`` (cuDNN's fused attention,
+  which saves no probability matrix for the backward pass; the NNX layer's attention
+  is a function, which no rule matches). :func:`llama_cases` with ``layers`` gives the
+  same layers unrolled."""
   config = llama_layer.LLAMA3_8B if preset_name == "gpu" else llama_layer.SMOKE
   batch, context = LLAMA_TOKENS[preset_name]
   x_shape = (batch, context, config.d_model)
@@ -368,11 +371,14 @@ def llama_scan_cases(preset_name: str = "gpu", layers: int = 2) -> dict[str, Cas
                                             x_shape, optax.sgd(1e-3))
   nnx_model = lambda: llama_layer.NnxScannedStack(config, layers, nnx.Rngs(0))
   fp8_against = lambda of: dict(against=of, differs="precision")
+  fp8_rule = jaxmp.Rule(nn.DenseGeneral, fp8=delayed)
+  causal = jaxmp.Rule(llama_layer.Attention, causal_attention=True)
   return {
       "bf16, nn.scan": linen(rules()),
-      "fp8 per-tensor, nn.scan": compared(
-          linen(rules(jaxmp.Rule(nn.DenseGeneral, fp8=delayed))),
-          **fp8_against("bf16, nn.scan")),
+      "fp8 per-tensor, nn.scan": compared(linen(rules(fp8_rule)), **fp8_against("bf16, nn.scan")),
+      "bf16 + causal attention, nn.scan": linen(rules(causal)),
+      "fp8 per-tensor + causal attention, nn.scan": compared(
+          linen(rules(causal, fp8_rule)), **fp8_against("bf16 + causal attention, nn.scan")),
       "bf16, nnx.scan": _nnx_train_case(nnx_model, rules(), x_shape),
       "fp8 per-tensor, nnx.scan": compared(_nnx_train_case(
           nnx_model, rules(jaxmp.Rule(nnx.LinearGeneral, fp8=delayed)), x_shape),

@@ -202,6 +202,13 @@ def test_gpu_report_s_scanned_llama_stacks_train_with_every_projection_in_fp8():
   fp8_gemms = {"float8_e4m3fn": 7, "mixed:float8_e4m3fn,float8_e5m2": 14}
   assert counts["bf16, nn.scan"] == {"bfloat16": 27}, counts
   assert counts["fp8 per-tensor, nn.scan"] == {**fp8_gemms, "bfloat16": 6}, counts
+  # With the causal rule the projections stay fp8; attention is jax.nn's (XLA's on a
+  # CPU, whose probabilities' GEMMs mix in float32; cuDNN's fused kernel on a GPU).
+  causal_attention = {"bfloat16": 4, "mixed:bfloat16,float32": 2}
+  assert counts["bf16 + causal attention, nn.scan"] == {
+      "bfloat16": 21 + 4, "mixed:bfloat16,float32": 2}, counts
+  assert counts["fp8 per-tensor + causal attention, nn.scan"] == {
+      **fp8_gemms, **causal_attention}, counts
   # NNX's attention multiplies two of its GEMMs' bfloat16 operands with a float32 one.
   nnx_attention = {"mixed:bfloat16,float32": 2}
   assert counts["bf16, nnx.scan"] == {"bfloat16": 25, **nnx_attention}, counts

@@ -397,3 +397,83 @@ def test_h100_deviceless():
   out = subprocess.run([sys.executable, "-c", _H100_CHECK], env=env, capture_output=True,
                        text=True, timeout=600)
   assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-4000:]
+
+
+STACK_HLO = textwrap.dedent("""\
+    HloModule stack
+
+    %read_one (p0: f32[8,256,256], p1: s32[], p2: f32[256,256]) -> f32[256,256] {
+      %p0 = f32[8,256,256]{2,1,0} parameter(0)
+      %p1 = s32[] parameter(1)
+      %zero = s32[] constant(0)
+      %slice = f32[1,256,256]{2,1,0} dynamic-slice(%p0, %p1, %zero, %zero), dynamic_slice_sizes={1,256,256}
+      %layer = f32[256,256]{1,0} bitcast(%slice)
+      %p2 = f32[256,256]{1,0} parameter(2)
+      ROOT %product = f32[256,256]{1,0} multiply(%layer, %p2)
+    }
+
+    %write_one (q0: f32[8,256,256], q1: bf16[256,256], q2: s32[]) -> f32[8,256,256] {
+      %q0 = f32[8,256,256]{2,1,0} parameter(0)
+      %q1 = bf16[256,256]{1,0} parameter(1)
+      %wide = f32[256,256]{1,0} convert(%q1)
+      %update = f32[1,256,256]{2,1,0} bitcast(%wide)
+      %q2 = s32[] parameter(2)
+      %zero = s32[] constant(0)
+      ROOT %dus = f32[8,256,256]{2,1,0} dynamic-update-slice(%q0, %update, %q2, %zero, %zero)
+    }
+
+    %write_and_read (r0: f32[8,256,256], r1: f32[1,256,256], r2: s32[]) -> (f32[8,256,256], f32[8,256,256]) {
+      %r0 = f32[8,256,256]{2,1,0} parameter(0)
+      %r1 = f32[1,256,256]{2,1,0} parameter(1)
+      %r2 = s32[] parameter(2)
+      %zero = s32[] constant(0)
+      %dus = f32[8,256,256]{2,1,0} dynamic-update-slice(%r0, %r1, %r2, %zero, %zero)
+      %negated = f32[8,256,256]{2,1,0} negate(%r0)
+      ROOT %both = (f32[8,256,256]{2,1,0}, f32[8,256,256]{2,1,0}) tuple(%dus, %negated)
+    }
+
+    ENTRY %main (w: f32[8,256,256], i: s32[], x: f32[256,256], g: bf16[256,256], u: f32[1,256,256]) -> f32[256,256] {
+      %w = f32[8,256,256]{2,1,0} parameter(0)
+      %i = s32[] parameter(1)
+      %x = f32[256,256]{1,0} parameter(2)
+      %g = bf16[256,256]{1,0} parameter(3)
+      %u = f32[1,256,256]{2,1,0} parameter(4)
+      %read = f32[256,256]{1,0} fusion(%w, %i, %x), kind=kLoop, calls=%read_one
+      %written = f32[8,256,256]{2,1,0} fusion(%w, %g, %i), kind=kLoop, calls=%write_one
+      %both = (f32[8,256,256]{2,1,0}, f32[8,256,256]{2,1,0}) fusion(%w, %u, %i), kind=kLoop, calls=%write_and_read
+      ROOT %r = f32[256,256]{1,0} add(%read, %x)
+    }
+    """)
+
+
+def test_a_kernel_is_charged_the_slices_it_reads_and_the_update_it_writes_in_place():
+  layer, stack = 256 * 256 * 4, 8 * 256 * 256 * 4
+  report = audit_lib.analyze(STACK_HLO, "gpu")
+  moved = {k.name: k.bytes for k in report.kernels}
+  # One layer of the stack read (the slice), x read, the product written.
+  assert moved["read"] == layer + 4 + layer + layer
+  # The bf16 update read and written into the stack in place; the stack's other
+  # layers are neither read nor written.
+  assert moved["written"] == layer // 2 + 4 + layer
+  # A stack that is also read in full (negated) is read in full; the update written.
+  assert moved["both"] == stack + layer + 4 + layer + stack
+  # A kernel with no fused body: every operand and its result.
+  assert moved["r"] == 3 * layer
+
+
+def test_a_scan_over_stacked_layers_costs_each_trip_one_layer():
+  def apply_layers(stack, x):
+    def layer(carry, w):
+      y = jnp.tanh(carry * w)
+      return y, y
+    return jax.lax.scan(layer, x, stack)
+
+  def per_trip_bytes(layers):
+    stack = jnp.ones((layers, 256, 256))
+    report = jaxmp.tools.audit(apply_layers, stack, jnp.ones((256, 256)))
+    return sorted(k.bytes for k in report.kernels if k.count == layers)
+
+  # Before in-place updates and slices were told apart, each trip was charged the
+  # whole stack, so a loop over L layers cost L^2 layers' bytes.
+  assert per_trip_bytes(4) == per_trip_bytes(16)
+  assert max(per_trip_bytes(16)) <= 3 * 256 * 256 * 4 + 64

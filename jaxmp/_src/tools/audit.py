@@ -14,8 +14,10 @@ optimized HLO text:
   converts, so an fp8 tensor a CPU widens to float32 still reads as fp8), the dtypes
   the product reads, the dtype it writes, its backend and FLOPs;
 * every other kernel and the HBM bytes it moves (every operand read once, every
-  output written once: an upper bound where a fusion reads part of an operand); a
-  loop's body counts its known trip count times, a conditional its cheapest branch;
+  output written once, except an operand the fusion only slices, of which the
+  slices are read, and a buffer updated in place, of which the update is written:
+  :func:`~jaxmp._src.tools.hlo.kernel_bytes`); a loop's body counts its known trip
+  count times, a conditional its cheapest branch;
 * the converts and transposes left as kernels of their own;
 * a roofline estimate of the step on GPUs: each kernel takes
   ``max(FLOPs / peak for its arithmetic, bytes / bandwidth)``, summed (no launch
@@ -580,8 +582,7 @@ def _kernels(module: hlo_lib.Module, computation: str, count: int, platform: str
     if dots:
       gemms.append(dataclasses.replace(_fused_gemm(module, ins, dots, platform), count=count))
       continue
-    nbytes = sum(hlo_lib.nbytes(module.instruction(o).type) for o in ins.operands) + \
-        hlo_lib.nbytes(ins.type)
+    nbytes = hlo_lib.kernel_bytes(module, ins)
     dt, dims = ins.first_array
     kind = ins.backend_kind or ins.fusion_kind or op  # e.g. __triton (a softmax), kLoop
     kernels.append(Kernel(ins.name, kind, f"{dt}[{','.join(map(str, dims))}]",

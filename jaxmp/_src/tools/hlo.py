@@ -248,6 +248,102 @@ def convolution_flops(module: Module, conv: Instruction) -> int:
   return 2 * out * per_output
 
 
+def _through_bitcasts(module: Module, name: str) -> Instruction:
+  instruction = module.instruction(name)
+  while instruction.opcode == "bitcast":
+    instruction = module.instruction(instruction.operands[0])
+  return instruction
+
+
+def _users(body: list[Instruction]) -> dict[str, list[Instruction]]:
+  users: dict[str, list[Instruction]] = {}
+  for instruction in body:
+    for operand in instruction.operands:
+      users.setdefault(operand, []).append(instruction)
+  return users
+
+
+def _only_updated(name: str, users: dict[str, list[Instruction]]) -> bool:
+  """Whether ``name`` is only the buffer of ``dynamic-update-slice``s (through bitcasts)."""
+  return all(r.opcode == "dynamic-update-slice" and r.operands[0] == name
+             or r.opcode == "bitcast" and _only_updated(r.name, users)
+             for r in users.get(name, []))
+
+
+def kernel_bytes(module: Module, kernel: Instruction) -> int:
+  """The HBM bytes one execution of a non-GEMM kernel moves: what it reads and writes.
+
+  Every operand is read once and every result written once, except in the two forms a
+  loop over stacked layers is made of, where a fusion touches part of a buffer:
+
+  * an operand the fusion only slices (``dynamic-slice``/``slice`` of the parameter,
+    as a scanned layer reads its weights from the stack): the slices are read;
+  * a result that is a ``dynamic-update-slice`` of a parameter (as a scan writes one
+    layer's gradient or residual into the stack): XLA updates that buffer in place,
+    so only the update is written and the rest of the buffer is neither read nor
+    written.
+
+  Counting the whole buffers instead charges each trip of a loop over ``L`` layers
+  for all ``L`` layers' slices.
+
+  Args:
+    module: the module ``kernel`` belongs to.
+    kernel: a fusion, copy, reduction or other instruction that runs as a kernel.
+
+  Returns:
+    Bytes read plus bytes written.
+
+  Example:
+    >>> text = '''HloModule m
+    ...
+    ... %layer (p: f32[4,8], i: s32[]) -> f32[1,8] {
+    ...   %p = f32[4,8]{1,0} parameter(0)
+    ...   %i = s32[] parameter(1)
+    ...   %z = s32[] constant(0)
+    ...   %s = f32[1,8]{1,0} dynamic-slice(%p, %i, %z), dynamic_slice_sizes={1,8}
+    ...   ROOT %n = f32[1,8]{1,0} negate(%s)
+    ... }
+    ...
+    ... ENTRY %main (w: f32[4,8], j: s32[]) -> f32[1,8] {
+    ...   %w = f32[4,8]{1,0} parameter(0)
+    ...   %j = s32[] parameter(1)
+    ...   ROOT %f = f32[1,8]{1,0} fusion(%w, %j), kind=kLoop, calls=%layer
+    ... }
+    ... '''
+    >>> module = Module(text)
+    >>> kernel_bytes(module, module.instruction("f"))  # one row read, one written, the index
+    68
+  """
+  if kernel.opcode != "fusion" or not kernel.called:
+    return sum(nbytes(module.instruction(o).type) for o in kernel.operands) + nbytes(kernel.type)
+  computation = kernel.called[0]
+  body = module.computations[computation]
+  users = _users(body)
+  root = module.root(computation)
+  results = ([module.instruction(o) for o in root.operands] if root.opcode == "tuple"
+             else [root])
+  written, updated_in_place = 0, set()
+  for result in results:
+    buffer = (_through_bitcasts(module, result.operands[0])
+              if result.opcode == "dynamic-update-slice" else None)
+    if buffer is not None and buffer.opcode == "parameter":
+      updated_in_place.add(buffer.name)
+      written += nbytes(module.instruction(result.operands[1]).type)
+    else:
+      written += nbytes(result.type)
+  read = 0
+  for parameter in (i for i in body if i.opcode == "parameter"):
+    readers = users.get(parameter.name, [])
+    if parameter.name in updated_in_place and _only_updated(parameter.name, users):
+      continue  # the buffer updated in place: untouched outside the update
+    if readers and all(r.opcode in ("dynamic-slice", "slice") and
+                       r.operands[0] == parameter.name for r in readers):
+      read += sum(nbytes(r.type) for r in readers)
+    else:
+      read += nbytes(module.parameter_source(parameter, kernel).type)
+  return read + written
+
+
 __all__ = (
     "DTYPE_NAMES",
     "NO_KERNEL_OPS",
@@ -257,5 +353,6 @@ __all__ = (
     "convolution_flops",
     "dot_flops",
     "dtype_bytes",
+    "kernel_bytes",
     "nbytes",
 )
