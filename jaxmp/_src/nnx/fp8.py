@@ -118,7 +118,19 @@ def _guarded(rhs: jax.Array, state: state_lib.DelayedScalingState | None) -> jax
   return state_lib.require_state_gradient(rhs, state, hint=_TRAIN_HINT)
 
 
-class Fp8DotGeneral(nnx.Module):
+class _Fp8Op(nnx.Module):
+  """What both fp8 modules hold: the recipe, its delayed-scaling variables, the layer's path."""
+
+  # The path of the layer that holds it, for messages; new_fp8_module sets it for the
+  # layers a rule makes fp8, and an instance the user passes keeps "" (no path known).
+  layer_path: str = ""
+
+  def __init__(self, recipe: recipes_lib.Recipe = recipes_lib.DelayedScaling()):
+    self.recipe = ops.check(recipe, type(self).__name__)
+    _init_variables(self, self.recipe)
+
+
+class Fp8DotGeneral(_Fp8Op):
   """An fp8 ``dot_general`` with its delayed-scaling state, for NNX dense layers.
 
   Pass an instance as ``nnx.Linear(..., dot_general=Fp8DotGeneral())`` or
@@ -147,14 +159,6 @@ class Fp8DotGeneral(nnx.Module):
     (4,)
   """
 
-  # The path of the layer that holds it, for messages; new_fp8_module sets it for the
-  # layers a rule makes fp8, and an instance the user passes keeps "" (no path known).
-  layer_path: str = ""
-
-  def __init__(self, recipe: recipes_lib.Recipe = recipes_lib.DelayedScaling()):
-    self.recipe = ops.check(recipe, "Fp8DotGeneral")
-    _init_variables(self, self.recipe)
-
   def __call__(self, lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
                precision: Any = None, preferred_element_type: Any = None,
                out_sharding: Any = None) -> jax.Array:
@@ -171,7 +175,7 @@ class Fp8DotGeneral(nnx.Module):
                                        recipe=self.recipe)
 
 
-class Fp8Einsum(nnx.Module):
+class Fp8Einsum(_Fp8Op):
   """A two-operand fp8 einsum with its delayed-scaling state, for ``nnx.Einsum``.
 
   Pass an instance as ``nnx.Einsum(..., einsum_op=Fp8Einsum())``; it is called like
@@ -190,14 +194,6 @@ class Fp8Einsum(nnx.Module):
     >>> op("btd,dh->bth", jnp.ones((2, 3, 4)), jnp.ones((4, 5))).shape
     (2, 3, 5)
   """
-
-  # The path of the layer that holds it, for messages; new_fp8_module sets it for the
-  # layers a rule makes fp8, and an instance the user passes keeps "" (no path known).
-  layer_path: str = ""
-
-  def __init__(self, recipe: recipes_lib.Recipe = recipes_lib.DelayedScaling()):
-    self.recipe = ops.check(recipe, "Fp8Einsum")
-    _init_variables(self, self.recipe)
 
   def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array, precision: Any = None,
                preferred_element_type: Any = None, out_sharding: Any = None) -> jax.Array:
