@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src.fp8 import chips
+from jaxmp._src.fp8 import fused_quantize
 from jaxmp._src.fp8 import grouped
 from jaxmp._src.fp8 import quantize as q
 from jaxmp._src.fp8 import recipes as recipes_lib
@@ -43,7 +44,11 @@ def forward(lhs: jax.Array, rhs: jax.Array, state: Any, cfg: Any):
   del state  # current scaling keeps none
   x_scale = _scale(lhs, q.E4M3, cfg.recipe)
   k_scale = _scale(rhs, q.E4M3, cfg.recipe)
-  q_lhs, q_rhs = scaled_gemm.forward_operands(lhs, rhs, x_scale, k_scale, cfg.k_major_fp8)
+  if cfg.fused_quantize:  # (codes, transposed) pairs, one kernel each (after the amax)
+    q_lhs, q_rhs = (fused_quantize.quantize(lhs, q.E4M3, x_scale)[:2],
+                    fused_quantize.quantize(rhs, q.E4M3, k_scale)[:2])
+  else:
+    q_lhs, q_rhs = scaled_gemm.forward_operands(lhs, rhs, x_scale, k_scale, cfg.k_major_fp8)
   return q_lhs, q_rhs, x_scale, k_scale, None
 
 
@@ -51,6 +56,8 @@ def backward(g: jax.Array, x_scale: jax.Array, k_scale: jax.Array, carry: Any, c
   """The output gradient in E5M2 and its scale; no new state (``None``)."""
   del x_scale, k_scale, carry
   g_scale = _scale(g, q.E5M2, cfg.recipe)
+  if cfg.fused_quantize:
+    return fused_quantize.quantize(g, q.E5M2, g_scale)[:2], g_scale, None
   return q.quantize(g, q.E5M2, g_scale), g_scale, None
 
 
