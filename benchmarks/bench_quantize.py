@@ -14,7 +14,14 @@ layer at 8192 tokens (``--preset gpu``):
   scaling's forward): a read and an fp8 write;
 * ``codes, both layouts``: the codes and their transpose, both written;
 * ``amax, codes, both layouts``: current scaling: the amax, the scale from it, then
-  both layouts (two reads of ``x``, counted as such).
+  both layouts (two reads of ``x``, counted as such);
+* ``fused: amax, codes, both layouts``: jaxmp's fused kernel
+  (``jaxmp._src.fp8.fused_quantize``, Pallas Mosaic GPU) with a given scale (delayed
+  scaling: the amax for the history, the codes in both layouts, one read). Its bytes are
+  a read and two fp8 writes; set against ``codes, both layouts`` (the same writes, no
+  amax) and ``amax`` + ``codes, both layouts``, what XLA's fusions take for the same
+  work. It runs only on CUDA (Hopper); elsewhere (``--preset smoke`` on a CPU) it is
+  left out, with the reason printed.
 
 Prints a Markdown table: ms, TB/s, and TB/s against ``copy``'s. Run on a GPU:
 ``python benchmarks/bench_quantize.py``; ``--preset smoke`` runs tiny shapes on any
@@ -34,6 +41,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import timing  # noqa: E402  pylint: disable=g-import-not-at-top
 
+from jaxmp._src.fp8 import fused_quantize  # noqa: E402
 from jaxmp._src.fp8 import quantize as q  # noqa: E402
 
 SHAPES = {
@@ -65,11 +73,29 @@ def variants(shape: tuple[int, int]) -> dict[str, tuple[callable, int]]:
                               2 * n + 2 * n),
       "amax, codes, both layouts": (current, 2 * (2 * n) + 2 * n),
   }
+  reason = fused_unavailable(shape)
+  if reason is None:
+    fns["fused: amax, codes, both layouts"] = (
+        lambda x: fused_quantize.quantize_2d(x, q.E4M3, scale), 2 * n + 2 * n)
+  else:
+    print(f"variant 'fused: amax, codes, both layouts' left out at {shape}: {reason}",
+          file=sys.stderr)
   out = {}
   for name, (fn, moved) in fns.items():
     jitted = jax.jit(fn)
     out[name] = (functools.partial(lambda f: jax.block_until_ready(f(x)), jitted), moved)
   return out
+
+
+def fused_unavailable(shape: tuple[int, int]) -> str | None:
+  """Why the fused kernel cannot run here at ``shape`` (``None``: it can)."""
+  if jax.default_backend() != "gpu":
+    return f"the kernel runs on CUDA GPUs only (the backend here is {jax.default_backend()})"
+  if not fused_quantize.available():
+    return "this JAX's Pallas Mosaic GPU back end lacks what the kernel uses"
+  if not fused_quantize.supports(shape, jnp.bfloat16):
+    return f"not a multiple of the kernel's tile {fused_quantize.TILE}"
+  return None
 
 
 def main(argv=None) -> dict:

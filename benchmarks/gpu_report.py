@@ -327,10 +327,28 @@ def llama_cases(preset_name: str = "gpu", layers: int = 1) -> dict[str, Case]:
           jaxmp_case(rules(causal, fp8_rule(delayed))), **precision(causal_bf16)),
       "fp8 rowwise + causal attention": compared(
           jaxmp_case(rules(causal, fp8_rule(rowwise))), **precision(causal_bf16)),
+      "fp8 per-tensor, fused quantize + causal attention": compared(
+          fused_quantize_case(jaxmp_case(rules(causal, fp8_rule(delayed)))),
+          **precision(causal_bf16)),
       "fp8 block 1x128/128x128 + causal attention": compared(
           jaxmp_case(rules(causal, fp8_rule(fp8.BlockScaling()))), **precision(causal_bf16)),
       "Flax fp8": Case(flax_step, flax_make, **precision("bf16")),
   }
+
+
+FUSED_QUANTIZE_CHIP = "h100"
+"""The chip a fused-quantize variant is traced for: Hopper's table entry with
+``fused_quantize`` on (an H200's entry is the H100's; on another platform the
+``lax.platform_dependent`` branches take XLA's path)."""
+
+
+def fused_quantize_case(case: Case) -> Case:
+  """``case`` traced with the fused fp8 quantization kernel turned on
+  (``fp8.compile_target(FUSED_QUANTIZE_CHIP, fused_quantize=True)``)."""
+  def fn(*args):
+    with fp8.compile_target(FUSED_QUANTIZE_CHIP, fused_quantize=True):
+      return case.fn(*args)
+  return dataclasses.replace(case, fn=fn)
 
 
 def _nnx_train_case(make_model, rules, x_shape, lr: float = 1e-3) -> Case:

@@ -130,6 +130,10 @@ def pallas_triton() -> PallasTriton | None:
 PALLAS_MOSAIC_GPU_NAMES = ("BlockSpec", "CompilerParams", "GMEM", "Layout", "SwizzleTransform",
                            "TilingTransform", "layout_cast", "transpose_ref")
 """What the fused quantization kernel uses of ``jax.experimental.pallas.mosaic_gpu``."""
+PALLAS_MOSAIC_GPU_NAMES_TEXT = ("jax.experimental.pallas.mosaic_gpu with "
+                                + ", ".join(PALLAS_MOSAIC_GPU_NAMES)
+                                + " and Layout.WGMMA_TRANSPOSED")
+"""How messages name what :func:`pallas_mosaic_gpu` looks for."""
 
 
 @functools.cache
@@ -262,6 +266,7 @@ def extended_dtypes() -> ExtendedDtypes | None:
 
 __all__ = (
     "PALLAS_MOSAIC_GPU_NAMES",
+    "PALLAS_MOSAIC_GPU_NAMES_TEXT",
     "PALLAS_TRITON",
     "ExtendedDtypes",
     "JaxVersionWarning",

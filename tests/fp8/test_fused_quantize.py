@@ -134,6 +134,33 @@ def test_with_the_table_entry_on_a_dense_step_uses_the_kernel_and_computes_the_s
   assert np.count_nonzero(np.asarray(results[True][1][1])) > 0
 
 
+def test_under_vmap_batched_tensors_take_xlas_path_and_the_step_computes_the_same():
+  # Mosaic GPU lowers no batched pallas_call: under vmap the batched input and output
+  # gradient are quantized by XLA, the kernel (not batched) by the fused kernel.
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.integers(-8, 9, (3, 2, 64, 256)), jnp.bfloat16)
+  w = jnp.asarray(rng.integers(-8, 9, (256, 128)), jnp.bfloat16)
+  recipe = fp8.DelayedScaling(amax_history_length=4)
+  state = fp8.init_state(recipe)
+
+  def loss(x, w, state):
+    y = fp8.fp8_dot_general(x, w, DIMS, state=state, recipe=recipe)
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+  batched = jax.jit(jax.grad(
+      lambda x, w, s: jnp.sum(jax.vmap(loss, in_axes=(0, None, None))(x, w, s)),
+      argnums=(0, 1, 2)))
+  results = {}
+  for fused in (False, True):
+    with fp8.compile_target("h100", fused_quantize=fused):
+      text = jax.jit(batched).trace(x, w, state).jaxpr.pretty_print()
+      assert text.count("name=jaxmp_fused_fp8_quantize") == int(fused)
+      results[fused] = batched(x, w, state)
+  jax.tree.map(np.testing.assert_array_equal, results[False], results[True])
+  # One amax over the whole batch, as the unbatched state records it.
+  assert float(results[True][2].output_grad_amax_history[0]) > 0
+
+
 def test_the_entry_is_off_for_every_chip_and_shapes_the_kernel_does_not_take_keep_xla():
   assert not any(t.fused_quantize for t in support.TARGETS.values())
   x, w = jnp.ones((2, 50, 256), jnp.bfloat16), jnp.ones((256, 128), jnp.bfloat16)
@@ -162,6 +189,11 @@ _PTX_CHECK = textwrap.dedent("""\
       text = jax.jit(lambda x, s: fused_quantize.quantize_2d(x, fp8_dtype, s)).trace(
           *args).lower().compile().as_text()
       print("HLO", text.count('custom_call_target="mosaic_gpu_v2"'))
+    batched = (jax.ShapeDtypeStruct((3, 256, 384), jnp.bfloat16, sharding=shard),
+               jax.ShapeDtypeStruct((), jnp.float32, sharding=shard))
+    text = jax.jit(jax.vmap(lambda x, s: fused_quantize.quantize(x, q.E4M3, s),
+                            in_axes=(0, None))).trace(*batched).lower().compile().as_text()
+    print("VMAP", text.count('custom_call_target="mosaic_gpu_v2"'))
     """)
 
 _STEP_CHECK = textwrap.dedent("""\
@@ -207,6 +239,7 @@ def test_the_kernel_compiles_for_sm_90a_with_tma_and_fp8_conversions():
   _need_cuda_plugin()
   out = _deviceless(_PTX_CHECK, MOSAIC_GPU_DUMP_PTX="1")
   assert [line for line in out.splitlines() if line.startswith("HLO")] == ["HLO 1", "HLO 1"]
+  assert "VMAP 0" in out.splitlines()  # compiles under vmap: XLA's path, no kernel
   assert ".target sm_90a" in out
   # One TMA load and two TMA stores (the codes' tile and the transposed tile) per kernel.
   assert out.count("cp.async.bulk.tensor.4d.shared::cluster.global") == 2

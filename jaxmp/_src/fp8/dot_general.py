@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from jaxmp._src import jax_compat
 from jaxmp._src import sharding
 from jaxmp._src.fp8 import delayed
 from jaxmp._src.fp8 import fused_quantize
@@ -245,10 +246,15 @@ def _fuses(lhs: jax.Array, rhs: jax.Array, dimension_numbers: tuple, out_shardin
            and _transposed_out_sharding(lhs, range(lhs.ndim)) is None
            and _transposed_out_sharding(rhs, range(2)) is None)
   grad_shape = (*lhs.shape[:-1], rhs.shape[-1])
-  return (dense and plain and fused_quantize.available()
-          and fused_quantize.supports(lhs.shape, lhs.dtype)
+  fits = (dense and plain and fused_quantize.supports(lhs.shape, lhs.dtype)
           and fused_quantize.supports(rhs.shape, rhs.dtype)
           and fused_quantize.supports(grad_shape, jnp.result_type(lhs.dtype, rhs.dtype)))
+  if fits and not fused_quantize.available():
+    jax_compat.warn_unavailable(
+        f"usable Pallas Mosaic GPU back end ({jax_compat.PALLAS_MOSAIC_GPU_NAMES_TEXT})",
+        "fp8 operands are quantized by XLA's fusions, not the fused kernel the target "
+        "asks for (the same values)", stacklevel=4)
+  return fits and fused_quantize.available()
 
 
 def _dense_product(a: jax.Array, b: jax.Array, scale: jax.Array, dtype: np.dtype, recipe: Any,

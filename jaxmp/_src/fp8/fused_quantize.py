@@ -208,8 +208,8 @@ def quantize_2d(x: jax.Array, fp8_dtype: Any, scale: jax.Array, *, interpret: bo
   if plgpu is None and not interpret:
     raise RuntimeError(
         f"fused_quantize: {jax_compat.jax_version()} has no usable Pallas Mosaic GPU back end "
-        f"(jax.experimental.pallas.mosaic_gpu with {', '.join(jax_compat.PALLAS_MOSAIC_GPU_NAMES)}"
-        "); check fused_quantize.available() first.")
+        f"({jax_compat.PALLAS_MOSAIC_GPU_NAMES_TEXT}); check fused_quantize.available() "
+        "first.")
   spec_of = pallas_spec(plgpu)
   rows, cols = x.shape
   grid = (rows // tile[0], cols // tile[1])
@@ -266,11 +266,31 @@ def _on_cuda(x: jax.Array, scale: jax.Array, *, fp8_dtype: Any) -> Quantized:
   return Quantized(jnp.reshape(codes, x.shape), transposed, amax)
 
 
+@functools.cache
+def _kernel_unless_batched(fp8_dtype: np.dtype) -> Any:
+  """:func:`_on_cuda`, with XLA's path under ``vmap``: Mosaic GPU lowers no batched
+  ``pallas_call`` (jax 0.10.2 asserts that its grid has no vmapped dimension)."""
+
+  @jax.custom_batching.custom_vmap
+  def run(x, scale):
+    return tuple(_on_cuda(x, scale, fp8_dtype=fp8_dtype))
+
+  @run.def_vmap
+  def _batched(axis_size, in_batched, x, scale):
+    x, scale = (v if batched else jnp.broadcast_to(v, (axis_size, *v.shape))
+                for v, batched in zip((x, scale), in_batched))
+    out = jax.vmap(functools.partial(_xla, fp8_dtype=fp8_dtype))(x, scale)
+    return tuple(out), (True, True, True)
+
+  return run
+
+
 def quantize(x: jax.Array, fp8_dtype: Any, scale: jax.Array) -> Quantized:
   """``x``'s codes in both layouts and its amax: the kernel on CUDA, XLA elsewhere.
 
   A ``lax.platform_dependent`` choice, so a function traced with the kernel still lowers
-  for any platform; off CUDA the values are XLA's (the same values).
+  for any platform; off CUDA the values are XLA's (the same values), and so they are
+  under ``vmap`` (Mosaic GPU lowers no batched kernel).
 
   Args:
     x: a tensor :func:`supports` takes.
@@ -296,9 +316,9 @@ def quantize(x: jax.Array, fp8_dtype: Any, scale: jax.Array) -> Quantized:
         f"of {TILE[0]}).")
   fp8_dtype = np.dtype(dtypes_lib.float_format(fp8_dtype).dtype)
   scale = jnp.asarray(scale, F32)
-  return jax.lax.platform_dependent(
-      x, scale, cuda=functools.partial(_on_cuda, fp8_dtype=fp8_dtype),
-      default=functools.partial(_xla, fp8_dtype=fp8_dtype))
+  return Quantized(*jax.lax.platform_dependent(
+      x, scale, cuda=_kernel_unless_batched(fp8_dtype),
+      default=lambda x, scale: tuple(_xla(x, scale, fp8_dtype=fp8_dtype))))
 
 
 __all__ = ("INPUT_DTYPES", "SWIZZLE", "TILE", "Quantized", "available", "pallas_spec",
