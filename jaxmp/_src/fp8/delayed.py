@@ -192,16 +192,19 @@ def forward(lhs: jax.Array, rhs: jax.Array, state: Any, cfg: Any):
   Returns:
     ``(q_lhs, q_rhs, x_scale, k_scale, carry)``; ``carry`` is the output gradient's
     scale and the three histories with this step's input and kernel amaxes recorded.
+    With ``cfg.fused_quantize`` ``q_lhs`` is ``(codes, transposed)``, and its amax
+    comes from the same kernel (``jaxmp._src.fp8.fused_quantize``).
   """
   st = _read(state)
   scales = _scales(st, cfg.recipe)
   if cfg.fused_quantize:
-    # One kernel per operand: its codes in both layouts and its amax
-    # (fused_quantize; q_lhs and q_rhs are then (codes, transposed) pairs).
-    x_q, k_q = (fused_quantize.quantize(lhs, q.E4M3, scales[0]),
-                fused_quantize.quantize(rhs, q.E4M3, scales[1]))
-    q_lhs, q_rhs = (x_q.codes, x_q.transposed), (k_q.codes, k_q.transposed)
-    lhs_amax_of, rhs_amax_of = x_q.amax, k_q.amax
+    # The input in one kernel: its codes in both layouts and its amax (fused_quantize;
+    # q_lhs is then a (codes, transposed) pair). The kernel stays XLA's (see there).
+    x_q = fused_quantize.quantize(lhs, q.E4M3, scales[0])
+    q_lhs, lhs_amax_of = (x_q.codes, x_q.transposed), x_q.amax
+    (q_rhs,) = scaled_gemm.in_own_layout_on_gpus(cfg.k_major_fp8,
+                                                 q.quantize(rhs, q.E4M3, scales[1]))
+    rhs_amax_of = rhs
   else:
     # Each operand is quantized in its own layout, so that one kernel reads it for its
     # quantization and its amax (below); see scaled_gemm.in_own_layout_on_gpus.
@@ -236,7 +239,8 @@ def backward(g: jax.Array, x_scale: jax.Array, k_scale: jax.Array, carry: Any, c
 
   Returns:
     ``(q_g, g_scale, new_state)``: ``new_state`` the six float32 values in
-    :class:`DelayedScalingState`'s order.
+    :class:`DelayedScalingState`'s order; ``q_g`` ``(codes, transposed)`` with
+    ``cfg.fused_quantize``.
   """
   g_scale, (x_history, k_history, old_g_history) = carry
   if cfg.fused_quantize:  # both layouts and the amax in one pass (a pair, as forward's)

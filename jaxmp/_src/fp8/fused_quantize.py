@@ -30,7 +30,11 @@ amax (a NaN-propagating ``max``) goes to one float32 per tile, and XLA reduces t
 (``rows * cols / 16384`` values). The arithmetic is the XLA fusion's on the same chip
 (compiled for an H100, both use ``div.full.f32``, ``min.NaN.f32``/``max.NaN.f32`` and
 ``cvt.rn.satfinite``), so the codes and amax are XLA's bit for bit; a NaN code is a
-NaN, whatever its sign bit.
+NaN, whatever its sign bit. One difference in form: for E5M2, Mosaic GPU contracts
+:func:`~jaxmp._src.fp8.quantize.saturate`'s ``clipped + x * 2**-126`` into one
+``fma.rn.f32`` where XLA rounds the product first (``mul.rn``, ``add.rn``). Both sums
+round back to ``clipped`` (or stay inf or NaN) under saturate's own condition, a scale
+below ``2**101``, so the codes are the same there too.
 
 **Shapes.** Both dimensions of the 2-D view must be multiples of the tile
 (:func:`supports`); other shapes are refused (a padded copy would cost the pass this
@@ -45,8 +49,9 @@ reduction are the kernel's.
 Where it is used is a chip's table entry (:attr:`~jaxmp._src.fp8.chips.Target.fused_quantize`,
 off for every chip until a device measures it faster than XLA's fusions):
 ``fp8_dot_general``'s per-tensor op (:mod:`~jaxmp._src.fp8.dot_general`) then quantizes
-its input, kernel and output gradient with :func:`quantize` and gives every GEMM its
-operands with the contracted dimension minor. Measured figures: none yet (no device
+a Dense product's input and output gradient with :func:`quantize`, and the weight
+gradient's GEMM reads both transposed codes as written. The weight stays XLA's: a
+float32 parameter is cast on its way in, and XLA quantizes it in that same pass. Measured figures: none yet (no device
 has run it; ``benchmarks/bench_quantize.py`` measures it against XLA's fusions).
 
 Example:
@@ -184,7 +189,7 @@ def quantize_2d(x: jax.Array, fp8_dtype: Any, scale: jax.Array, *, interpret: bo
     fp8_dtype: ``E4M3`` or ``E5M2``.
     scale: the dequantization multiplier, a float32 scalar (> 0, as ``quantize``'s).
     interpret: run in Pallas' interpreter (any platform; see the module docstring).
-    tile: the tile of one warpgroup, multiples of 128 (benchmarks try others).
+    tile: the tile of one warpgroup, :data:`TILE` by default; multiples of 128.
 
   Returns:
     ``(codes (rows, cols), transposed (cols, rows), amax)``.
@@ -210,7 +215,7 @@ def quantize_2d(x: jax.Array, fp8_dtype: Any, scale: jax.Array, *, interpret: bo
         f"fused_quantize: {jax_compat.jax_version()} has no usable Pallas Mosaic GPU back end "
         f"({jax_compat.PALLAS_MOSAIC_GPU_NAMES_TEXT}); check fused_quantize.available() "
         "first.")
-  spec_of = pallas_spec(plgpu)
+  spec_of = _block_specs(plgpu)
   rows, cols = x.shape
   grid = (rows // tile[0], cols // tile[1])
   row_block, col_block = tile
@@ -237,7 +242,7 @@ class _Specs(NamedTuple):
   tile: Any  # (block, index_map, dtype) -> a BlockSpec of a tile in shared memory
 
 
-def pallas_spec(plgpu: Any) -> _Specs:
+def _block_specs(plgpu: Any) -> _Specs:
   """How :func:`quantize_2d` describes its blocks: Mosaic GPU's ``BlockSpec`` with
   swizzled tiles where it compiles, Pallas' plain ``BlockSpec`` where it interprets."""
   pallas = _pallas()
@@ -321,5 +326,5 @@ def quantize(x: jax.Array, fp8_dtype: Any, scale: jax.Array) -> Quantized:
       default=lambda x, scale: tuple(_xla(x, scale, fp8_dtype=fp8_dtype))))
 
 
-__all__ = ("INPUT_DTYPES", "SWIZZLE", "TILE", "Quantized", "available", "pallas_spec",
-           "quantize", "quantize_2d", "supports", "view_2d")
+__all__ = ("INPUT_DTYPES", "SWIZZLE", "TILE", "Quantized", "available", "quantize",
+           "quantize_2d", "supports", "view_2d")

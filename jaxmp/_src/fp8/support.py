@@ -32,7 +32,10 @@ compile runs with ``JAX_PLATFORMS=cpu`` and would see the CPU: name the chip wit
 ``compile_target``. The choices it makes at trace time are only the MX GEMM's
 implementation, whether ``BlockScaling`` uses jaxmp's block-scaled fp8 kernel
 (:attr:`Target.block_fp8`) and whether quantized operands are pinned row-major
-(:attr:`Target.k_major_fp8`), and all are wrapped in ``lax.platform_dependent``, so a
+(:attr:`Target.k_major_fp8`), and whether the per-tensor recipes quantize with the
+fused kernel (:attr:`Target.fused_quantize`, off on every chip unless
+``compile_target(..., fused_quantize=True)``), and all are wrapped in
+``lax.platform_dependent``, so a
 function traced for one target still lowers on any other. A recipe whose GEMMs fall back on
 the target warns once (:class:`Fp8FallbackWarning`), naming the target and what runs.
 
