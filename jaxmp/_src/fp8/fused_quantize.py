@@ -44,15 +44,19 @@ kernel saves), and the caller keeps XLA's path for them.
 interpreter runs the same kernel body on each tile, with the register layouts left to
 it (no layout casts), the transposed tile stored as the tile's ``.T``, and the shared
 memory tiles unswizzled. The tiling, the transposed tile positions and the amax
-reduction are the kernel's.
+reduction are the kernel's. (Mosaic GPU's own interpreter, ``InterpretGPUParams``, takes
+no kernel whose blocks are windows of a larger array, as these are, in jax 0.10.2.)
 
 Where it is used is a chip's table entry (:attr:`~jaxmp._src.fp8.chips.Target.fused_quantize`,
 off for every chip until a device measures it faster than XLA's fusions):
 ``fp8_dot_general``'s per-tensor op (:mod:`~jaxmp._src.fp8.dot_general`) then quantizes
 a Dense product's input and output gradient with :func:`quantize`, and the weight
 gradient's GEMM reads both transposed codes as written. The weight stays XLA's: a
-float32 parameter is cast on its way in, and XLA quantizes it in that same pass. Measured figures: none yet (no device
-has run it; ``benchmarks/bench_quantize.py`` measures it against XLA's fusions).
+float32 parameter is cast on its way in, and XLA quantizes it in that same pass.
+
+Measured figures: none yet (no device has run it; ``benchmarks/bench_quantize.py``'s
+``fused`` variant measures it against XLA's fusions, ``gpu_measure.py``'s "fp8
+per-tensor, fused quantize + causal attention" the Llama layer's step).
 
 Example:
   >>> from jaxmp._src.fp8 import fused_quantize, quantize as q
