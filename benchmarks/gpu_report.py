@@ -38,8 +38,10 @@ Workloads (``--workloads``):
   4096, 32 query / 8 key-value heads, SwiGLU 14336, context 4096, batch 1), then a
   stack of two, each train step (SGD) in float32, bf16, bf16 with fused attention
   reading the mask tensor, bf16 with ``Rule(causal_attention=True)``, jaxmp fp8
-  per-tensor (delayed) with and without causal attention, fp8 rowwise with causal
-  attention, and Flax's own fp8.
+  per-tensor (delayed) with and without causal attention, the same with causal
+  attention and jaxmp's fused fp8 quantization kernel (``fp8.compile_target("h100",
+  fused_quantize=True)``; its kernels are counted as the bytes of their operands and
+  results), fp8 rowwise with causal attention, and Flax's own fp8.
 * ``memory``: that layer (batch 1 x 512 tokens, so params and optimizer state
   dominate), a jitted train step with clipped AdamW and the state donated, for each of
   ``examples/train_memory.py``'s runs (float32; mixed; bf16 params + float32 master +
@@ -281,7 +283,7 @@ def _wrapped_train_case(model, rules, x_shape, tx, donate: bool = False) -> Case
 
 
 def llama_cases(preset_name: str = "gpu", layers: int = 1) -> dict[str, Case]:
-  """A Llama-3-8B-shaped decoder layer (or stack), train step with SGD, nine ways.
+  """A Llama-3-8B-shaped decoder layer (or stack), train step with SGD, ten ways.
 
   Each jaxmp variant wraps the same unchanged model (:mod:`llama_layer`) in rules;
   Flax's fp8 is the model written in bfloat16 with ``nn.Fp8DirectDotGeneralOp``.
@@ -872,7 +874,7 @@ def main(argv=None) -> None:
       help=f"comma-separated, from: {', '.join(WORKLOADS)} (default: all). demo: the "
            "demo's train step in five precisions; dense: one 8192^3 Dense fwd+bwd; block: a "
            "transformer block; llama: a Llama-3-8B-shaped decoder layer and a stack of "
-           "two at context 4096, nine ways; memory: that layer's train step's peak "
+           "two at context 4096, ten ways; memory: that layer's train step's peak "
            "memory with ten ways to store params and AdamW's state; traffic: jaxmp's fp8 against Flax's, non-GEMM bytes; tpu: "
            "matmuls, the Llama-shaped layer and the demo step compiled for TPU v5e-v7. All of them compile for about half an hour on "
            "2 cores; progress goes to stderr.")

@@ -169,6 +169,22 @@ def test_the_entry_is_off_for_every_chip_and_shapes_the_kernel_does_not_take_kee
     assert "jaxmp_fused_fp8_quantize" not in jax.jit(step).trace(*args).jaxpr.pretty_print()
 
 
+@pytest.mark.parametrize("out_dtype", [jnp.float16, jnp.float32])
+def test_the_output_gradients_dtype_decides_too(out_dtype):
+  # bfloat16 operands with a float16 output: the output gradient is float16, which the
+  # kernel does not read, so neither tensor takes it; with float32 both do.
+  x, w = jnp.ones((2, 64, 256), jnp.bfloat16), jnp.ones((256, 128), jnp.bfloat16)
+  loss = lambda x, w: jnp.sum(fp8.fp8_dot_general(
+      x, w, DIMS, preferred_element_type=out_dtype, recipe=fp8.CurrentScaling()).astype(
+          jnp.float32) ** 2)
+  step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  with fp8.compile_target("h100", fused_quantize=True):
+    text = jax.jit(step).trace(x, w).jaxpr.pretty_print()
+    grads = step(x, w)
+  assert text.count("name=jaxmp_fused_fp8_quantize") == (2 if out_dtype == jnp.float32 else 0)
+  assert all(bool(jnp.isfinite(g).all()) for g in grads)
+
+
 def test_compile_target_refuses_the_kernel_where_no_gemm_reads_transposed_codes():
   with pytest.raises(ValueError, match="k_major_fp8"):
     fp8.compile_target("b200", fused_quantize=True)

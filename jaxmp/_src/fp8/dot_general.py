@@ -232,12 +232,14 @@ def _forward(lhs, rhs, state, cfg: _Config):
   return out, (q_lhs, q_rhs, x_scale, k_scale, carry)
 
 
-def _fuses(lhs: jax.Array, rhs: jax.Array, dimension_numbers: tuple, out_sharding: Any) -> bool:
+def _fuses(lhs: jax.Array, rhs: jax.Array, dimension_numbers: tuple, out_dtype: np.dtype,
+           out_sharding: Any) -> bool:
   """Whether the fused quantization kernel quantizes this product's input and output
   gradient, the two tensors the weight gradient's GEMM reads transposed: a Dense
   product (``lhs`` ``(..., K)`` times ``rhs`` ``(K, N)``, no batch dimensions, outside
   ``shard_map`` and explicit shardings) whose input and output gradient (``lhs``'s
-  shape with ``N`` last) it :func:`~jaxmp._src.fp8.fused_quantize.supports`.
+  shape with ``N`` last, in ``out_dtype``) it
+  :func:`~jaxmp._src.fp8.fused_quantize.supports`.
 
   The kernel (the weight) stays XLA's: a float32 parameter is cast to the compute dtype
   on its way in, and XLA quantizes it in the same pass, where the kernel would need
@@ -251,7 +253,7 @@ def _fuses(lhs: jax.Array, rhs: jax.Array, dimension_numbers: tuple, out_shardin
            and _transposed_out_sharding(rhs, range(2)) is None)
   grad_shape = (*lhs.shape[:-1], rhs.shape[-1])
   fits = (dense and plain and fused_quantize.supports(lhs.shape, lhs.dtype)
-          and fused_quantize.supports(grad_shape, jnp.result_type(lhs.dtype, rhs.dtype)))
+          and fused_quantize.supports(grad_shape, out_dtype))
   if fits and not fused_quantize.available():
     jax_compat.warn_unavailable(
         f"usable Pallas Mosaic GPU back end ({jax_compat.PALLAS_MOSAIC_GPU_NAMES_TEXT})",
@@ -430,7 +432,8 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
   cfg = _Config(dimension_numbers, recipe, np.dtype(lhs.dtype), np.dtype(rhs.dtype),
                 out_dtype, out_sharding, state_avals, sharding.varying_axes(lhs),
                 sharding.varying_axes(rhs), state_varying, target.k_major_fp8,
-                target.fused_quantize and _fuses(lhs, rhs, dimension_numbers, out_sharding))
+                target.fused_quantize and _fuses(lhs, rhs, dimension_numbers, out_dtype,
+                                                 out_sharding))
   return _fp8_dot_jit(lhs, rhs, state, cfg)
 
 
