@@ -245,14 +245,14 @@ def backward(g: jax.Array, x_scale: jax.Array, k_scale: jax.Array, carry: Any, c
   g_scale, (x_history, k_history, old_g_history) = carry
   if cfg.fused_quantize:  # both layouts and the amax in one pass (a pair, as forward's)
     g_q = fused_quantize.quantize(g, q.E5M2, g_scale)
-    q_g, g_amax_of = (g_q.codes, g_q.transposed), g_q.amax
+    q_g = (g_q.codes, g_q.transposed)
+    g_history = q.record_amax(old_g_history, q.shared_amax(g_q.amax, old_g_history))
   else:
+    g_history = q.record_amax(old_g_history, q.shared_amax(g, old_g_history))
     # Written by the kernel that computes g, then transposed for the weight gradient's
     # GEMM (see scaled_gemm.in_own_layout_on_gpus: measured faster on an H200).
     (q_g,) = scaled_gemm.in_own_layout_on_gpus(
         cfg.k_major_fp8, q.quantize(g, q.E5M2, g_scale), own_kernel=True)
-    g_amax_of = g
-  g_history = q.record_amax(old_g_history, q.shared_amax(g_amax_of, old_g_history))
   return q_g, g_scale, (x_scale, x_history, k_scale, k_history, g_scale, g_history)
 
 
