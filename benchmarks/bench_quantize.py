@@ -20,8 +20,9 @@ layer at 8192 tokens (``--preset gpu``):
   scaling: the amax for the history, the codes in both layouts, one read). Its bytes are
   a read and two fp8 writes; set against ``codes, both layouts`` (the same writes, no
   amax) and ``amax`` + ``codes, both layouts``, what XLA's fusions take for the same
-  work. It runs only on CUDA (Hopper); elsewhere (``--preset smoke`` on a CPU) it is
-  left out, with the reason printed.
+  work; also with the other tiles of :data:`FUSED_TILES`. It runs only on CUDA
+  (Hopper); elsewhere (``--preset smoke`` on a CPU) it is left out, with the reason
+  printed.
 
 Prints a Markdown table: ms, TB/s, and TB/s against ``copy``'s. Run on a GPU:
 ``python benchmarks/bench_quantize.py``; ``--preset smoke`` runs tiny shapes on any
@@ -52,6 +53,10 @@ SHAPES = {
 8192 tokens (model and FFN width) and its largest weight."""
 
 
+FUSED_TILES = ((128, 128), (128, 256), (256, 128))
+"""The fused kernel's tiles measured (its default first): the next device picks one."""
+
+
 def _both_layouts(codes: jax.Array) -> tuple[jax.Array, jax.Array]:
   return codes, codes.T
 
@@ -75,8 +80,12 @@ def variants(shape: tuple[int, int]) -> dict[str, tuple[callable, int]]:
   }
   reason = fused_unavailable(shape)
   if reason is None:
-    fns["fused: amax, codes, both layouts"] = (
-        lambda x: fused_quantize.quantize_2d(x, q.E4M3, scale), 2 * n + 2 * n)
+    for tile in FUSED_TILES:
+      name = "fused: amax, codes, both layouts" + (
+          "" if tile == fused_quantize.TILE else f" (tile {tile[0]}x{tile[1]})")
+      fns[name] = (functools.partial(
+          lambda x, tile: fused_quantize.quantize_2d(x, q.E4M3, scale, tile=tile), tile=tile),
+                   2 * n + 2 * n)
   else:
     print(f"variant 'fused: amax, codes, both layouts' left out at {shape}: {reason}",
           file=sys.stderr)
