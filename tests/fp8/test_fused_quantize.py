@@ -192,6 +192,44 @@ def test_compile_target_refuses_the_kernel_where_no_gemm_reads_transposed_codes(
     fp8.compile_target("h100", fused_quantize=1)
 
 
+def _need_hopper():
+  device = jax.devices()[0]
+  if device.platform != "gpu" or not support.target_for_device(device).k_major_fp8:
+    pytest.skip(f"runs the kernel on a Hopper GPU (sm_90); here: {device.device_kind}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("fp8_dtype", [q.E4M3, q.E5M2])
+def test_on_a_hopper_gpu_the_kernel_computes_xlas_codes_and_amax(dtype, fp8_dtype):
+  _need_hopper()
+  x = _values((512, 384), dtype, seed=5)
+  for scale in (jnp.float32(0.37), jnp.float32(3e-5), jnp.float32(1.0)):
+    codes, transposed, amax = jax.jit(
+        lambda x, s: fused_quantize.quantize_2d(x, fp8_dtype, s))(x, scale)
+    expected = jax.jit(lambda x, s: q.quantize(x, fp8_dtype, s))(x, scale)
+    _same_codes(codes, expected)
+    _same_codes(transposed, expected.T)
+    np.testing.assert_array_equal(np.asarray(amax), np.asarray(jax.jit(q.amax)(x)))
+
+
+@pytest.mark.parametrize("recipe", [fp8.DelayedScaling(amax_history_length=4),
+                                    fp8.CurrentScaling()], ids=["delayed", "current"])
+def test_on_a_hopper_gpu_a_dense_step_with_the_kernel_computes_the_same(recipe):
+  # Small integers: exact products and sums, so any GEMM algorithm gives these bits.
+  _need_hopper()
+  rng = np.random.default_rng(6)
+  x = jnp.asarray(rng.integers(-8, 9, (2, 128, 256)), jnp.bfloat16)
+  w = jnp.asarray(rng.integers(-8, 9, (256, 128)), jnp.bfloat16)
+  step, args = _step(recipe, x, w)
+  results = {}
+  for fused in (False, True):
+    with fp8.compile_target("h100", fused_quantize=fused):
+      text = jax.jit(step).lower(*args).compile().as_text()
+      assert text.count('custom_call_target="mosaic_gpu_v2"') == 2 * fused
+      results[fused] = step(*args)
+  jax.tree.map(np.testing.assert_array_equal, results[False], results[True])
+
+
 # Compiled deviceless for an H100 (needs the CUDA plugin).
 _PTX_CHECK = textwrap.dedent("""\
     import re, sys
@@ -232,8 +270,8 @@ _STEP_CHECK = textwrap.dedent("""\
               S((4, 512, 1024), jnp.bfloat16), S((1024, 3072), jnp.bfloat16), state
           ).lower().compile().as_text()
         # fp8 arrays XLA's own kernels write (fusions, transposes, copies), by shape.
-        written = re.findall(r"(f8e\\w+\\[[\\d,]*\\])\\{[\\d,]*\\}[^=]* (?:fusion|transpose|copy)\\(",
-                             text)
+        written = re.findall(
+            r"(f8e\\w+\\[[\\d,]*\\])\\{[\\d,]*\\}[^=]* (?:fusion|transpose|copy)\\(", text)
         print(name, int(fused), text.count('custom_call_target="mosaic_gpu_v2"'),
               " ".join(sorted(set(t.split("[")[1] for t in written))))
     """)
