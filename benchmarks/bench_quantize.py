@@ -78,17 +78,13 @@ def variants(shape: tuple[int, int]) -> dict[str, tuple[callable, int]]:
                               2 * n + 2 * n),
       "amax, codes, both layouts": (current, 2 * (2 * n) + 2 * n),
   }
-  reason = fused_unavailable(shape)
-  if reason is None:
+  if fused_unavailable(shape) is None:
     for tile in FUSED_TILES:
       name = "fused: amax, codes, both layouts" + (
           "" if tile == fused_quantize.TILE else f" (tile {tile[0]}x{tile[1]})")
       fns[name] = (functools.partial(
           lambda x, tile: fused_quantize.quantize_2d(x, q.E4M3, scale, tile=tile), tile=tile),
                    2 * n + 2 * n)
-  else:
-    print(f"variant 'fused: amax, codes, both layouts' left out at {shape}: {reason}",
-          file=sys.stderr)
   out = {}
   for name, (fn, moved) in fns.items():
     jitted = jax.jit(fn)
@@ -114,6 +110,10 @@ def main(argv=None) -> dict:
   parser.add_argument("--calls", type=int, default=20)
   args = parser.parse_args(argv)
   print(f"jax {jax.__version__}; {timing.device_description()}")
+  for shape in SHAPES[args.preset]:
+    reason = fused_unavailable(shape)
+    if reason is not None:
+      print(f"variant 'fused: amax, codes, both layouts' left out at {shape}: {reason}")
   print("\n| operand (bfloat16) | variant | ms | TB/s | vs copy's TB/s |\n"
         "|---|---|---:|---:|---:|")
   results = {}
