@@ -38,8 +38,10 @@ Workloads (``--workloads``):
   4096, 32 query / 8 key-value heads, SwiGLU 14336, context 4096, batch 1), then a
   stack of two, each train step (SGD) in float32, bf16, bf16 with fused attention
   reading the mask tensor, bf16 with ``Rule(causal_attention=True)``, jaxmp fp8
-  per-tensor (delayed) with and without causal attention, fp8 rowwise with causal
-  attention, and Flax's own fp8.
+  per-tensor (delayed) with and without causal attention, the same with causal
+  attention and jaxmp's fused fp8 quantization kernel (``fp8.compile_target("h100",
+  fused_quantize=True)``; its kernels are counted as the bytes of their operands and
+  results), fp8 rowwise with causal attention, and Flax's own fp8.
 * ``memory``: that layer (batch 1 x 512 tokens, so params and optimizer state
   dominate), a jitted train step with clipped AdamW and the state donated, for each of
   ``examples/train_memory.py``'s runs (float32; mixed; bf16 params + float32 master +
@@ -281,7 +283,7 @@ def _wrapped_train_case(model, rules, x_shape, tx, donate: bool = False) -> Case
 
 
 def llama_cases(preset_name: str = "gpu", layers: int = 1) -> dict[str, Case]:
-  """A Llama-3-8B-shaped decoder layer (or stack), train step with SGD, nine ways.
+  """A Llama-3-8B-shaped decoder layer (or stack), train step with SGD, ten ways.
 
   Each jaxmp variant wraps the same unchanged model (:mod:`llama_layer`) in rules;
   Flax's fp8 is the model written in bfloat16 with ``nn.Fp8DirectDotGeneralOp``.
@@ -327,10 +329,28 @@ def llama_cases(preset_name: str = "gpu", layers: int = 1) -> dict[str, Case]:
           jaxmp_case(rules(causal, fp8_rule(delayed))), **precision(causal_bf16)),
       "fp8 rowwise + causal attention": compared(
           jaxmp_case(rules(causal, fp8_rule(rowwise))), **precision(causal_bf16)),
+      "fp8 per-tensor, fused quantize + causal attention": compared(
+          fused_quantize_case(jaxmp_case(rules(causal, fp8_rule(delayed)))),
+          **precision(causal_bf16)),
       "fp8 block 1x128/128x128 + causal attention": compared(
           jaxmp_case(rules(causal, fp8_rule(fp8.BlockScaling()))), **precision(causal_bf16)),
       "Flax fp8": Case(flax_step, flax_make, **precision("bf16")),
   }
+
+
+FUSED_QUANTIZE_CHIP = "h100"
+"""The chip a fused-quantize variant is traced for: Hopper's table entry with
+``fused_quantize`` on (an H200's entry is the H100's; on another platform the
+``lax.platform_dependent`` branches take XLA's path)."""
+
+
+def fused_quantize_case(case: Case) -> Case:
+  """``case`` traced with the fused fp8 quantization kernel turned on
+  (``fp8.compile_target(FUSED_QUANTIZE_CHIP, fused_quantize=True)``)."""
+  def fn(*args):
+    with fp8.compile_target(FUSED_QUANTIZE_CHIP, fused_quantize=True):
+      return case.fn(*args)
+  return dataclasses.replace(case, fn=fn)
 
 
 def _nnx_train_case(make_model, rules, x_shape, lr: float = 1e-3) -> Case:
@@ -860,7 +880,7 @@ def main(argv=None) -> None:
       help=f"comma-separated, from: {', '.join(WORKLOADS)} (default: all). demo: the "
            "demo's train step in five precisions; dense: one 8192^3 Dense fwd+bwd; block: a "
            "transformer block; llama: a Llama-3-8B-shaped decoder layer and a stack of "
-           "two at context 4096, nine ways; memory: that layer's train step's peak "
+           "two at context 4096, ten ways; memory: that layer's train step's peak "
            "memory with ten ways to store params and AdamW's state; traffic: jaxmp's fp8 against Flax's, non-GEMM bytes; tpu: "
            "matmuls, the Llama-shaped layer and the demo step compiled for TPU v5e-v7. All of them compile for about half an hour on "
            "2 cores; progress goes to stderr.")

@@ -83,6 +83,7 @@ DESELECTED = {
 """Tests the ``tests`` stage leaves out, with the reason (recorded in the results)."""
 
 LLAMA_VARIANTS = ("bf16 + causal attention", "fp8 per-tensor + causal attention",
+                  "fp8 per-tensor, fused quantize + causal attention",
                   "fp8 rowwise + causal attention",
                   "fp8 block 1x128/128x128 + causal attention")
 DEMO_VARIANTS = ("bf16", "bf16 + jaxmp fp8", "fp16 + loss scaling", "fp16, no loss scaling")

@@ -18,11 +18,12 @@ import pytest
 from jaxmp import fp8
 from jaxmp._src import jax_compat
 from jaxmp._src.fp8 import block_gemm
+from jaxmp._src.fp8 import fused_quantize
 from jaxmp._src.fp8 import maxgrad
 from jaxmp._src.fp8 import support
 
 PROBES = (jax_compat.pallas_triton, jax_compat._layout_api, jax_compat._cuda_versions,
-          jax_compat.extended_dtypes)
+          jax_compat.extended_dtypes, jax_compat.pallas_mosaic_gpu)
 DIMS = (((1,), (0,)), ((), ()))
 
 
@@ -58,6 +59,7 @@ def test_each_probe_finds_its_piece_on_the_installed_jax(fresh_probes):
   assert jax_compat._layout_api() is not None
   assert jax_compat._cuda_versions()[0]
   assert block_gemm.available()
+  assert jax_compat.pallas_mosaic_gpu() is not None and fused_quantize.available()
 
 
 @pytest.mark.parametrize("hidden", ["jax._src.pallas.triton", "jaxlib.triton",
@@ -73,6 +75,36 @@ def test_without_pallas_triton_block_scaling_runs_dequantized_on_hopper(
                                                  match="Pallas Triton internals"):
     text = _trace(fp8.BlockScaling(), x, w)
   assert "jaxmp_block_fp8_gemm" not in text and "dot_general" in text
+
+
+def _dense_step_text(x, w) -> str:
+  loss = lambda x, w: jnp.sum(fp8.fp8_dot_general(
+      x, w, DIMS, recipe=fp8.CurrentScaling()).astype(jnp.float32) ** 2)
+  with fp8.compile_target("h100", fused_quantize=True):
+    return jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w).jaxpr.pretty_print()
+
+
+@pytest.mark.parametrize("missing", ["module", "layout_cast", "WGMMA_TRANSPOSED"])
+def test_without_mosaic_gpu_the_fused_quantization_falls_back_to_xla_and_warns(
+    monkeypatch, fresh_probes, missing):
+  x, w = jnp.ones((128, 256), jnp.bfloat16), jnp.ones((256, 128), jnp.bfloat16)
+  assert "jaxmp_fused_fp8_quantize" in _dense_step_text(x, w)
+  plgpu = jax_compat.pallas_mosaic_gpu()
+  if missing == "module":  # imported already: hidden from the import system and its package
+    monkeypatch.delattr(sys.modules["jax.experimental.pallas"], "mosaic_gpu")
+    _hide(monkeypatch, "jax.experimental.pallas.mosaic_gpu")
+  elif missing == "WGMMA_TRANSPOSED":  # an enum's member cannot be deleted: a Layout without it
+    monkeypatch.setattr(plgpu, "Layout", types.SimpleNamespace(WGMMA=plgpu.Layout.WGMMA))
+    _clear_probes()
+  else:
+    monkeypatch.delattr(plgpu, missing)
+    _clear_probes()
+  assert jax_compat.pallas_mosaic_gpu() is None and not fused_quantize.available()
+  with pytest.warns(jax_compat.JaxVersionWarning, match="quantized by XLA's fusions"):
+    text = _dense_step_text(x, w)
+  assert "jaxmp_fused_fp8_quantize" not in text
+  with pytest.raises(RuntimeError, match="no usable Pallas Mosaic GPU"):
+    fused_quantize.quantize_2d(x, jnp.float8_e4m3fn, jnp.float32(1.0))
 
 
 def test_a_triton_dot_without_max_num_imprecise_acc_is_not_used(monkeypatch, fresh_probes):

@@ -14,6 +14,10 @@ the piece (probe)                       without it
 Pallas' Triton lowering and Triton's    ``BlockScaling`` GEMMs on Hopper multiply
 ``tt.dot(max_num_imprecise_acc=)``      dequantized operands (the fp8 fallback
 (:func:`pallas_triton`)                 warning says why)
+Pallas' Mosaic GPU back end with the     fp8 operands are quantized by XLA's fusions
+register layouts and transposed refs     (the same values); the fused quantization
+the fused quantization uses              kernel reports itself unavailable
+(:func:`pallas_mosaic_gpu`)
 layout constraints                      fp8 operands on Hopper keep XLA's layout
 (:func:`row_major`)                     (slower, same values); :class:`JaxVersionWarning`
 the CUDA plugin's cuDNN version         no claim either way: MXFP8 GEMMs are taken to
@@ -118,6 +122,41 @@ def pallas_triton() -> PallasTriton | None:
             and callable(getattr(tt, "dot", None))
             and "max_num_imprecise_acc" in inspect.signature(tt.dot).parameters)
   return PallasTriton(lowering, tt, ir) if usable else None
+
+
+# --- Pallas' Mosaic GPU back end: the fused fp8 quantization kernel. -------------------
+
+
+PALLAS_MOSAIC_GPU_NAMES = ("BlockSpec", "CompilerParams", "GMEM", "Layout", "SwizzleTransform",
+                           "TilingTransform", "layout_cast", "transpose_ref")
+"""What the fused quantization kernel uses of ``jax.experimental.pallas.mosaic_gpu``."""
+PALLAS_MOSAIC_GPU_NAMES_TEXT = ("jax.experimental.pallas.mosaic_gpu with "
+                                + ", ".join(PALLAS_MOSAIC_GPU_NAMES)
+                                + " and Layout.WGMMA_TRANSPOSED")
+"""How messages name what :func:`pallas_mosaic_gpu` looks for."""
+
+
+@functools.cache
+def pallas_mosaic_gpu() -> Any | None:
+  """``jax.experimental.pallas.mosaic_gpu``, or ``None`` where it lacks what jaxmp uses.
+
+  The module calls its own API "highly unstable"; ``None`` where the import fails, where
+  a name of :data:`PALLAS_MOSAIC_GPU_NAMES` is missing, or where its ``Layout`` has no
+  ``WGMMA`` and ``WGMMA_TRANSPOSED`` (the register layouts between which a warpgroup
+  transposes a tile with one shuffle).
+
+  Example:
+    >>> from jaxmp._src import jax_compat
+    >>> jax_compat.pallas_mosaic_gpu() is None or hasattr(jax_compat.pallas_mosaic_gpu(), "kernel")
+    True
+  """
+  try:
+    from jax.experimental.pallas import mosaic_gpu  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  usable = (all(hasattr(mosaic_gpu, name) for name in PALLAS_MOSAIC_GPU_NAMES)
+            and all(hasattr(mosaic_gpu.Layout, name) for name in ("WGMMA", "WGMMA_TRANSPOSED")))
+  return mosaic_gpu if usable else None
 
 
 # --- Layout constraints: fp8 operands written in their own layout on Hopper. -----------
@@ -226,6 +265,8 @@ def extended_dtypes() -> ExtendedDtypes | None:
 
 
 __all__ = (
+    "PALLAS_MOSAIC_GPU_NAMES",
+    "PALLAS_MOSAIC_GPU_NAMES_TEXT",
     "PALLAS_TRITON",
     "ExtendedDtypes",
     "JaxVersionWarning",
@@ -233,6 +274,7 @@ __all__ = (
     "cudnn_version",
     "extended_dtypes",
     "jax_version",
+    "pallas_mosaic_gpu",
     "pallas_triton",
     "row_major",
     "warn_unavailable",

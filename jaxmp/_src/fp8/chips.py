@@ -70,6 +70,12 @@ class Target:
       minor (Ada and Hopper, sm_89 and sm_90; Blackwell takes any layout), so jaxmp
       writes the forward pass's quantized operands row-major
       (``jaxmp._src.fp8.scaled_gemm.in_own_layout_on_gpus``).
+    fused_quantize: the per-tensor recipes quantize each Dense operand with jaxmp's
+      fused kernel (``jaxmp._src.fp8.fused_quantize``: codes in both layouts and the
+      amax in one pass, Pallas Mosaic GPU, Hopper) instead of XLA's fusions. Off for
+      every chip until a device measures it faster (``benchmarks/bench_quantize.py``,
+      the ``fused`` variant; ``gpu_session.py``'s "fp8 per-tensor, fused quantize");
+      ``jaxmp.fp8.compile_target(name, fused_quantize=True)`` turns it on.
   """
 
   name: str
@@ -80,6 +86,7 @@ class Target:
   int8: bool | None = None
   block_fp8: bool = False
   k_major_fp8: bool = False
+  fused_quantize: bool = False
 
 
 def gpu_target(name: str, device_kind: str, capability: tuple[int, int],

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src.fp8 import chips
+from jaxmp._src.fp8 import fused_quantize
 from jaxmp._src.fp8 import grouped
 from jaxmp._src.fp8 import quantize as q
 from jaxmp._src.fp8 import recipes as recipes_lib
@@ -39,18 +40,24 @@ def _scale(x: jax.Array, fp8_dtype: Any, recipe: recipes_lib.CurrentScaling) -> 
 
 
 def forward(lhs: jax.Array, rhs: jax.Array, state: Any, cfg: Any):
-  """The forward GEMM's quantized operands and their scales (``carry`` is ``None``)."""
+  """The forward GEMM's quantized operands and their scales (``carry`` is ``None``);
+  the input a ``(codes, transposed)`` pair with ``cfg.fused_quantize``."""
   del state  # current scaling keeps none
   x_scale = _scale(lhs, q.E4M3, cfg.recipe)
   k_scale = _scale(rhs, q.E4M3, cfg.recipe)
   q_lhs, q_rhs = scaled_gemm.forward_operands(lhs, rhs, x_scale, k_scale, cfg.k_major_fp8)
+  if cfg.fused_quantize:  # the input as a (codes, transposed) pair, in one kernel
+    q_lhs = fused_quantize.quantize(lhs, q.E4M3, x_scale)[:2]
   return q_lhs, q_rhs, x_scale, k_scale, None
 
 
 def backward(g: jax.Array, x_scale: jax.Array, k_scale: jax.Array, carry: Any, cfg: Any):
-  """The output gradient in E5M2 and its scale; no new state (``None``)."""
+  """The output gradient in E5M2 (a ``(codes, transposed)`` pair with
+  ``cfg.fused_quantize``) and its scale; no new state (``None``)."""
   del x_scale, k_scale, carry
   g_scale = _scale(g, q.E5M2, cfg.recipe)
+  if cfg.fused_quantize:
+    return fused_quantize.quantize(g, q.E5M2, g_scale)[:2], g_scale, None
   return q.quantize(g, q.E5M2, g_scale), g_scale, None
 
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src.fp8 import chips
+from jaxmp._src.fp8 import fused_quantize
 from jaxmp._src.fp8 import maxgrad
 from jaxmp._src.fp8 import quantize as q
 from jaxmp._src.fp8 import recipes as recipes_lib
@@ -191,12 +192,25 @@ def forward(lhs: jax.Array, rhs: jax.Array, state: Any, cfg: Any):
   Returns:
     ``(q_lhs, q_rhs, x_scale, k_scale, carry)``; ``carry`` is the output gradient's
     scale and the three histories with this step's input and kernel amaxes recorded.
+    With ``cfg.fused_quantize`` ``q_lhs`` is ``(codes, transposed)``, and its amax
+    comes from the same kernel (``jaxmp._src.fp8.fused_quantize``).
   """
   st = _read(state)
   scales = _scales(st, cfg.recipe)
-  # Each operand is quantized in its own layout, so that one kernel reads it for its
-  # quantization and its amax (below); see scaled_gemm.in_own_layout_on_gpus.
-  q_lhs, q_rhs = scaled_gemm.forward_operands(lhs, rhs, scales[0], scales[1], cfg.k_major_fp8)
+  if cfg.fused_quantize:
+    # The input in one kernel: its codes in both layouts and its amax (fused_quantize;
+    # q_lhs is then a (codes, transposed) pair). The kernel stays XLA's (see there).
+    x_q = fused_quantize.quantize(lhs, q.E4M3, scales[0])
+    q_lhs, lhs_amax_of = (x_q.codes, x_q.transposed), x_q.amax
+    (q_rhs,) = scaled_gemm.in_own_layout_on_gpus(cfg.k_major_fp8,
+                                                 q.quantize(rhs, q.E4M3, scales[1]))
+    rhs_amax_of = rhs
+  else:
+    # Each operand is quantized in its own layout, so that one kernel reads it for its
+    # quantization and its amax (below); see scaled_gemm.in_own_layout_on_gpus.
+    q_lhs, q_rhs = scaled_gemm.forward_operands(lhs, rhs, scales[0], scales[1],
+                                                cfg.k_major_fp8)
+    lhs_amax_of, rhs_amax_of = lhs, rhs
   # This step's amaxes are computed before the quantized operands are used (a
   # barrier). Left free, XLA fuses each kernel's amax with the optimizer's update of
   # that kernel (the last other reader of the parameter), and with a donated state
@@ -204,8 +218,9 @@ def forward(lhs: jax.Array, rhs: jax.Array, state: Any, cfg: Any):
   # fp8 kernel (1.6 GiB on a Llama-3-8B layer; compiled H100 HLO). Measured on an
   # H200 with a donated state, that layer's fp8 step went from 8.75 to 8.12 ms
   # with both amaxes behind the barrier, and to 8.59 ms with the kernel's alone.
-  x_amax, k_amax = (q.shared_amax(lhs, st.input_amax_history),
-                    q.shared_amax(rhs, st.kernel_amax_history))
+  # (The amax of the kernel's amax is itself: shared_amax only adds vmap's rule.)
+  x_amax, k_amax = (q.shared_amax(lhs_amax_of, st.input_amax_history),
+                    q.shared_amax(rhs_amax_of, st.kernel_amax_history))
   # The scales pass it too: they are also the new state's scales, and left free XLA
   # could recompute them from the old ones inside fp8/state.merge's select, which
   # then cannot write the donated state in place (a small Llama layer's donated step
@@ -224,14 +239,20 @@ def backward(g: jax.Array, x_scale: jax.Array, k_scale: jax.Array, carry: Any, c
 
   Returns:
     ``(q_g, g_scale, new_state)``: ``new_state`` the six float32 values in
-    :class:`DelayedScalingState`'s order.
+    :class:`DelayedScalingState`'s order; ``q_g`` ``(codes, transposed)`` with
+    ``cfg.fused_quantize``.
   """
   g_scale, (x_history, k_history, old_g_history) = carry
-  g_history = q.record_amax(old_g_history, q.shared_amax(g, old_g_history))
-  # Written by the kernel that computes g, then transposed for the weight gradient's
-  # GEMM (see scaled_gemm.in_own_layout_on_gpus: measured faster on an H200).
-  (q_g,) = scaled_gemm.in_own_layout_on_gpus(
-      cfg.k_major_fp8, q.quantize(g, q.E5M2, g_scale), own_kernel=True)
+  if cfg.fused_quantize:  # both layouts and the amax in one pass (a pair, as forward's)
+    g_q = fused_quantize.quantize(g, q.E5M2, g_scale)
+    q_g = (g_q.codes, g_q.transposed)
+    g_history = q.record_amax(old_g_history, q.shared_amax(g_q.amax, old_g_history))
+  else:
+    g_history = q.record_amax(old_g_history, q.shared_amax(g, old_g_history))
+    # Written by the kernel that computes g, then transposed for the weight gradient's
+    # GEMM (see scaled_gemm.in_own_layout_on_gpus: measured faster on an H200).
+    (q_g,) = scaled_gemm.in_own_layout_on_gpus(
+        cfg.k_major_fp8, q.quantize(g, q.E5M2, g_scale), own_kernel=True)
   return q_g, g_scale, (x_scale, x_history, k_scale, k_history, g_scale, g_history)
 
 

@@ -114,9 +114,12 @@ class PerTensorOps:
   tensor serves every GEMM that reads it; :mod:`~jaxmp._src.fp8.dot_general`).
 
   Attributes:
-    forward: ``forward(lhs, rhs, state, cfg) -> (q_lhs, q_rhs, x_scale, k_scale, carry)``.
+    forward: ``forward(lhs, rhs, state, cfg) -> (q_lhs, q_rhs, x_scale, k_scale, carry)``;
+      where ``cfg.fused_quantize``, ``q_lhs`` is a ``(codes, transposed)`` pair
+      (``jaxmp._src.fp8.fused_quantize``).
     backward: ``backward(g, x_scale, k_scale, carry, cfg) -> (q_g, g_scale, new_state)``,
-      ``new_state`` the state's new values in its fields' order, or ``None``.
+      ``new_state`` the state's new values in its fields' order, or ``None``; ``q_g`` a
+      pair where ``cfg.fused_quantize``.
     primal: ``primal(lhs, rhs, state, cfg) -> (q_lhs, q_rhs, scale)`` when nothing
       differentiates the op; ``None`` takes ``forward``'s.
     state_type: the NamedTuple of its state, or ``None`` (no state).

@@ -32,7 +32,10 @@ compile runs with ``JAX_PLATFORMS=cpu`` and would see the CPU: name the chip wit
 ``compile_target``. The choices it makes at trace time are only the MX GEMM's
 implementation, whether ``BlockScaling`` uses jaxmp's block-scaled fp8 kernel
 (:attr:`Target.block_fp8`) and whether quantized operands are pinned row-major
-(:attr:`Target.k_major_fp8`), and all are wrapped in ``lax.platform_dependent``, so a
+(:attr:`Target.k_major_fp8`), and whether the per-tensor recipes quantize with the
+fused kernel (:attr:`Target.fused_quantize`, off on every chip unless
+``compile_target(..., fused_quantize=True)``), and all are wrapped in
+``lax.platform_dependent``, so a
 function traced for one target still lowers on any other. A recipe whose GEMMs fall back on
 the target warns once (:class:`Fp8FallbackWarning`), naming the target and what runs.
 
@@ -49,6 +52,7 @@ Example:
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import warnings
 from typing import Any
 
@@ -111,7 +115,7 @@ class CompileTarget:
           f"`with {self!r}:`.", RuntimeWarning, stacklevel=2)
 
 
-def compile_target(name: str) -> CompileTarget:
+def compile_target(name: str, *, fused_quantize: bool | None = None) -> CompileTarget:
   """Makes fp8 ops traced inside ``with compile_target(name):`` treat ``name`` as the chip.
 
   For deviceless compiles (``JAX_PLATFORMS=cpu``), where the local device is not the
@@ -128,6 +132,10 @@ def compile_target(name: str) -> CompileTarget:
 
   Args:
     name: one of ``TARGETS`` (case-insensitive).
+    fused_quantize: overrides the chip's :attr:`~jaxmp.fp8.Target.fused_quantize` (the
+      fused fp8 quantization kernel; ``None`` keeps the table's choice), so that
+      benchmarks and tests compile both forms for one chip. Only where the chip has
+      ``k_major_fp8`` (Hopper): elsewhere no GEMM needs the transposed codes.
 
   Returns:
     A :class:`~jaxmp._src.fp8.support.CompileTarget`, a context manager whose ``with`` yields the
@@ -135,7 +143,8 @@ def compile_target(name: str) -> CompileTarget:
 
   Raises:
     TypeError: if ``name`` is not a string.
-    ValueError: for an unknown name (the message lists the accepted ones).
+    ValueError: for an unknown name (the message lists the accepted ones), or
+      ``fused_quantize=True`` for a chip without ``k_major_fp8``.
   """
   if not isinstance(name, str):
     raise TypeError(f"compile_target: name must be a string, one of {sorted(TARGETS)}, got "
@@ -144,6 +153,17 @@ def compile_target(name: str) -> CompileTarget:
   if target is None:
     raise ValueError(f"compile_target: unknown target {name!r}; accepted targets are "
                      f"{', '.join(sorted(TARGETS))}.")
+  if fused_quantize is not None:
+    if not isinstance(fused_quantize, bool):
+      raise TypeError(f"compile_target: fused_quantize must be a bool or None, got "
+                      f"{fused_quantize!r}.")
+    if fused_quantize and not target.k_major_fp8:
+      raise ValueError(
+          f"compile_target: fused_quantize=True needs a chip whose fp8 GEMMs read both "
+          f"operands with the contracted dimension minor (k_major_fp8: "
+          f"{', '.join(n for n, t in sorted(TARGETS.items()) if t.k_major_fp8)}); "
+          f"{name!r} has none.")
+    target = dataclasses.replace(target, fused_quantize=fused_quantize)
   return CompileTarget(name, target)
 
 
