@@ -13,9 +13,10 @@ float32, as DeepGEMM), in a ``lax.platform_dependent`` branch for CUDA: the firs
 the target's :attr:`~jaxmp._src.fp8.chips.Target.block_fp8_kernels` (the chip table's
 one entry) whose ``supports`` takes the recipe, among :data:`KERNELS`
 (:mod:`~jaxmp._src.fp8.block_gemm` in Pallas Triton,
-:mod:`~jaxmp._src.fp8.block_gemm_mosaic` in Pallas Mosaic GPU). Elsewhere the operands are dequantized (float32, or bfloat16 where
-power-of-two scales make it exact) and multiplied with float32 accumulation: the same
-sum of the same products, by a wider GEMM. Emulating the published kernel with XLA's
+:mod:`~jaxmp._src.fp8.block_gemm_mosaic` in Pallas Mosaic GPU). Elsewhere the
+operands are dequantized (float32, or bfloat16 where power-of-two scales make it
+exact) and multiplied with float32 accumulation: the same sum of the same products, by a
+wider GEMM. Emulating the published kernel with XLA's
 GEMMs instead, as per-block partial products (a batched fp8 GEMM with ``K / 128``
 float32 partial outputs, then scaled and summed), compiles for an H100 to fp8 GEMMs
 but writes ``K / 128`` times the output to memory: about 6x slower than the
