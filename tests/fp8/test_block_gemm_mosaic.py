@@ -196,6 +196,14 @@ _STEP_CHECK = textwrap.dedent("""\
       calls = [l for l in hlo.splitlines() if "custom-call" in l]
       print(name, "mosaic", sum('custom_call_target="mosaic_gpu_v2"' in l for l in calls),
             "triton", sum("jaxmp_block_fp8_gemm" in l and "xla.gpu.triton" in l for l in calls))
+
+    def mosaic_step(w, x):
+      mosaic = dataclasses.replace(fp8.current_target(), block_fp8_kernels=("mosaic",))
+      with fp8.compile_target(mosaic):
+        return step(w, x)
+    report = jaxmp.tools.audit(mosaic_step, *(jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                              for a in args), target="h100")
+    print("audit", sorted((g.backend, g.fp8, g.count) for g in report.gemms))
     """)
 
 
@@ -205,4 +213,7 @@ def test_a_block_scaling_train_step_compiles_with_the_mosaic_kernel_the_table_na
   lines = _deviceless([_STEP_CHECK]).splitlines()
   # The table's entry on Hopper today: the measured Triton kernel, for all three GEMMs;
   # naming Mosaic puts its kernel in all three places, with no fallback warning.
-  assert lines == ["table mosaic 0 triton 3", "mosaic mosaic 3 triton 0"]
+  assert lines[:2] == ["table mosaic 0 triton 3", "mosaic mosaic 3 triton 0"]
+  # jaxmp's audit sees the Mosaic kernel's three GEMMs, on fp8 operands.
+  assert lines[2:] == ["audit " + str([("jaxmp block-scaled fp8 (Mosaic GPU wgmma)", True, 1)] * 3)
+                       ], lines

@@ -37,6 +37,17 @@ tiles at a time. What keeps it from beating bf16: Triton waits for each block's
 ``wgmma`` before scaling it, so the scaling never overlaps the tensor cores' work
 (DeepGEMM overlaps them with two warpgroups taking turns).
 
+**Its place.** jaxmp's other kernel for the same product,
+:mod:`~jaxmp._src.fp8.block_gemm_mosaic`, is written for Pallas' Mosaic GPU back end,
+the Triton back end's successor (deprecated from jax 0.11), with what this one lacks:
+TMA loads, a producer warpgroup and two math warpgroups taking turns. This kernel is
+kept as the fallback: it is the one measured on a chip, so the chip table
+(:data:`~jaxmp._src.fp8.chips.HOPPER_BLOCK_FP8_KERNELS`) runs it first on Hopper until
+a GPU measures the Mosaic kernel at least as fast; after that, it runs where this JAX's
+Mosaic GPU API lacks a name the other kernel uses (that API is experimental and
+changes between releases), for as long as this JAX has the private Triton pieces it
+needs (:func:`available`).
+
 Example:
   >>> from jaxmp._src.fp8 import block_gemm, grouped, quantize as q
   >>> x = jnp.ones((1, 2, 128))
