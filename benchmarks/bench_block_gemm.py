@@ -75,15 +75,13 @@ MOSAIC_CONFIGS = {
     "3 stages": {"stages": 3},
     "5 stages": {"stages": 5},
     "64x256, columns split": {"tile": (64, 256), "split": block_gemm_mosaic.COLUMNS},
-    "128x256, columns split, 3 stages": {"tile": (128, 256), "split": block_gemm_mosaic.COLUMNS,
-                                         "stages": 3},
     "column order": {"group_columns": 1},
 }
 """Schedules of the Mosaic kernel to time, by name: keyword arguments of
 :func:`block_gemm_mosaic.gemm` changed from its defaults (128 x 128 tiles shared by
 rows, 4 stages, 8 columns grouped). None has run on a GPU; each compiles for an H100
-within its shared memory (5 stages of 128 x 128 is the most that fits; 6 does not).
-128 x 256 split by columns gives each warpgroup 128 x 128, two ``wgmma`` of 64 rows."""
+within its shared memory (5 stages of 128 x 128 is the most that fits; 6 does not:
+tests/fp8/test_block_gemm_mosaic.py compiles the defaults, 5 stages and 64 x 256)."""
 
 KERNELS = {"block": (block_gemm.gemm, CONFIGS), "mosaic": (block_gemm_mosaic.gemm, MOSAIC_CONFIGS)}
 """Each kernel's family name in the table: its function and its schedules."""

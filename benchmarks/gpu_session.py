@@ -92,10 +92,12 @@ DEMO_VARIANTS = ("bf16", "bf16 + jaxmp fp8", "fp16 + loss scaling", "fp16, no lo
 MEMORY_RUNS = ("float32", "(b) master + bf16 Adam")
 BLOCK_GEMM_SHAPES = "8192x8192x8192,8192x4096x4096,8192x14336x4096"
 BLOCK_GEMM_VARIANTS = ("block defaults;mosaic defaults;mosaic 3 stages;mosaic 5 stages;"
-                       "mosaic 64x256, columns split;mosaic column order")
+                       "mosaic column order")
 """The block kernels' schedules the session times: the Triton kernel's default (its
 schedules were measured in earlier sessions, benchmarks/RESULTS.md) and the Mosaic
-kernel's untried ones."""
+kernel's untried ones with 128 x 128 tiles (its 256-column tiles hung in Mosaic GPU's
+interpreter, see tests/fp8/test_block_gemm_mosaic.py: they are left to a run of their
+own, ``--variants "mosaic 64x256, columns split"``, where a hang costs nothing else)."""
 # The measured tables' XLA flags (see the module docstring).
 MEASURE_XLA_FLAGS = "--xla_gpu_enable_triton_gemm=false"
 
