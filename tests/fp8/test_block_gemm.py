@@ -65,10 +65,8 @@ def test_the_kernel_matches_deepseek_v3_s_block_scaled_product_by_the_reference_
   # in float64. The kernel gets the operands quantized by those formulas.
   rng = np.random.default_rng(4)
   x, w = rng.standard_normal((1, 70, 300)), rng.standard_normal((1, 200, 300))  # partial
-  (xc, xs), (wc, ws) = (reference.quantize_groups(v, r, 128, "e4m3") for v, r in
-                        ((x, 1), (w, 128)))
-  exact = np.einsum("bpc,bqc->bpq", reference.dequantize_groups(xc, xs, 1, 128, "e4m3"),
-                    reference.dequantize_groups(wc, ws, 128, 128, "e4m3"))[:, :70, :200]
+  (xc, xs), (wc, ws), exact = reference.block_scaled_operands(x, w)
+  exact = exact[:, :70, :200]  # the rows of x and w
   fp8_data = lambda codes: jax.lax.bitcast_convert_type(jnp.asarray(codes, jnp.uint8),
                                                         jnp.float8_e4m3fn)
   a = grouped.Quantized(fp8_data(xc), jnp.asarray(xs))
