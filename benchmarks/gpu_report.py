@@ -282,6 +282,22 @@ def _wrapped_train_case(model, rules, x_shape, tx, donate: bool = False) -> Case
   return Case(jax.jit(step, donate_argnums=0) if donate else step, make)
 
 
+def with_block_kernel(case: Case, kernel: str) -> Case:
+  """``case`` with ``BlockScaling``'s GEMMs traced as jaxmp's block kernel ``kernel``.
+
+  The chip's table entry (``Target.block_fp8_kernels``) replaced by ``(kernel,)`` while
+  the step traces, so that the table's choice and the other kernel run side by side
+  (``"mosaic"``: the Mosaic GPU kernel; on a chip without block kernels nothing changes).
+  """
+  step = case.fn
+
+  def traced(*args):
+    target = dataclasses.replace(fp8.current_target(), block_fp8_kernels=(kernel,))
+    with fp8.compile_target(target):
+      return step(*args)
+  return dataclasses.replace(case, fn=traced)
+
+
 def llama_cases(preset_name: str = "gpu", layers: int = 1) -> dict[str, Case]:
   """A Llama-3-8B-shaped decoder layer (or stack), train step with SGD, ten ways.
 
@@ -334,6 +350,9 @@ def llama_cases(preset_name: str = "gpu", layers: int = 1) -> dict[str, Case]:
           **precision(causal_bf16)),
       "fp8 block 1x128/128x128 + causal attention": compared(
           jaxmp_case(rules(causal, fp8_rule(fp8.BlockScaling()))), **precision(causal_bf16)),
+      "fp8 block, Mosaic kernel + causal attention": compared(with_block_kernel(
+          jaxmp_case(rules(causal, fp8_rule(fp8.BlockScaling()))), "mosaic"),
+                                                              **precision(causal_bf16)),
       "Flax fp8": Case(flax_step, flax_make, **precision("bf16")),
   }
 

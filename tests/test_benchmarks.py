@@ -96,17 +96,31 @@ def test_bench_fp8_times_every_variant_of_both_workloads():
 
 
 @pytest.mark.slow
-def test_bench_block_gemm_times_the_kernel_beside_bf16_and_checks_its_products():
+def test_bench_block_gemm_times_the_kernels_beside_bf16_and_checks_their_products():
   import bench_block_gemm  # pylint: disable=g-import-not-at-top
   results = bench_block_gemm.main(["--preset", "smoke", "--rounds", "1", "--calls", "1"])
   (shape, rows), = results.items()
   assert shape == (64, 128, 256)
   assert list(rows) == ["bf16", "fp8 per-tensor", "block defaults", "block no prefetch",
-                        "block 1x128 x 1x128"]
+                        "mosaic defaults", "mosaic 3 stages", "block 1x128 x 1x128",
+                        "mosaic 1x128 x 1x128"]
   for name, (t, error) in rows.items():
     assert t.ms > 0
-    # The kernel's products, rounded once to bfloat16: within 2^-9 of each value.
-    assert (error is None) == (not name.startswith("block")) and (error or 0) <= 2 ** -8, rows
+    # The kernels' products, rounded once to bfloat16: within 2^-9 of each value.
+    kernel = name.startswith(("block", "mosaic"))
+    assert (error is None) == (not kernel) and (error or 0) <= 2 ** -8, rows
+
+
+def test_bench_block_gemm_times_only_the_schedules_named_and_refuses_unknown_ones(capsys):
+  import bench_block_gemm  # pylint: disable=g-import-not-at-top
+  results = bench_block_gemm.main(["--preset", "smoke", "--rounds", "1", "--calls", "1",
+                                   "--variants", "mosaic defaults"])
+  assert list(results[(64, 128, 256)]) == ["bf16", "fp8 per-tensor", "mosaic defaults",
+                                           "block 1x128 x 1x128", "mosaic 1x128 x 1x128"]
+  assert "64x128x256 fastest: mosaic defaults " in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    bench_block_gemm.main(["--preset", "smoke", "--variants", "mosaic 7 stages"])
+  assert "unknown variant(s) ['mosaic 7 stages']" in capsys.readouterr().err
 
 
 @pytest.mark.slow

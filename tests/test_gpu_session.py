@@ -110,6 +110,17 @@ def test_budgets_and_stages_are_checked():
     gpu_session.main(["--stages", "tests,lama"])
 
 
+def test_the_block_gemm_stage_names_schedules_the_benchmark_has():
+  # The session's names go through bench_block_gemm's --variants, which refuses an
+  # unknown one: a renamed schedule would cost the device run its block GEMM table.
+  import bench_block_gemm  # pylint: disable=g-import-not-at-top
+  names = gpu_session.BLOCK_GEMM_VARIANTS.split(";")
+  known = {f"{family} {name}" for family, (_, configs) in bench_block_gemm.KERNELS.items()
+           for name in configs}
+  assert set(names) <= known and {"block defaults", "mosaic defaults"} <= set(names), names
+  assert "8192x8192x8192" in gpu_session.BLOCK_GEMM_SHAPES.split(",")
+
+
 def test_the_gpu_tests_exist_and_the_deselected_ones_too():
   for path in gpu_session.GPU_TESTS:
     assert (ROOT / path).exists(), path

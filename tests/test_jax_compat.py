@@ -18,12 +18,15 @@ import pytest
 from jaxmp import fp8
 from jaxmp._src import jax_compat
 from jaxmp._src.fp8 import block_gemm
+from jaxmp._src.fp8 import block_gemm_mosaic
 from jaxmp._src.fp8 import fused_quantize
+from jaxmp._src.fp8 import grouped
 from jaxmp._src.fp8 import maxgrad
 from jaxmp._src.fp8 import support
 
 PROBES = (jax_compat.pallas_triton, jax_compat._layout_api, jax_compat._cuda_versions,
-          jax_compat.extended_dtypes, jax_compat.pallas_mosaic_gpu)
+          jax_compat.extended_dtypes, jax_compat.pallas_mosaic_gpu, jax_compat.mosaic_gpu,
+          jax_compat.mosaic_gpu_interpreter)
 DIMS = (((1,), (0,)), ((), ()))
 
 
@@ -60,19 +63,36 @@ def test_each_probe_finds_its_piece_on_the_installed_jax(fresh_probes):
   assert jax_compat._cuda_versions()[0]
   assert block_gemm.available()
   assert jax_compat.pallas_mosaic_gpu() is not None and fused_quantize.available()
+  assert jax_compat.mosaic_gpu() is not None and block_gemm_mosaic.available()
+  assert jax_compat.mosaic_gpu_interpreter() is not None
 
 
 @pytest.mark.parametrize("hidden", ["jax._src.pallas.triton", "jaxlib.triton",
                                     "jaxlib.mlir"])
-def test_without_pallas_triton_block_scaling_runs_dequantized_on_hopper(
+def test_without_pallas_triton_block_scaling_runs_the_mosaic_kernel_on_hopper(
     monkeypatch, fresh_probes, hidden):
   x, w = jnp.ones((8, 128)), jnp.ones((128, 8))
   with fp8.compile_target("h100"):
-    assert "jaxmp_block_fp8_gemm" in _trace(fp8.BlockScaling(), x, w)
+    text = _trace(fp8.BlockScaling(), x, w)
+  assert "jaxmp_block_fp8_gemm" in text and "jaxmp_block_fp8_gemm_mosaic" not in text
   _hide(monkeypatch, hidden)
   assert jax_compat.pallas_triton() is None and not block_gemm.available()
-  with fp8.compile_target("h100"), pytest.warns(fp8.Fp8FallbackWarning,
-                                                 match="Pallas Triton internals"):
+  with fp8.compile_target("h100"), warnings.catch_warnings():
+    warnings.simplefilter("error", fp8.Fp8FallbackWarning)
+    assert "jaxmp_block_fp8_gemm_mosaic" in _trace(fp8.BlockScaling(), x, w)
+
+
+def test_without_either_kernel_s_pieces_block_scaling_runs_dequantized_on_hopper(
+    monkeypatch, fresh_probes):
+  from jax.experimental.pallas import mosaic_gpu  # pylint: disable=g-import-not-at-top
+
+  x, w = jnp.ones((8, 128)), jnp.ones((128, 8))
+  _hide(monkeypatch, "jax._src.pallas.triton")
+  monkeypatch.delattr(mosaic_gpu, "emit_pipeline_warp_specialized")  # renamed, say
+  _clear_probes()
+  assert jax_compat.mosaic_gpu() is None and not block_gemm_mosaic.available()
+  with fp8.compile_target("h100"), pytest.warns(
+      fp8.Fp8FallbackWarning, match="needs Pallas Triton internals or Pallas Mosaic GPU"):
     text = _trace(fp8.BlockScaling(), x, w)
   assert "jaxmp_block_fp8_gemm" not in text and "dot_general" in text
 
@@ -105,6 +125,18 @@ def test_without_mosaic_gpu_the_fused_quantization_falls_back_to_xla_and_warns(
   assert "jaxmp_fused_fp8_quantize" not in text
   with pytest.raises(RuntimeError, match="no usable Pallas Mosaic GPU"):
     fused_quantize.quantize_2d(x, jnp.float8_e4m3fn, jnp.float32(1.0))
+
+
+def test_without_the_mosaic_gpu_interpreter_the_kernel_refuses_to_interpret(
+    monkeypatch, fresh_probes):
+  from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=g-import-not-at-top
+
+  monkeypatch.delattr(params, "InterpretGPUParams")
+  _clear_probes()
+  x = grouped.quantize(jnp.ones((1, 2, 128)), grouped.Grouping(1, 128), jnp.float8_e4m3fn,
+                       jnp.ones((1, 2, 1)))
+  with pytest.raises(NotImplementedError, match="has no Mosaic GPU interpreter"):
+    block_gemm_mosaic.gemm(x, x, grouped.Grouping(1, 128), jnp.float32, interpret=True)
 
 
 def test_a_triton_dot_without_max_num_imprecise_acc_is_not_used(monkeypatch, fresh_probes):

@@ -11,15 +11,20 @@ caller has a fallback for a JAX without it:
 ======================================  ==============================================
 the piece (probe)                       without it
 ======================================  ==============================================
-Pallas' Triton lowering and Triton's    ``BlockScaling`` GEMMs on Hopper multiply
-``tt.dot(max_num_imprecise_acc=)``      dequantized operands (the fp8 fallback
-(:func:`pallas_triton`)                 warning says why)
+Pallas' Triton lowering and Triton's    ``BlockScaling`` GEMMs on Hopper use the chip's
+``tt.dot(max_num_imprecise_acc=)``      next kernel (Mosaic GPU), or dequantized
+(:func:`pallas_triton`)                 operands (the fp8 fallback warning says why)
 Pallas' Mosaic GPU back end with the     fp8 operands are quantized by XLA's fusions
 register layouts and transposed refs     (the same values); the fused quantization
 the fused quantization uses              kernel reports itself unavailable
 (:func:`pallas_mosaic_gpu`)
 layout constraints                      fp8 operands on Hopper keep XLA's layout
 (:func:`row_major`)                     (slower, same values); :class:`JaxVersionWarning`
+Pallas' Mosaic GPU API (the names      ``BlockScaling`` GEMMs on Hopper use the chip's
+the kernel uses: :func:`mosaic_gpu`)    next kernel, or dequantized operands (the
+                                        fp8 fallback warning says why)
+Mosaic GPU's interpreter                ``block_gemm_mosaic.gemm(interpret=True)``
+(:func:`mosaic_gpu_interpreter`)        raises ``NotImplementedError`` naming it
 the CUDA plugin's cuDNN version         no claim either way: MXFP8 GEMMs are taken to
 (:func:`cudnn_version`)                 run on Blackwell; :class:`JaxVersionWarning`
 the extended-dtype protocol             none: the fp8 state's max-accumulating dtype
@@ -157,6 +162,49 @@ def pallas_mosaic_gpu() -> Any | None:
   usable = (all(hasattr(mosaic_gpu, name) for name in PALLAS_MOSAIC_GPU_NAMES)
             and all(hasattr(mosaic_gpu.Layout, name) for name in ("WGMMA", "WGMMA_TRANSPOSED")))
   return mosaic_gpu if usable else None
+# --- Pallas Mosaic GPU: the block-scaled fp8 kernel for Hopper. -------------------------
+
+
+MOSAIC_GPU = "Pallas Mosaic GPU API (jax.experimental.pallas.mosaic_gpu) with the names jaxmp uses"
+"""How messages name what :func:`mosaic_gpu` looks for."""
+
+MOSAIC_GPU_NAMES = ("kernel", "emit_pipeline_warp_specialized", "BlockSpec", "ACC", "SMEM",
+                    "wgmma", "wgmma_wait", "transpose_ref", "layout_cast", "Layout",
+                    "TilingTransform", "SwizzleTransform", "find_swizzle", "planar_snake",
+                    "commit_smem", "copy_smem_to_gmem", "wait_smem_to_gmem")
+"""The names of ``jax.experimental.pallas.mosaic_gpu`` the kernel is written with."""
+
+MOSAIC_GPU_INTERPRETER = ("Mosaic GPU interpreter (jax._src.pallas.mosaic_gpu.interpret"
+                          ".params.InterpretGPUParams)")
+"""How messages name what :func:`mosaic_gpu_interpreter` looks for."""
+
+
+@functools.cache
+def mosaic_gpu() -> Any:
+  """``jax.experimental.pallas.mosaic_gpu``, or ``None`` where it lacks a name jaxmp uses.
+
+  Pallas' Mosaic GPU API is experimental ("can change weekly", its docstring says):
+  the probe checks every name of :data:`MOSAIC_GPU_NAMES`.
+  """
+  try:
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return plgpu if all(hasattr(plgpu, name) for name in MOSAIC_GPU_NAMES) else None
+
+
+@functools.cache
+def mosaic_gpu_interpreter() -> Any:
+  """Mosaic GPU's interpreter parameters class (``InterpretGPUParams``), or ``None``.
+
+  Private in jax 0.10.2: it runs a Mosaic GPU kernel on the CPU, simulating its
+  warpgroups, shared memory, TMA copies and barriers.
+  """
+  try:
+    from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return None
+  return getattr(params, "InterpretGPUParams", None)
 
 
 # --- Layout constraints: fp8 operands written in their own layout on Hopper. -----------
@@ -267,6 +315,9 @@ def extended_dtypes() -> ExtendedDtypes | None:
 __all__ = (
     "PALLAS_MOSAIC_GPU_NAMES",
     "PALLAS_MOSAIC_GPU_NAMES_TEXT",
+    "MOSAIC_GPU",
+    "MOSAIC_GPU_INTERPRETER",
+    "MOSAIC_GPU_NAMES",
     "PALLAS_TRITON",
     "ExtendedDtypes",
     "JaxVersionWarning",
@@ -275,6 +326,8 @@ __all__ = (
     "extended_dtypes",
     "jax_version",
     "pallas_mosaic_gpu",
+    "mosaic_gpu",
+    "mosaic_gpu_interpreter",
     "pallas_triton",
     "row_major",
     "warn_unavailable",

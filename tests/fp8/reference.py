@@ -126,6 +126,19 @@ def dequantize_groups(codes: np.ndarray, scale: np.ndarray, rows: int, cols: int
   return decode(codes, fmt) * full[:, :codes.shape[1], :codes.shape[2]]
 
 
+def block_scaled_operands(x: np.ndarray, w: np.ndarray, block: int = 128, fmt: str = "e4m3"):
+  """DeepSeek-V3's block-scaled GEMM operands and their exact product.
+
+  ``x`` ``(B, P, C)`` in ``1 x block`` tiles, ``w`` ``(B, Q, C)`` in ``block x block``
+  blocks: ``(codes, scales)`` of each, and the product of their dequantized values in
+  float64, ``(B, P', Q')`` over the padded rows.
+  """
+  (xc, xs), (wc, ws) = (quantize_groups(v, r, block, fmt) for v, r in ((x, 1), (w, block)))
+  exact = np.einsum("bpc,bqc->bpq", dequantize_groups(xc, xs, 1, block, fmt),
+                    dequantize_groups(wc, ws, block, block, fmt))
+  return (xc, xs), (wc, ws), exact
+
+
 def e8m0_floor(amax, fmt: str) -> np.ndarray:
   """OCP MX v1.0 section 6.3: ``floor(log2(amax)) - emax``, clamped, biased; 0xFF for inf/NaN.
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import types
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ import pytest
 
 from jaxmp import fp8
 from jaxmp._src.fp8 import block_gemm
+from jaxmp._src.fp8 import block_gemm_mosaic
 from jaxmp._src.fp8 import grouped
 from jaxmp._src.fp8 import quantize as q
 from jaxmp._src.fp8 import block
@@ -63,10 +65,8 @@ def test_the_kernel_matches_deepseek_v3_s_block_scaled_product_by_the_reference_
   # in float64. The kernel gets the operands quantized by those formulas.
   rng = np.random.default_rng(4)
   x, w = rng.standard_normal((1, 70, 300)), rng.standard_normal((1, 200, 300))  # partial
-  (xc, xs), (wc, ws) = (reference.quantize_groups(v, r, 128, "e4m3") for v, r in
-                        ((x, 1), (w, 128)))
-  exact = np.einsum("bpc,bqc->bpq", reference.dequantize_groups(xc, xs, 1, 128, "e4m3"),
-                    reference.dequantize_groups(wc, ws, 128, 128, "e4m3"))[:, :70, :200]
+  (xc, xs), (wc, ws), exact = reference.block_scaled_operands(x, w)
+  exact = exact[:, :70, :200]  # the rows of x and w
   fp8_data = lambda codes: jax.lax.bitcast_convert_type(jnp.asarray(codes, jnp.uint8),
                                                         jnp.float8_e4m3fn)
   a = grouped.Quantized(fp8_data(xc), jnp.asarray(xs))
@@ -129,13 +129,28 @@ def test_hopper_targets_run_block_scaling_in_fp8_where_the_kernel_is_the_faster_
   assert gpus == {"8.9": False, "9.0": True, "10.0": False}
 
 
-def test_without_the_pallas_internals_it_needs_block_scaling_falls_back_and_says_why(
+def test_without_the_pallas_internals_it_needs_block_scaling_runs_the_mosaic_kernel(
     monkeypatch):
+  # The chip table's next kernel: Mosaic GPU, the Triton back end's successor.
   monkeypatch.setattr(block_gemm, "available", lambda: False)
+  found = support.lowering(fp8.BlockScaling(), support.TARGETS["h100"])
+  assert (found.kind, found.detail) == ("fp8", "jaxmp's block-scaled fp8 GEMM (a Pallas "
+                                        "Mosaic GPU kernel: TMA, wgmma, warp-specialised)")
+  x, w = jnp.ones((8, 128)), jnp.ones((128, 8))
+  with fp8.compile_target("h100"), warnings.catch_warnings():
+    warnings.simplefilter("error", fp8.Fp8FallbackWarning)
+    text = jax.jit(lambda x, w: fp8.fp8_dot_general(
+        x, w, (((1,), (0,)), ((), ())), recipe=fp8.BlockScaling())).trace(x, w).jaxpr
+  assert "jaxmp_block_fp8_gemm_mosaic" in text.pretty_print()
+
+
+def test_without_either_kernel_s_pieces_block_scaling_falls_back_and_says_why(monkeypatch):
+  monkeypatch.setattr(block_gemm, "available", lambda: False)
+  monkeypatch.setattr(block_gemm_mosaic, "available", lambda: False)
   found = support.lowering(fp8.BlockScaling(), support.TARGETS["h100"])
   assert (found.kind, found.detail) == ("fallback", "a float32 GEMM on dequantized operands "
                                         "(jaxmp's block-scaled fp8 GEMM needs Pallas Triton "
-                                        "internals this JAX lacks)")
+                                        "internals or Pallas Mosaic GPU, which this JAX lacks)")
   x, w = jnp.ones((8, 128)), jnp.ones((128, 8))
   with fp8.compile_target("h100"), pytest.warns(fp8.Fp8FallbackWarning,
                                                  match="needs Pallas Triton internals"):

@@ -7,13 +7,16 @@ serve the forward GEMM and, transposed, the input-gradient GEMM), each scaled by
 own amax in E4M3 (:func:`~jaxmp._src.fp8.grouped.scales`).
 
 XLA has no block-scaled fp8 GEMM: the scales vary along the contracted dimension, so no
-epilogue can apply them. On Hopper targets (:attr:`~jaxmp._src.fp8.chips.Target.block_fp8`)
-the recipes :func:`~jaxmp._src.fp8.block_gemm.supports` multiply in jaxmp's kernel
-(:mod:`~jaxmp._src.fp8.block_gemm`: fp8 tensor-core products per 128-element block,
-scaled and summed in float32, as DeepGEMM), in a ``lax.platform_dependent`` branch
-for CUDA. Elsewhere the operands are dequantized (float32, or bfloat16 where
-power-of-two scales make it exact) and multiplied with float32 accumulation: the same
-sum of the same products, by a wider GEMM. Emulating the published kernel with XLA's
+epilogue can apply them. On Hopper targets the recipes jaxmp's kernels support multiply
+in one of them (fp8 tensor-core products per 128-element block, scaled and summed in
+float32, as DeepGEMM), in a ``lax.platform_dependent`` branch for CUDA: the first of
+the target's :attr:`~jaxmp._src.fp8.chips.Target.block_fp8_kernels` (the chip table's
+one entry) whose ``supports`` takes the recipe, among :data:`KERNELS`
+(:mod:`~jaxmp._src.fp8.block_gemm` in Pallas Triton,
+:mod:`~jaxmp._src.fp8.block_gemm_mosaic` in Pallas Mosaic GPU). Elsewhere the
+operands are dequantized (float32, or bfloat16 where power-of-two scales make it
+exact) and multiplied with float32 accumulation: the same sum of the same products, by a
+wider GEMM. Emulating the published kernel with XLA's
 GEMMs instead, as per-block partial products (a batched fp8 GEMM with ``K / 128``
 float32 partial outputs, then scaled and summed), compiles for an H100 to fp8 GEMMs
 but writes ``K / 128`` times the output to memory: about 6x slower than the
@@ -36,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src.fp8 import block_gemm
+from jaxmp._src.fp8 import block_gemm_mosaic
 from jaxmp._src.fp8 import chips
 from jaxmp._src.fp8 import grouped
 from jaxmp._src.fp8 import quantize as q
@@ -44,6 +48,36 @@ from jaxmp._src.fp8 import scaled_gemm
 
 F32, BF16 = scaled_gemm.F32, scaled_gemm.BF16
 KERNEL = "kernel"
+
+KERNELS: dict[str, Any] = {"triton": block_gemm, "mosaic": block_gemm_mosaic}
+"""jaxmp's block-scaled fp8 kernels by the names the chip table gives them: each
+module has ``supports(recipe)``, ``available()``, ``BLOCK`` and ``gemm``."""
+
+DESCRIPTIONS = {"triton": "a Pallas Triton kernel, wgmma",
+                "mosaic": "a Pallas Mosaic GPU kernel: TMA, wgmma, warp-specialised"}
+"""What each kernel is, for :func:`lowering`'s answer."""
+
+NEEDS = {"triton": "Pallas Triton internals", "mosaic": "Pallas Mosaic GPU"}
+"""What each kernel needs of this JAX (its ``available``), for the fallback message."""
+
+
+def kernel_for(recipe: recipes_lib.BlockScaling, target: chips.Target) -> str | None:
+  """The name of the kernel ``recipe``'s GEMMs run as on ``target``, or ``None``.
+
+  The first of ``target.block_fp8_kernels`` whose module supports the recipe (block
+  size, scales, and this JAX).
+
+  Example:
+    >>> from jaxmp._src.fp8 import block, chips
+    >>> block.kernel_for(jaxmp.fp8.BlockScaling(), chips.TARGETS["h100"])
+    'triton'
+    >>> block.kernel_for(jaxmp.fp8.BlockScaling(), chips.TARGETS["b200"]) is None
+    True
+  """
+  for name in target.block_fp8_kernels:
+    if KERNELS[name].supports(recipe):
+      return name
+  return None
 
 
 def grouping(recipe: recipes_lib.BlockScaling, role: str) -> grouped.Grouping:
@@ -87,9 +121,10 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, recipe: recipes_lib.BlockSc
   dequantized = functools.partial(dequantized_dot, grouping_a=grouping_a,
                                   grouping_b=grouping_b, out_dtype=call.out_dtype,
                                   exact=recipe.power_of_two)
-  if not (call.target.block_fp8 and block_gemm.supports(recipe)):
+  name = kernel_for(recipe, call.target)
+  if name is None:
     return dequantized(a, b)
-  kernel = functools.partial(block_gemm.gemm, grouping_b=grouping_b, out_dtype=call.out_dtype)
+  kernel = functools.partial(KERNELS[name].gemm, grouping_b=grouping_b, out_dtype=call.out_dtype)
   if grouping_a == grouping_b:
     # The weight-gradient GEMM (both operands tiled along the tokens) is written
     # transposed, (B, Q, P): the kernel's gradient is then already in the layout of a
@@ -105,19 +140,21 @@ def lowering(recipe: recipes_lib.BlockScaling, target: chips.Target) -> chips.Lo
   unknown = chips.unknown_fp8(target)
   if unknown is not None:
     return unknown
-  if target.block_fp8 and block_gemm.supports(recipe):
-    return chips.Lowering("fp8", "jaxmp's block-scaled fp8 GEMM (a Pallas Triton kernel, wgmma)")
+  name = kernel_for(recipe, target)
+  if name is not None:
+    return chips.Lowering("fp8", f"jaxmp's block-scaled fp8 GEMM ({DESCRIPTIONS[name]})")
   if recipe.power_of_two:
     why = ("exact with power-of-two scales, and faster than jaxmp's block-scaled fp8 "
            "GEMM, which runs the other scales" if target.block_fp8 else
            f"jaxmp's block-scaled fp8 GEMM runs on Hopper GPUs, sm_90, with block_size "
            f"{block_gemm.BLOCK} and scales that are not powers of two")
     return chips.Lowering("fallback", f"a bfloat16 GEMM on dequantized operands ({why})")
-  why = ("needs Pallas Triton internals this JAX lacks"
+  needs = " or ".join(NEEDS[name] for name in target.block_fp8_kernels)
+  why = (f"needs {needs}, which this JAX lacks"
          if target.block_fp8 and recipe.block_size == block_gemm.BLOCK else
          f"runs on Hopper GPUs, sm_90, with block_size {block_gemm.BLOCK}")
   return chips.Lowering("fallback", f"a float32 GEMM on dequantized operands (jaxmp's "
                         f"block-scaled fp8 GEMM {why})")
 
 
-__all__ = ("dequantized_dot", "fp8_format", "gemm", "grouping", "lowering")
+__all__ = ("KERNELS", "dequantized_dot", "fp8_format", "gemm", "grouping", "kernel_for", "lowering")

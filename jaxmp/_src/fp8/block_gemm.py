@@ -37,6 +37,17 @@ tiles at a time. What keeps it from beating bf16: Triton waits for each block's
 ``wgmma`` before scaling it, so the scaling never overlaps the tensor cores' work
 (DeepGEMM overlaps them with two warpgroups taking turns).
 
+**Its place.** jaxmp's other kernel for the same product,
+:mod:`~jaxmp._src.fp8.block_gemm_mosaic`, is written for Pallas' Mosaic GPU back end,
+the Triton back end's successor (deprecated from jax 0.11), with what this one lacks:
+TMA loads, a producer warpgroup and two math warpgroups taking turns. This kernel is
+kept as the fallback: it is the one measured on a chip, so the chip table
+(:data:`~jaxmp._src.fp8.chips.HOPPER_BLOCK_FP8_KERNELS`) runs it first on Hopper until
+a GPU measures the Mosaic kernel at least as fast; after that, it runs where this JAX's
+Mosaic GPU API lacks a name the other kernel uses (that API is experimental and
+changes between releases), for as long as this JAX has the private Triton pieces it
+needs (:func:`available`).
+
 Example:
   >>> from jaxmp._src.fp8 import block_gemm, grouped, quantize as q
   >>> x = jnp.ones((1, 2, 128))
@@ -211,17 +222,6 @@ def _pallas():
   return pallas
 
 
-def _row_scales(x: grouped.Quantized, grouping: grouped.Grouping, rows: int) -> jax.Array:
-  """One scale per row and block, ``(B, rows, C / 128)``: block scales repeated per row."""
-  assert grouping.rows is not None  # a tile or a block, never a whole column
-  scale = x.scale if grouping.rows == 1 else jnp.repeat(x.scale, grouping.rows, axis=1)
-  return _pad_rows(scale, rows)
-
-
-def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
-  return x if x.shape[1] == rows else jnp.pad(x, ((0, 0), (0, rows - x.shape[1]), (0, 0)))
-
-
 def gemm(a: grouped.Quantized, b: grouped.Quantized, grouping_b: grouped.Grouping,
          out_dtype: Any, *, interpret: bool = False, tile: tuple[int, int] = TILE,
          num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES,
@@ -264,11 +264,11 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, grouping_b: grouped.Groupin
   tile_p, tile_q = tile
   rows_p, rows_q = -(-p // tile_p) * tile_p, -(-q_ // tile_q) * tile_q
   blocks = c // BLOCK
-  sa = _pad_rows(a.scale, rows_p)                                  # (B, P', C/128)
+  sa = grouped.pad_rows(a.scale, rows_p)                                  # (B, P', C/128)
   if one_b_scale_per_tile and grouping_b.rows == tile_q:
     sb, sb_columns = jnp.swapaxes(b.scale, 1, 2), 1                # (B, C/128, Q'/128)
   else:
-    sb, sb_columns = jnp.swapaxes(_row_scales(b, grouping_b, rows_q), 1, 2), tile_q
+    sb, sb_columns = jnp.swapaxes(grouped.row_scales(b, grouping_b, rows_q), 1, 2), tile_q
   kernel = functools.partial(_kernel, blocks=blocks, prefetch=prefetch,
                              dot=_reference_dot if interpret else _triton_dot)
   tiles_p, tiles_q = rows_p // tile_p, rows_q // tile_q
@@ -287,7 +287,7 @@ def gemm(a: grouped.Quantized, b: grouped.Quantized, grouping_b: grouped.Groupin
       compiler_params=_compiler_params(num_warps, num_stages),
       interpret=interpret,
       name="jaxmp_block_fp8_gemm",
-  )(_pad_rows(a.data, rows_p), _pad_rows(b.data, rows_q), sa, sb)
+  )(grouped.pad_rows(a.data, rows_p), grouped.pad_rows(b.data, rows_q), sa, sb)
   return out[:, :p, :q_]
 
 

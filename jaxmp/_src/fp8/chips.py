@@ -42,7 +42,21 @@ K_MAJOR_FP8_CAPABILITIES = ((8, 9), (9, 0))
 """Where cuBLASLt's fp8 GEMMs read both operands with the contracted dimension minor
 (Ada, Hopper; Blackwell takes any layout)."""
 BLOCK_FP8_CAPABILITY = (9, 0)
-"""Hopper: where jaxmp's block-scaled fp8 kernel (Triton's ``wgmma``) runs."""
+"""Hopper: where jaxmp's block-scaled fp8 kernels (``wgmma``) run."""
+HOPPER_BLOCK_FP8_KERNELS = ("triton", "mosaic")
+"""jaxmp's block-scaled fp8 kernels on Hopper, the first the recipe and this JAX allow
+running (``jaxmp._src.fp8.block.KERNELS`` names them).
+
+The Pallas Triton kernel (``block_gemm.py``) first: measured on an H200 at 0.94-1.03x
+a bfloat16 GEMM (benchmarks/RESULTS.md). The Mosaic GPU kernel
+(``block_gemm_mosaic.py``: TMA, warp-specialised, two math warpgroups) second, until a
+GPU measures it (``benchmarks/bench_block_gemm.py``, ``make gpu-session``): it compiles
+for sm_90a and matches the formula in Mosaic GPU's interpreter, but its speed is
+unknown, and a kernel that has never run on the chip does not become the default.
+Second, it runs where this JAX lacks the Triton kernel's private Pallas pieces (Pallas'
+Triton back end is deprecated from jax 0.11). Once it is measured at least as fast,
+the order is swapped here, and the Triton kernel stays as the fallback for a JAX
+whose Mosaic GPU API lacks a name the kernel uses."""
 MX_MIN_COMPUTE_CAPABILITY = (10, 0)
 """Blackwell: MXFP8 block-scaled GEMMs, through cuDNN from :data:`MX_MIN_CUDNN`."""
 MX_MIN_CUDNN = 91000
@@ -63,9 +77,10 @@ class Target:
     description: what the chip is, for messages.
     int8: int8 GEMMs run faster than bfloat16 ones (TPU v5e, v5p, v6e by libtpu's cost
       model); ``None`` where jaxmp makes no claim.
-    block_fp8: ``BlockScaling``'s GEMMs run as jaxmp's block-scaled fp8 kernel
-      (``jaxmp._src.fp8.block_gemm``: Triton's ``wgmma``, Hopper, sm_90) where
-      ``block_gemm.supports`` the recipe.
+    block_fp8_kernels: jaxmp's block-scaled fp8 kernels ``BlockScaling``'s GEMMs may
+      run as, in order of preference (:data:`HOPPER_BLOCK_FP8_KERNELS` on sm_90;
+      ``jaxmp._src.fp8.block.KERNELS`` names them): the first whose ``supports``
+      takes the recipe runs. Empty where none runs.
     k_major_fp8: cuBLASLt's fp8 GEMMs read both operands with the contracted dimension
       minor (Ada and Hopper, sm_89 and sm_90; Blackwell takes any layout), so jaxmp
       writes the forward pass's quantized operands row-major
@@ -84,9 +99,14 @@ class Target:
   mx: bool
   description: str
   int8: bool | None = None
-  block_fp8: bool = False
+  block_fp8_kernels: tuple[str, ...] = ()
   k_major_fp8: bool = False
   fused_quantize: bool = False
+
+  @property
+  def block_fp8(self) -> bool:
+    """Whether some block-scaled fp8 kernel of jaxmp's runs here (Hopper)."""
+    return bool(self.block_fp8_kernels)
 
 
 def gpu_target(name: str, device_kind: str, capability: tuple[int, int],
@@ -106,7 +126,8 @@ def gpu_target(name: str, device_kind: str, capability: tuple[int, int],
     description += f", cuDNN >= {MX_MIN_CUDNN // 10000}.{MX_MIN_CUDNN // 100 % 100}"
   if not fp8:
     description += ": no fp8 tensor cores"
-  return Target(name, "gpu", fp8, mx, description, block_fp8=capability == BLOCK_FP8_CAPABILITY,
+  kernels = HOPPER_BLOCK_FP8_KERNELS if capability == BLOCK_FP8_CAPABILITY else ()
+  return Target(name, "gpu", fp8, mx, description, block_fp8_kernels=kernels,
                 k_major_fp8=capability in K_MAJOR_FP8_CAPABILITIES)
 
 
@@ -295,6 +316,7 @@ __all__ = (
     "DEVICELESS_CUDNN",
     "FP16_MIN_COMPUTE_CAPABILITY",
     "FP8_MIN_COMPUTE_CAPABILITY",
+    "HOPPER_BLOCK_FP8_KERNELS",
     "K_MAJOR_FP8_CAPABILITIES",
     "MX_MIN_COMPUTE_CAPABILITY",
     "MX_MIN_CUDNN",

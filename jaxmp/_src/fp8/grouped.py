@@ -177,6 +177,30 @@ def dequantize(x: Quantized, grouping: Grouping, dtype: Any = F32) -> jax.Array:
   return jnp.reshape(out, x.data.shape)
 
 
+def pad_rows(x: jax.Array, rows: int) -> jax.Array:
+  """``x`` ``(B, R, C)`` with zero rows appended up to ``rows`` (a kernel's whole tiles)."""
+  return x if x.shape[1] == rows else jnp.pad(x, ((0, 0), (0, rows - x.shape[1]), (0, 0)))
+
+
+def row_scales(x: Quantized, grouping: Grouping, rows: int) -> jax.Array:
+  """One scale per row and group of columns, ``(B, rows, C / cols)``.
+
+  A block's scale repeated over its rows, then zero rows appended up to ``rows``
+  (:func:`pad_rows`): what a GEMM kernel multiplies each row's partial products by.
+
+  Example:
+    >>> from jaxmp._src.fp8 import grouped
+    >>> x = grouped.Quantized(jnp.zeros((1, 2, 4)), jnp.array([[[2.0, 3.0]]]))
+    >>> grouped.row_scales(x, grouped.Grouping(2, 2), 3)[0]
+    Array([[2., 3.],
+           [2., 3.],
+           [0., 0.]], dtype=float32)
+  """
+  assert grouping.rows is not None  # a tile or a block, never a whole column
+  scale = x.scale if grouping.rows == 1 else jnp.repeat(x.scale, grouping.rows, axis=1)
+  return pad_rows(scale, rows)
+
+
 def held(*operands: Any) -> tuple[Any, ...]:
   """``operands`` (fp8 data, or :class:`Quantized`) behind an optimization barrier.
 
@@ -201,6 +225,8 @@ __all__ = (
     "dequantize",
     "held",
     "pad",
+    "pad_rows",
     "quantize",
+    "row_scales",
     "scales",
 )

@@ -30,8 +30,8 @@ v7 (:attr:`Target.int8`). jaxmp makes no claim about int8 speed on GPUs (no warn
 of JAX's default backend (its platform, compute capability or TPU kind). A deviceless
 compile runs with ``JAX_PLATFORMS=cpu`` and would see the CPU: name the chip with
 ``compile_target``. The choices it makes at trace time are only the MX GEMM's
-implementation, whether ``BlockScaling`` uses jaxmp's block-scaled fp8 kernel
-(:attr:`Target.block_fp8`) and whether quantized operands are pinned row-major
+implementation, which of jaxmp's block-scaled fp8 kernels ``BlockScaling`` uses
+(:attr:`Target.block_fp8_kernels`), whether quantized operands are pinned row-major
 (:attr:`Target.k_major_fp8`), and whether the per-tensor recipes quantize with the
 fused kernel (:attr:`Target.fused_quantize`, off on every chip unless
 ``compile_target(..., fused_quantize=True)``), and all are wrapped in
@@ -115,13 +115,18 @@ class CompileTarget:
           f"`with {self!r}:`.", RuntimeWarning, stacklevel=2)
 
 
-def compile_target(name: str, *, fused_quantize: bool | None = None) -> CompileTarget:
+def compile_target(name: str | Target, *, fused_quantize: bool | None = None) -> CompileTarget:
   """Makes fp8 ops traced inside ``with compile_target(name):`` treat ``name`` as the chip.
 
   For deviceless compiles (``JAX_PLATFORMS=cpu``), where the local device is not the
   chip: ``jaxmp.tools.audit(..., target=name)`` uses it. The previous target comes back
   on exit. Only the ``with`` block names the chip: called alone it changes nothing, and
   the object it returns warns (``RuntimeWarning``) when dropped without being entered.
+
+  A :class:`~jaxmp.fp8.Target` may be given instead of a name: a chip of the table with
+  a choice changed, e.g. ``dataclasses.replace(TARGETS["h100"], block_fp8_kernels=
+  ("mosaic",))`` to compile ``BlockScaling`` with the Mosaic GPU kernel (the
+  benchmarks compare jaxmp's kernels so).
 
   JAX caches each function's trace by the function and its argument types, which do not
   include this override: a function traced before for another chip would come back
@@ -131,7 +136,7 @@ def compile_target(name: str, *, fused_quantize: bool | None = None) -> CompileT
   traced and compiled again on their next call.
 
   Args:
-    name: one of ``TARGETS`` (case-insensitive).
+    name: one of ``TARGETS`` (case-insensitive), or a :class:`~jaxmp.fp8.Target`.
     fused_quantize: overrides the chip's :attr:`~jaxmp.fp8.Target.fused_quantize` (the
       fused fp8 quantization kernel; ``None`` keeps the table's choice), so that
       benchmarks and tests compile both forms for one chip. Only where the chip has
@@ -142,14 +147,17 @@ def compile_target(name: str, *, fused_quantize: bool | None = None) -> CompileT
     :class:`~jaxmp.fp8.Target`.
 
   Raises:
-    TypeError: if ``name`` is not a string.
+    TypeError: if ``name`` is neither a string nor a ``Target``.
     ValueError: for an unknown name (the message lists the accepted ones), or
       ``fused_quantize=True`` for a chip without ``k_major_fp8``.
   """
-  if not isinstance(name, str):
-    raise TypeError(f"compile_target: name must be a string, one of {sorted(TARGETS)}, got "
-                    f"{name!r} of type {type(name).__name__}.")
-  target = TARGETS.get(name.lower())
+  if isinstance(name, Target):
+    name, target = name.name, name
+  elif isinstance(name, str):
+    target = TARGETS.get(name.lower())
+  else:
+    raise TypeError(f"compile_target: name must be a string, one of {sorted(TARGETS)}, or a "
+                    f"jaxmp.fp8.Target, got {name!r} of type {type(name).__name__}.")
   if target is None:
     raise ValueError(f"compile_target: unknown target {name!r}; accepted targets are "
                      f"{', '.join(sorted(TARGETS))}.")

@@ -456,37 +456,47 @@ def _block_scaled_gemm(module, ins) -> Gemm:
 
 
 BLOCK_FP8_KERNEL = "jaxmp_block_fp8_gemm"
-"""The name of jaxmp's block-scaled fp8 kernel (``fp8/block_gemm.py``) in a program's HLO."""
+"""The name of jaxmp's block-scaled fp8 kernels (``fp8/block_gemm.py``, and
+``fp8/block_gemm_mosaic.py``'s, which starts with it) in a program's HLO."""
 
 BLOCK_FP8_KERNEL_RATE = "bf16"
-"""The peak the roofline prices jaxmp's block-scaled fp8 kernel at (see :func:`_block_fp8_gemm`)."""
+"""The peak the roofline prices jaxmp's block-scaled fp8 kernels at (:func:`_block_fp8_gemm`)."""
+
+BLOCK_FP8_BACKENDS = {"__gpu$xla.gpu.triton": "jaxmp block-scaled fp8 (Triton wgmma)",
+                      "mosaic_gpu_v2": "jaxmp block-scaled fp8 (Mosaic GPU wgmma)"}
+"""The custom calls jaxmp's block-scaled fp8 kernels compile to, and how a GEMM row names
+each (Pallas Triton's, Pallas Mosaic GPU's)."""
 
 
 def _is_block_fp8_gemm(ins) -> bool:
-  return (ins.custom_call_target == "__gpu$xla.gpu.triton"
+  return (ins.custom_call_target in BLOCK_FP8_BACKENDS
           and ins.attribute(rf'op_name="([^"]*{BLOCK_FP8_KERNEL})') is not None)
 
 
 def _block_fp8_gemm(module, ins) -> Gemm:
-  """jaxmp's block-scaled fp8 GEMM: a Pallas Triton kernel, ``(B, P, C) x (B, Q, C)``.
+  """jaxmp's block-scaled fp8 GEMM: a Pallas kernel, ``(B, P, C) x (B, Q, C)``.
 
   Its first two operands are the fp8 data (the last two the scales, one per row and
-  128-element block); it runs on Hopper's fp8 tensor cores (``wgmma``, checked in its
-  PTX by the tests), but it is costed at the bfloat16 rate: measured on an H200 it
-  runs at 0.83-1.03x a bfloat16 GEMM's speed (benchmarks/RESULTS.md), half the fp8
-  peak, which would promise the train steps that use it a speed-up they do not get
-  (a Llama-3-8B layer's: 1.32x bf16 at the fp8 peak, 0.85x measured).
+  128-element block); the Triton kernel's are ``(B, P, C)`` and ``(B, Q, C)``, the
+  Mosaic GPU kernel's ``(B * P, C)`` and ``(B * Q, C)``, with an output ``(B * P, Q)``.
+  Both run on Hopper's fp8 tensor cores (``wgmma``, checked in their PTX by the
+  tests), but they are costed at the bfloat16 rate: measured on an H200 the Triton
+  kernel runs at 0.83-1.03x a bfloat16 GEMM's speed (benchmarks/RESULTS.md), half the
+  fp8 peak, which would promise the train steps that use it a speed-up they do not get
+  (a Llama-3-8B layer's: 1.32x bf16 at the fp8 peak, 0.85x measured); the Mosaic
+  kernel has not been measured, and is priced as the Triton one until it is.
   """
   a, b = (module.instruction(o) for o in ins.operands[:2])
-  (batch, p, c), q_ = a.first_array[1], b.first_array[1][1]
+  lhs = a.first_array[1]
   held = tuple(_dtype_name(_held_dtype(module, x, None)) for x in (a, b))
   compute = tuple(_dtype_name(x.first_array[0]) for x in (a, b))
   nbytes = sum(hlo_lib.nbytes(module.instruction(o).type) for o in ins.operands) + \
       hlo_lib.nbytes(ins.type)
   out_dtype, out_dims = ins.first_array
-  return Gemm(ins.name, "jaxmp block-scaled fp8 (Triton wgmma)", held, compute,
-              _dtype_name(out_dtype), _shape((batch, p, c), out_dims, [2], 1),
-              2 * batch * p * q_ * c, nbytes, BLOCK_FP8_KERNEL_RATE)
+  batch = len(lhs) - 2  # the Triton kernel's batch dimension; the Mosaic one's is in rows
+  return Gemm(ins.name, BLOCK_FP8_BACKENDS[ins.custom_call_target], held, compute,
+              _dtype_name(out_dtype), _shape(lhs, out_dims, [len(lhs) - 1], batch),
+              2 * math.prod(out_dims) * lhs[-1], nbytes, BLOCK_FP8_KERNEL_RATE)
 
 
 def _fused_gemm(module, ins, dots, platform: str) -> Gemm:
