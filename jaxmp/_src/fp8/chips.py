@@ -78,7 +78,7 @@ class Target:
     int8: int8 GEMMs run faster than bfloat16 ones (TPU v5e, v5p, v6e by libtpu's cost
       model); ``None`` where jaxmp makes no claim.
     block_fp8_kernels: jaxmp's block-scaled fp8 kernels ``BlockScaling``'s GEMMs may
-      run as, in order of preference (:data:`HOPPER_BLOCK_FP8_KERNELS` on sm_90;
+      run as, in order of preference (``chips.HOPPER_BLOCK_FP8_KERNELS`` on sm_90;
       ``jaxmp._src.fp8.block.KERNELS`` names them): the first whose ``supports``
       takes the recipe runs. Empty where none runs.
     k_major_fp8: cuBLASLt's fp8 GEMMs read both operands with the contracted dimension
